@@ -1,0 +1,155 @@
+"""The worker process: receive a command, run the window, reduce, report.
+
+Runs in a process started with ``spawn`` (or ``forkserver``), so it imports everything
+afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe:
+
+master -> worker                          worker -> master
+('step', loss_scale, scalars)             ('done', WindowResult)
+('state',)                                ('state', iterator state dict)
+('stop',)                                 (exits)
+                                          ('ready',) once, after start-up
+                                          ('error', traceback) on any exception
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Callable, List, NamedTuple, Optional
+
+PARENT_POLL = 0.2   # seconds between checks that the master is alive
+
+
+class WorkerInit(NamedTuple):
+    rank: int
+    size: int
+    device: Any                 # device specifier as given
+    model: Any                  # the master's model, on the CPU
+    loss_func: Optional[Callable]
+    bind_loss_to_model: Optional[str]   # name of a bound method of the model
+    converter: Callable
+    iterator: Any
+    prefetch: int
+    accumulate_steps: int
+    weight_norm: float
+    comm_name: str
+    comm_handle: Any
+
+
+def _watch_parent(parent_pid: int, on_orphan: Callable[[], None]) -> None:
+    """Exit at once when the master disappears (SIGKILL, OOM), cleaning up first."""
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                try:
+                    on_orphan()
+                finally:
+                    os._exit(3)
+            time.sleep(PARENT_POLL)
+    threading.Thread(target=loop, name='mgpu-parent-watch', daemon=True).start()
+
+
+def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> None:
+    # Ctrl-C reaches the whole process group: the master decides, not the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def orphaned() -> None:
+        from .comm.shm import unlink_quietly
+        for name in shm_names:
+            unlink_quietly(name)
+
+    _watch_parent(parent_pid, orphaned)
+    replica = comm = None
+    try:
+        from . import _compat
+        _compat.apply()
+        import pickle
+        init: WorkerInit = pickle.loads(payload)
+        replica, comm, layouts = _build(init)
+        conn.send(('ready',))
+    except BaseException:  # noqa: BLE001 - reported to the master
+        _send_error(conn)
+        _wait_stop(conn)
+        return
+    try:
+        _serve(conn, init, replica, comm, layouts)
+    finally:
+        if replica is not None:
+            replica.loader.close()
+        if comm is not None:
+            comm.finalize()
+
+
+def _build(init: 'WorkerInit') -> Any:
+    import chainer
+    from . import comm as comm_module
+    from ._flat import ModelLayouts
+    from ._replica import Replica
+    from .prefetch import make_loader
+
+    device = chainer.get_device(init.device)
+    device.use()
+    model = init.model
+    model.to_device(device)
+    loss_func = init.loss_func
+    if init.bind_loss_to_model is not None:
+        loss_func = getattr(model, init.bind_loss_to_model)
+    loader = make_loader(init.iterator, init.converter, device, init.prefetch)
+    replica = Replica(model, loss_func, loader, init.accumulate_steps, init.weight_norm)
+    comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
+    return replica, comm, ModelLayouts(model)
+
+
+def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any) -> None:
+    from ._flat import grad_arrays, persistent_arrays, set_persistent_scalars, state_arrays
+    model = replica.model
+    param_names = list(layouts.param.buffer_names().values())
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return                       # the master is gone
+        kind = msg[0]
+        if kind == 'stop':
+            return
+        try:
+            if kind == 'step':
+                _, loss_scale, scalars = msg
+                for name in param_names:
+                    comm.bcast(name)
+                layouts.param.unpack(comm.buffer, state_arrays(model))
+                set_persistent_scalars(model, scalars)
+                result = replica.run_window(loss_scale)
+                layouts.grad.pack(grad_arrays(model), comm.buffer)
+                layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer,
+                                  scale=1.0 / init.size)
+                for name in list(layouts.grad.buffer_names().values()) + \
+                        list(layouts.stat.buffer_names().values()):
+                    comm.reduce(name)
+                conn.send(('done', result))
+            elif kind == 'state':
+                conn.send(('state', replica.loader.state()))
+            else:
+                raise ValueError(f'unknown command {kind!r}')
+        except BaseException:  # noqa: BLE001 - reported to the master
+            _send_error(conn)
+            _wait_stop(conn)
+            return
+
+
+def _send_error(conn: Any) -> None:
+    try:
+        conn.send(('error', traceback.format_exc()))
+    except Exception:  # noqa: BLE001 - the master is gone; nothing left to tell
+        pass
+
+
+def _wait_stop(conn: Any, timeout: float = 30.0) -> None:
+    """After an error, wait (bounded) for the master to stop us, then exit."""
+    try:
+        if conn.poll(timeout):
+            conn.recv()
+    except (EOFError, OSError):
+        pass

@@ -1,0 +1,57 @@
+"""Exceptions raised in the master for what happened elsewhere."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or died; raised in the master.
+
+    Attributes:
+        replica: index of the replica (the master is 0, workers are 1..N-1).
+        device: the device specifier of that replica, as given.
+        remote_traceback: the worker's formatted traceback, or ``None`` when the process
+            died without one (killed by a signal, exited).
+        exitcode: the process's exit code when it died, else ``None``.
+    """
+
+    def __init__(self, message: str, *, replica: int, device: str,
+                 remote_traceback: Optional[str] = None,
+                 exitcode: Optional[int] = None) -> None:
+        self.replica = replica
+        self.device = device
+        self.remote_traceback = remote_traceback
+        self.exitcode = exitcode
+        text = f'replica {replica} on device {device!r}: {message}'
+        if remote_traceback:
+            text += '\n\n--- traceback in the worker process ---\n' + remote_traceback.rstrip()
+        super().__init__(text)
+
+    def __reduce__(self):  # keep it picklable with its keyword arguments
+        return (_rebuild, (self.args[0], self.replica, self.device,
+                           self.remote_traceback, self.exitcode))
+
+
+def _rebuild(text, replica, device, tb, exitcode):
+    err = WorkerError.__new__(WorkerError)
+    RuntimeError.__init__(err, text)
+    err.replica, err.device, err.remote_traceback, err.exitcode = replica, device, tb, exitcode
+    return err
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of an update was NaN or infinite (``nonfinite='raise'``, the default).
+
+    Attributes:
+        iteration: the number of the update that produced it (1-based, as the Trainer
+            counts after the update).
+        loss: the sample-weighted mean loss of the update.
+    """
+
+    def __init__(self, iteration: int, loss: float) -> None:
+        self.iteration = iteration
+        self.loss = loss
+        super().__init__(
+            f'the loss became {loss} at update {iteration}; parameters were not updated. '
+            "Lower the learning rate, use loss scaling for float16, or pass nonfinite='skip' "
+            'to skip such updates')

@@ -1,0 +1,234 @@
+"""Loading micro-batches ahead of use, in a background thread, with exact iterator state.
+
+A loader hands out :class:`Batch` items: the converted arrays, the sample count and the
+iterator's epoch bookkeeping *as of that batch*. Because the thread runs ahead of the
+training loop, the iterator object itself is ahead too; :meth:`Loader.state` therefore
+returns the iterator state captured just before the oldest batch that was loaded but not
+yet handed out, so a snapshot resumes with no batch lost or repeated.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, NamedTuple, Optional
+
+import numpy
+
+import chainer
+from chainer.dataset import convert
+from chainer.serializers import DictionarySerializer, NpzDeserializer
+
+_STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
+
+
+class EpochInfo(NamedTuple):
+    epoch: int
+    epoch_detail: float
+    previous_epoch_detail: Optional[float]
+    is_new_epoch: bool
+
+
+class Batch(NamedTuple):
+    size: int            # samples in this micro-batch
+    arrays: Any          # what the converter returned
+    epoch: EpochInfo     # the iterator's bookkeeping right after this batch
+
+
+class _Copying(DictionarySerializer):
+    """A DictionarySerializer that copies (the iterator may mutate its arrays later)."""
+
+    def __call__(self, key, value):
+        key = key.lstrip('/')
+        self.target[self.path + key] = numpy.array(
+            chainer.backend.CpuDevice().send(value) if value is not None else None)
+        return value
+
+    def __getitem__(self, key):
+        key = key.strip('/')
+        return _Copying(self.target, self.path + key + '/')
+
+
+def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
+    """The iterator's serialized state as a flat dict of numpy arrays."""
+    if isinstance(iterator, chainer.iterators.MultiprocessIterator):
+        # Its serialize() resets its worker pool (discarding what it prefetched); read
+        # the same keys it would write instead.
+        state = iterator._state
+        return {'current_position': numpy.array(state.current_position),
+                'epoch': numpy.array(state.epoch),
+                'is_new_epoch': numpy.array(state.is_new_epoch),
+                'order': numpy.array(state.order),
+                'previous_epoch_detail': numpy.array(iterator._previous_epoch_detail)}
+    target: Dict[str, numpy.ndarray] = {}
+    iterator.serialize(_Copying(target))
+    return target
+
+
+def restore_state(iterator: Any, state: Dict[str, numpy.ndarray]) -> None:
+    iterator.serialize(NpzDeserializer(state))
+
+
+def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:
+    """Replay a captured state into any Chainer serializer (nested keys included)."""
+    for key, value in state.items():
+        node = serializer
+        parts = key.split('/')
+        for part in parts[:-1]:
+            node = node[part]
+        node(parts[-1], value)
+
+
+def epoch_info(iterator: Any) -> EpochInfo:
+    return EpochInfo(iterator.epoch, iterator.epoch_detail,
+                     getattr(iterator, 'previous_epoch_detail', None), iterator.is_new_epoch)
+
+
+class Loader:
+    """Synchronous loader (``prefetch=0``): loads in the caller's thread."""
+
+    def __init__(self, iterator: Any, converter: Callable, device: Any) -> None:
+        self.iterator = iterator
+        self.converter = converter
+        self.device = device
+        self._exhausted = False
+        self._closed = False
+
+    def _load(self) -> Optional[Batch]:
+        try:
+            batch = self.iterator.next()
+        except StopIteration:
+            return None
+        arrays = convert._call_converter(self.converter, batch, self.device)
+        return Batch(len(batch), arrays, epoch_info(self.iterator))
+
+    def get(self) -> Optional[Batch]:
+        """The next micro-batch, or ``None`` once the iterator is exhausted."""
+        if self._closed:
+            raise RuntimeError('this loader was closed')
+        if self._exhausted:
+            return None
+        item = self._load()
+        if item is None:
+            self._exhausted = True
+        return item
+
+    def state(self) -> Dict[str, numpy.ndarray]:
+        return capture_state(self.iterator)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class Prefetcher(Loader):
+    """Loads up to ``depth`` micro-batches ahead in a daemon thread.
+
+    ``iterator.next()``, the converter and the copy to the device all run in the thread.
+    An exception there is re-raised by :meth:`get`, with its original traceback.
+    """
+
+    def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int) -> None:
+        super().__init__(iterator, converter, device)
+        self.depth = depth
+        self._queue: 'queue.Queue[tuple]' = queue.Queue(maxsize=depth)
+        # states captured before each batch still in the queue, oldest first
+        self._pending: Deque[Dict[str, numpy.ndarray]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.device is not None:
+            try:
+                self.device.use()
+            except Exception:  # noqa: BLE001 - CPU devices need nothing
+                pass
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    before = capture_state(self.iterator)
+                    item = self._load()
+                    self._pending.append(before)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                self._put(('error', exc))
+                return
+            self._put(('item', item) if item is not None else ('end', None))
+            if item is None:
+                return
+
+    def _put(self, entry: tuple) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> Optional[Batch]:
+        if self._closed:
+            raise RuntimeError('this loader was closed')
+        if self._exhausted:
+            return None
+        while True:
+            try:
+                kind, payload = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError('the prefetch thread stopped unexpectedly') from None
+        if kind == 'error':
+            self._exhausted = True
+            raise payload
+        with self._lock:
+            self._pending.popleft()
+        if kind == 'end':
+            self._exhausted = True
+            return None
+        return payload
+
+    def state(self) -> Dict[str, numpy.ndarray]:
+        with self._lock:
+            if self._pending:
+                return self._pending[0]
+            return capture_state(self.iterator)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(_STOP_WAIT)
+
+
+def make_loader(iterator: Any, converter: Callable, device: Any, depth: int) -> Loader:
+    if depth <= 0:
+        return Loader(iterator, converter, device)
+    return Prefetcher(iterator, converter, device, depth)
+
+
+class Stopwatch:
+    """Adds up seconds into named slots."""
+
+    def __init__(self) -> None:
+        self.times: Dict[str, float] = collections.defaultdict(float)
+
+    def __call__(self, slot: str) -> '_Lap':
+        return _Lap(self.times, slot)
+
+
+class _Lap:
+    def __init__(self, times: Dict[str, float], slot: str) -> None:
+        self.times, self.slot = times, slot
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.times[self.slot] += time.perf_counter() - self.t0

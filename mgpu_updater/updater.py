@@ -1,0 +1,361 @@
+"""ParallelAccumulatingUpdater: the master side."""
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import chainer
+from chainer.dataset import convert
+from chainer.training.updaters import StandardUpdater
+
+from . import _validate
+from ._flat import ModelLayouts
+from ._group import Group, LocalGroup, payload_factory
+from ._replica import Replica, WindowResult, combine, total_loss
+from .errors import NonFiniteLossError
+from .prefetch import EpochInfo, Loader, Stopwatch, make_loader, restore_state, write_state
+
+
+class ParallelAccumulatingUpdater(StandardUpdater):
+    """Data-parallel updater with gradient accumulation, one process per extra device.
+
+    Each :meth:`update`:
+
+    1. The master broadcasts its parameters and persistents (BatchNorm statistics) to
+       every worker (sync point 1).
+    2. Every replica, the master included, runs ``accumulate_steps`` micro-batches from
+       its own iterator, accumulating gradients with no communication in between. The
+       next micro-batches are loaded meanwhile in a background thread (``prefetch``).
+    3. Gradients are summed onto the master (sync point 2) and scaled so that the result
+       is the gradient of the *sample-weighted mean loss over every sample of the update*:
+       identical to ``StandardUpdater`` on one batch holding all those samples.
+    4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
+       The optimizer and its hyperparameters are never modified.
+
+    BatchNorm running statistics (float persistents) are averaged over the replicas with
+    equal weights after each update; integer and scalar persistents keep the master's
+    values. Everything a replica reports (``main/loss``, ``main/accuracy``, any
+    ``chainer.report``) reaches the master's reporter as the sample-weighted mean over
+    every micro-batch of every replica of the update.
+
+    When an iterator ends (``repeat=False``) in the middle of a window, that replica
+    contributes the micro-batches it got; the update is weighted by the samples it really
+    held. When no replica got any sample, :meth:`update` raises ``StopIteration``.
+
+    Args:
+        iterators: one iterator per device, each over its own shard (a bare iterator is
+            accepted with one device); see :func:`mgpu_updater.shard_iterators`.
+        optimizer: a set-up Chainer optimizer; its target is the model.
+        devices: device specifiers, master first: GPU ids, ``'@cupy:N'``, or ``'@numpy'``
+            / ``-1`` (may repeat) for CPU replicas; a dict with a ``'main'`` key works too.
+        accumulate_steps: micro-batches per device per update (int >= 1).
+        converter, loss_func: as for ``StandardUpdater``. Both must be picklable when
+            there are workers (module-level functions; a bound method of the model is
+            re-bound to each replica).
+        prefetch: micro-batches loaded ahead per replica (0 turns it off).
+        report_times: report ``main/time/{data,compute,comm,update}`` every update.
+        nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
+            update when its loss is NaN or infinite, before the parameters change;
+            ``'skip'`` warns and skips that update.
+        start_method: ``'spawn'`` (default) or ``'forkserver'``.
+        start_timeout: seconds the workers get to start and report ready.
+        communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
+    """
+
+    def __init__(self, iterators: Any, optimizer: chainer.Optimizer, *,
+                 devices: Union[Sequence[Any], Dict[str, Any]],
+                 accumulate_steps: int = 1,
+                 converter: Callable = convert.concat_examples,
+                 loss_func: Optional[Callable] = None,
+                 prefetch: int = 2,
+                 report_times: bool = True,
+                 nonfinite: str = 'raise',
+                 start_method: str = 'spawn',
+                 start_timeout: float = 120.0,
+                 communicator: Any = None,
+                 auto_new_epoch: bool = True) -> None:
+        self._finalized = False
+        self._group: Group = Group()
+        self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
+        self.prefetch = _validate.positive_int('prefetch', prefetch, minimum=0)
+        self.nonfinite = _validate.non_finite_policy(nonfinite)
+        self.start_method = _validate.choice('start_method', start_method,
+                                             ('spawn', 'forkserver'))
+        if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
+            raise ValueError(f'start_timeout must be a number of seconds > 0 '
+                             f'({start_timeout!r} given)')
+        self.start_timeout = float(start_timeout)
+        self.report_times = bool(report_times)
+        self._devices, self.device_labels = _validate.devices(devices)
+        its = _validate.iterators(iterators, len(self._devices))
+        model = _validate.optimizer(optimizer)
+        _validate.callable_or_none('converter', converter)
+        _validate.callable_or_none('loss_func', loss_func)
+        if converter is None:
+            raise TypeError('converter must be callable (None given); the default is '
+                            'chainer.dataset.concat_examples')
+        self._communicator = communicator
+        if communicator is not None and len(self._devices) != 1:
+            raise ValueError(f'with a ChainerMN communicator each rank drives one device; '
+                             f'devices has {len(self._devices)} ({self.device_labels!r}); '
+                             'pass devices=[comm.intra_rank] (GPU) or ["@numpy"]')
+        self._worker_iterators = its[1:]
+        self._bound_loss = None
+        if len(self._devices) > 1:
+            self._bound_loss = _bound_method_name(loss_func, model)
+            _validate.picklable('the model', model, 'Make it picklable (no lambdas or open '
+                                'files as attributes) so it can be copied to the workers.')
+            if loss_func is not None and self._bound_loss is None:
+                _validate.picklable('loss_func', loss_func, 'Use a module-level function or '
+                                    'a method of the model instead of a lambda or closure.')
+            _validate.picklable('converter', converter, 'Use a module-level function '
+                                'instead of a lambda or closure.')
+            for i, it in enumerate(self._worker_iterators, start=1):
+                _validate.picklable(f'iterators[{i}]', it, 'Its dataset must be picklable '
+                                    '(e.g. arrays or a TupleDataset), not a generator or an '
+                                    'open file; open files lazily in __getitem__.')
+        super().__init__(its[0], optimizer, converter=converter, device=self._devices[0],
+                         loss_func=loss_func, auto_new_epoch=auto_new_epoch)
+        self._replica: Optional[Replica] = None
+        self._loader: Optional[Loader] = None
+        self._epoch: Optional[EpochInfo] = None
+        self._weight_norm = float(self.accumulate_steps * sum(
+            getattr(it, 'batch_size', 1) or 1 for it in its))
+        self._skipped = 0
+        #: seconds of the last update: 'data', 'compute', 'comm', 'update'
+        self.last_times: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ epoch bookkeeping
+    # The master's loader runs ahead of training; the epoch is that of the last batch used.
+    @property
+    def epoch(self) -> int:
+        return self._epoch.epoch if self._epoch else self._iterators['main'].epoch
+
+    @property
+    def epoch_detail(self) -> float:
+        return self._epoch.epoch_detail if self._epoch else self._iterators['main'].epoch_detail
+
+    @property
+    def previous_epoch_detail(self) -> Optional[float]:
+        if self._epoch:
+            return self._epoch.previous_epoch_detail
+        return self._iterators['main'].previous_epoch_detail
+
+    @property
+    def is_new_epoch(self) -> bool:
+        return self._epoch.is_new_epoch if self._epoch else self._iterators['main'].is_new_epoch
+
+    @property
+    def n_devices(self) -> int:
+        return len(self._devices) if self._communicator is None else self._communicator.size
+
+    def worker_pids(self) -> List[int]:
+        """Process ids of the running workers (empty before the first update)."""
+        return self._group.pids()
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self) -> None:
+        model = self._optimizers['main'].target
+        master_device = self._devices[0]
+        self._loader = make_loader(self._iterators['main'], self.converter, master_device,
+                                   self.prefetch)
+        _initialize_lazy_params(model, self.loss_func, self._iterators['main'],
+                                self.converter, master_device)
+        self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
+                                self._weight_norm)
+        if self._communicator is not None:
+            from ._mpi import MpiGroup
+            self._group = MpiGroup(self._communicator, model, self._weight_norm)
+            self._weight_norm = self._group.weight_norm
+            self._replica.weight_norm = self._weight_norm
+        elif len(self._devices) > 1:
+            from . import comm
+            layouts = ModelLayouts(model)
+            replica_model = copy.deepcopy(model)
+            replica_model.to_device('@numpy')
+            for param in replica_model.params():
+                param.update_rule = None
+            payloads = {}
+            for rank, it in enumerate(self._worker_iterators, start=1):
+                payloads[rank] = payload_factory(dict(
+                    rank=rank, size=len(self._devices), device=self.device_labels[rank],
+                    model=replica_model,
+                    loss_func=None if self._bound_loss else self.loss_func,
+                    bind_loss_to_model=self._bound_loss, converter=self.converter,
+                    iterator=it, prefetch=self.prefetch,
+                    accumulate_steps=self.accumulate_steps, weight_norm=self._weight_norm,
+                    comm_name=comm.backend_for(self._devices)))
+            self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
+                                     master_device, self.device_labels, payloads,
+                                     self.start_method, self.start_timeout)
+
+    # ------------------------------------------------------------------ one update
+    def update_core(self) -> None:
+        if self._finalized:
+            raise RuntimeError('this updater was finalized; build a new one to train again')
+        try:
+            self._update()
+        except StopIteration:
+            raise
+        except BaseException:
+            self._teardown(abort=True)
+            raise
+
+    def _update(self) -> None:
+        if self._replica is None:
+            self._start()
+        optimizer = self._optimizers['main']
+        model = optimizer.target
+        loss_scale = optimizer._loss_scale
+        watch = Stopwatch()
+        with watch('comm'):
+            self._group.begin(loss_scale)
+        own = self._replica.run_window(loss_scale)
+        with watch('comm'):
+            results = self._group.finish(own)
+        count = sum(r.count for r in results)
+        if count == 0:
+            raise StopIteration
+        if own.epochs:
+            self._epoch = own.epochs[-1]
+        # The one correction of the accumulation scaling (see Replica.run_window).
+        if count != self._weight_norm:
+            factor = self._weight_norm / count
+            for param in model.params():
+                if param.grad is not None:
+                    param.grad *= factor
+        loss = total_loss(results)
+        observation = combine(results)
+        with watch('update'):
+            if not math.isfinite(loss):
+                if self.nonfinite == 'raise':
+                    raise NonFiniteLossError(self.iteration + 1, loss)
+                self._skipped += 1
+                warnings.warn(f'skipping update {self.iteration + 1}: the loss is {loss}',
+                              RuntimeWarning)
+            else:
+                for param in model.params():
+                    param._loss_scale = loss_scale
+                optimizer.update()
+        if self.auto_new_epoch and any(e.is_new_epoch for e in own.epochs):
+            optimizer.new_epoch(auto=True)
+        times = dict(watch.times)
+        times['data'] = own.times.get('data', 0.0)
+        times['compute'] = own.times.get('compute', 0.0)
+        self.last_times = times
+        if self.report_times:
+            observation.update({f'main/time/{k}': v for k, v in times.items()})
+        chainer.report(observation)
+
+    # ------------------------------------------------------------------ state
+    def serialize(self, serializer: Any) -> None:
+        """Everything needed for an exact resume: the model, the optimizer, every
+        replica's iterator (as of the last batch used, prefetch notwithstanding), the
+        iteration, and the layout (number of devices, accumulate_steps)."""
+        optimizer = self._optimizers['main']
+        optimizer.serialize(serializer['optimizer:main'])
+        optimizer.target.serialize(serializer['model:main'])
+        self.iteration = serializer('iteration', self.iteration)
+        n_devices = serializer('n_devices', self.n_devices)
+        steps = serializer('accumulate_steps', self.accumulate_steps)
+        self._skipped = serializer('skipped_updates', self._skipped)
+        saving = isinstance(serializer, chainer.serializer.Serializer)
+        if not saving and (int(n_devices) != self.n_devices
+                           or int(steps) != self.accumulate_steps):
+            raise ValueError(
+                f'this snapshot was taken with {int(n_devices)} device(s) and '
+                f'accumulate_steps={int(steps)}, but this updater has {self.n_devices} and '
+                f'accumulate_steps={self.accumulate_steps}; resume with the same devices and '
+                'accumulate_steps (the iterator shards and the batch composition depend on '
+                'both), or load only the model with load_npz(path, model, path="updater/model:main/")')
+        if saving:
+            self._save_iterators(serializer)
+        else:
+            self._load_iterators(serializer)
+
+    def _save_iterators(self, serializer: Any) -> None:
+        main = self._loader.state() if self._loader else None
+        if main is None:
+            self._iterators['main'].serialize(serializer['iterator:main'])
+        else:
+            write_state(serializer['iterator:main'], main)
+        states = self._group.states() if self._communicator is None else {}
+        for rank, it in enumerate(self._worker_iterators, start=1):
+            node = serializer[f'iterator:replica{rank}']
+            if rank in states:
+                write_state(node, states[rank])
+            else:
+                it.serialize(node)
+
+    def _load_iterators(self, serializer: Any) -> None:
+        if self._replica is not None:
+            # Loading into a running updater: restart so every replica reads the new state.
+            self._teardown(abort=False)
+            self._finalized = False
+        main = self._iterators['main']
+        main.serialize(serializer['iterator:main'])
+        self._epoch = None
+        for rank, it in enumerate(self._worker_iterators, start=1):
+            it.serialize(serializer[f'iterator:replica{rank}'])
+
+    # ------------------------------------------------------------------ shutdown
+    def _teardown(self, abort: bool) -> None:
+        group, self._group = self._group, Group()
+        try:
+            group.close(abort=abort)
+        finally:
+            if self._loader is not None:
+                self._loader.close()
+            self._loader = None
+            self._replica = None
+            self._finalized = True
+
+    def finalize(self) -> None:
+        """Stop every worker (bounded), release shared memory, finalize the iterators.
+        Safe to call twice, and after a failure."""
+        try:
+            self._teardown(abort=False)
+        finally:
+            for it in [self._iterators['main']] + self._worker_iterators:
+                try:
+                    it.finalize()
+                except Exception:  # noqa: BLE001 - finalize must not fail half-way
+                    pass
+
+
+def _bound_method_name(loss_func: Any, model: chainer.Link) -> Optional[str]:
+    """Name of ``loss_func`` if it is a method bound to the model (re-bound in workers)."""
+    if loss_func is not None and getattr(loss_func, '__self__', None) is model:
+        return loss_func.__name__
+    return None
+
+
+def _initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
+                            iterator: Any, converter: Callable, device: Any) -> None:
+    """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
+    with one forward pass on the master, in test mode, without backprop or reports,
+    so the replicas start identical and the running statistics stay untouched."""
+    if all(p.array is not None for p in model.params()):
+        return
+    dataset = getattr(iterator, 'dataset', None)
+    if dataset is not None and len(dataset) > 0:
+        batch = [dataset[0]]
+    else:
+        batch = copy.deepcopy(iterator).next()
+    arrays = convert._call_converter(converter, batch, device)
+    func = loss_func if loss_func is not None else model
+    with chainer.using_config('train', False), chainer.no_backprop_mode(), \
+            chainer.Reporter().scope({}):
+        if isinstance(arrays, tuple):
+            func(*arrays)
+        elif isinstance(arrays, dict):
+            func(**arrays)
+        else:
+            func(arrays)
+    missing = [name for name, p in model.namedparams() if p.array is None]
+    if missing:
+        raise ValueError(f'parameters {missing} are still uninitialised after one forward '
+                         'pass; initialise them explicitly (give in_size) before training')
