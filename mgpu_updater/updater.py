@@ -14,7 +14,7 @@ from chainer.training.updaters import StandardUpdater
 from . import _validate
 from ._flat import ModelLayouts
 from ._group import Group, LocalGroup, payload_factory
-from ._replica import Replica, WindowResult, combine, total_loss
+from ._replica import Replica, combine, observers, total_loss
 from .errors import NonFiniteLossError
 from .prefetch import EpochInfo, Loader, Stopwatch, make_loader, restore_state, write_state
 
@@ -347,8 +347,10 @@ def _initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
         batch = copy.deepcopy(iterator).next()
     arrays = convert._call_converter(converter, batch, device)
     func = loss_func if loss_func is not None else model
+    reporter = chainer.Reporter()   # what the model reports here is thrown away
+    observers(reporter, model)
     with chainer.using_config('train', False), chainer.no_backprop_mode(), \
-            chainer.Reporter().scope({}):
+            reporter.scope({}):
         if isinstance(arrays, tuple):
             func(*arrays)
         elif isinstance(arrays, dict):

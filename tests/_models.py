@@ -1,0 +1,82 @@
+"""Small models and data shared by the tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import numpy as np
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+
+class MLP(chainer.Chain):
+    def __init__(self, n_in=5, n_hidden=16, n_out=3, batchnorm=False, lazy=False):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None if lazy else n_in, n_hidden)
+            self.bn = L.BatchNormalization(n_hidden) if batchnorm else None
+            self.l2 = L.Linear(n_hidden, n_out)
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        return self.l2(F.relu(h))
+
+
+def classifier(seed=0, **kwargs):
+    np.random.seed(seed)
+    return L.Classifier(MLP(**kwargs))
+
+
+def dataset(n, seed, n_in=5, n_out=3, dtype=np.float32):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, n_in).astype(dtype)
+    t = rng.randint(0, n_out, n).astype(np.int32)
+    return chainer.datasets.TupleDataset(x, t)
+
+
+def make_optimizer(kind):
+    if kind == 'sgd':
+        return chainer.optimizers.SGD(0.1), []
+    if kind == 'momentum+decay':
+        return chainer.optimizers.MomentumSGD(0.05), [chainer.optimizer_hooks.WeightDecay(1e-3)]
+    if kind == 'adam':
+        return chainer.optimizers.Adam(1e-2), []
+    if kind == 'clip':
+        return chainer.optimizers.SGD(0.5), [chainer.optimizer_hooks.GradientClipping(0.05)]
+    raise ValueError(kind)
+
+
+def setup_optimizer(kind, model):
+    opt, hooks = make_optimizer(kind)
+    opt.setup(model)
+    for hook in hooks:
+        opt.add_hook(hook)
+    return opt
+
+
+def params(model):
+    return {name: np.array(p.array) for name, p in model.namedparams()}
+
+
+def persistents(model):
+    out = {}
+    for path, link in model.namedlinks():
+        for name in link._persistent:
+            value = link.__dict__[name]
+            if isinstance(value, np.ndarray):
+                out[f'{path}/{name}'] = value.copy()
+    return out
+
+
+def run_updates(updater, model, n):
+    """Run n updates inside a reporter; return the observations of each."""
+    observations = []
+    for _ in range(n):
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+        obs = {}
+        with reporter.scope(obs):
+            updater.update()
+        observations.append(obs)
+    return observations
