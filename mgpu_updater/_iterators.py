@@ -34,8 +34,10 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     else:
         order = numpy.random.RandomState(seed).permutation(len(dataset))
     shards = []
-    for i, part in enumerate(numpy.array_split(order, n)):
-        sub = chainer.datasets.SubDataset(dataset, 0, len(part), order=part)
+    bounds = numpy.cumsum([0] + [len(p) for p in numpy.array_split(order, n)])
+    for i in range(n):
+        sub = chainer.datasets.SubDataset(dataset, int(bounds[i]), int(bounds[i + 1]),
+                                          order=order)
         kwargs = dict(iterator_kwargs)
         if shuffle and seed is not None and iterator_class in (
                 chainer.iterators.SerialIterator, chainer.iterators.MultiprocessIterator):

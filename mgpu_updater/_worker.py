@@ -38,17 +38,49 @@ class WorkerInit(NamedTuple):
     comm_handle: Any
 
 
-def _watch_parent(parent_pid: int, on_orphan: Callable[[], None]) -> None:
-    """Exit at once when the master disappears (SIGKILL, OOM), cleaning up first."""
+def _parent_sentinel() -> Optional[int]:
+    """A handle that becomes ready when the master is gone, if multiprocessing gives one.
+
+    With both ``spawn`` and ``forkserver`` it is the read end of the start-up pipe whose
+    write end the master keeps open for the child's lifetime. (Under ``forkserver`` the
+    parent process is the fork server, not the master, so ``os.getppid()`` says nothing.)
+    """
+    import multiprocessing
+    parent = multiprocessing.parent_process()
+    return None if parent is None else parent.sentinel
+
+
+def _parent_gone(sentinel: Optional[int], first_ppid: int, timeout: float = 0.0) -> bool:
+    if sentinel is not None:
+        import multiprocessing.connection
+        try:
+            return bool(multiprocessing.connection.wait([sentinel], timeout))
+        except OSError:
+            return True
+    if timeout:
+        time.sleep(timeout)
+    return os.getppid() != first_ppid
+
+
+def _watch_parent(parent_pid: int, on_orphan: Callable[[], None]) -> Callable[[], bool]:
+    """Exit at once when the master disappears (SIGKILL, OOM), cleaning up first.
+
+    ``parent_pid`` is the master's pid (for messages); the watch itself waits on the
+    parent's sentinel, or polls ``os.getppid()`` when there is none. Returns a function
+    that says, without blocking, whether the master is gone.
+    """
+    sentinel = _parent_sentinel()
+    first_ppid = os.getppid()
+
     def loop() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                try:
-                    on_orphan()
-                finally:
-                    os._exit(3)
-            time.sleep(PARENT_POLL)
-    threading.Thread(target=loop, name='mgpu-parent-watch', daemon=True).start()
+        while not _parent_gone(sentinel, first_ppid, PARENT_POLL):
+            pass
+        try:
+            on_orphan()
+        finally:
+            os._exit(3)
+    threading.Thread(target=loop, name=f'mgpu-watch-{parent_pid}', daemon=True).start()
+    return lambda: _parent_gone(sentinel, first_ppid)
 
 
 def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> None:
@@ -60,7 +92,7 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
         for name in shm_names:
             unlink_quietly(name)
 
-    _watch_parent(parent_pid, orphaned)
+    master_gone = _watch_parent(parent_pid, orphaned)
     replica = comm = None
     try:
         from . import _compat
@@ -72,6 +104,8 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
         _wait_stop(conn)
+        if master_gone():
+            orphaned()
         return
     try:
         _serve(conn, init, replica, comm, layouts)
@@ -80,6 +114,8 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
             replica.loader.close()
         if comm is not None:
             comm.finalize()
+        if master_gone():   # the pipe closed because the master died: clean up for it
+            orphaned()
 
 
 def _build(init: 'WorkerInit') -> Any:

@@ -18,7 +18,7 @@ import numpy
 
 import chainer
 from chainer.dataset import convert
-from chainer.serializers import DictionarySerializer, NpzDeserializer
+from chainer.serializers import DictionarySerializer
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 
@@ -50,8 +50,41 @@ class _Copying(DictionarySerializer):
         return _Copying(self.target, self.path + key + '/')
 
 
+def serialize_order_rng(iterator: Any, serializer: Any) -> None:
+    """Save or load the random state of the iterator's shuffling order sampler.
+
+    Chainer's iterators save their current order but not the generator that draws the
+    next epoch's order, so a resumed run would shuffle differently from the uninterrupted
+    one. This adds that state under ``order_sampler_rng/`` (numpy ``RandomState`` only).
+    """
+    rng = getattr(getattr(iterator, 'order_sampler', None), '_random', None)
+    if not isinstance(rng, numpy.random.RandomState):
+        return
+    name, keys, pos, has_gauss, cached = rng.get_state()
+    node = serializer['order_sampler_rng']
+    keys = node('keys', keys)
+    pos = node('pos', pos)
+    has_gauss = node('has_gauss', has_gauss)
+    cached = node('cached_gaussian', cached)
+    if isinstance(serializer, chainer.serializer.Deserializer):
+        rng.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), int(pos),
+                       int(has_gauss), float(cached)))
+
+
+def load_state(iterator: Any, serializer: Any) -> None:
+    """Load an iterator (and its shuffling generator) from a Chainer deserializer."""
+    iterator.serialize(serializer)
+    serialize_order_rng(iterator, serializer)
+
+
 def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
     """The iterator's serialized state as a flat dict of numpy arrays."""
+    target: Dict[str, numpy.ndarray] = _capture_iterator(iterator)
+    serialize_order_rng(iterator, _Copying(target))
+    return target
+
+
+def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
     if isinstance(iterator, chainer.iterators.MultiprocessIterator):
         # Its serialize() resets its worker pool (discarding what it prefetched); read
         # the same keys it would write instead.
@@ -64,10 +97,6 @@ def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
     target: Dict[str, numpy.ndarray] = {}
     iterator.serialize(_Copying(target))
     return target
-
-
-def restore_state(iterator: Any, state: Dict[str, numpy.ndarray]) -> None:
-    iterator.serialize(NpzDeserializer(state))
 
 
 def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:

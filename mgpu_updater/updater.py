@@ -16,7 +16,8 @@ from ._flat import ModelLayouts
 from ._group import Group, LocalGroup, payload_factory
 from ._replica import Replica, combine, observers, total_loss
 from .errors import NonFiniteLossError
-from .prefetch import EpochInfo, Loader, Stopwatch, make_loader, restore_state, write_state
+from .prefetch import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
+                       write_state)
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):
@@ -277,29 +278,23 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._load_iterators(serializer)
 
     def _save_iterators(self, serializer: Any) -> None:
-        main = self._loader.state() if self._loader else None
-        if main is None:
-            self._iterators['main'].serialize(serializer['iterator:main'])
-        else:
-            write_state(serializer['iterator:main'], main)
-        states = self._group.states() if self._communicator is None else {}
+        main = self._iterators['main']
+        write_state(serializer['iterator:main'],
+                    self._loader.state() if self._loader else capture_state(main))
+        states = self._group.states()
         for rank, it in enumerate(self._worker_iterators, start=1):
-            node = serializer[f'iterator:replica{rank}']
-            if rank in states:
-                write_state(node, states[rank])
-            else:
-                it.serialize(node)
+            write_state(serializer[f'iterator:replica{rank}'],
+                        states[rank] if rank in states else capture_state(it))
 
     def _load_iterators(self, serializer: Any) -> None:
         if self._replica is not None:
             # Loading into a running updater: restart so every replica reads the new state.
             self._teardown(abort=False)
             self._finalized = False
-        main = self._iterators['main']
-        main.serialize(serializer['iterator:main'])
+        load_state(self._iterators['main'], serializer['iterator:main'])
         self._epoch = None
         for rank, it in enumerate(self._worker_iterators, start=1):
-            it.serialize(serializer[f'iterator:replica{rank}'])
+            load_state(it, serializer[f'iterator:replica{rank}'])
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:

@@ -132,13 +132,18 @@ class ShmCommunicator(Communicator):
 
 
 def unlink_quietly(name: str) -> None:
-    """Remove a segment by name, if it still exists (used on the master's death too)."""
+    """Remove a segment by name, if it still exists; used by a worker whose master died.
+
+    The name is also taken off the resource tracker the workers share with the master,
+    so the tracker does not warn about (or unlink again) what was cleaned up here. The
+    segment is never opened: opening would register it with the tracker once more.
+    """
     try:
-        seg = _open(name)
-    except FileNotFoundError:
-        return
-    seg.close()
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister('/' + name, 'shared_memory')
+    except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
+        pass
     try:
-        shared_memory._posixshmem.shm_unlink(seg._name)  # type: ignore[attr-defined]
+        shared_memory._posixshmem.shm_unlink('/' + name)  # type: ignore[attr-defined]
     except FileNotFoundError:
         pass

@@ -1,0 +1,151 @@
+"""The replicas of one update across MPI ranks (ChainerMN): :class:`MpiGroup`.
+
+Every rank runs its own :class:`~mgpu_updater.ParallelAccumulatingUpdater` on one device
+and its own shard of the data. Per update:
+
+1. every rank runs ``accumulate_steps`` micro-batches, with no communication;
+2. :meth:`MpiGroup.finish` sums the gradients over the ranks (one allreduce per dtype),
+   averages the float persistents (BatchNorm statistics, one allreduce), and gathers every
+   rank's small :class:`~mgpu_updater._replica.WindowResult` (counts, losses, reports);
+3. every rank's optimizer then steps on the same summed gradient.
+
+No parameters travel after the start: the same gradient through the same optimizer gives
+bitwise the same parameters on every rank (ChainerMN's approach; the allreduce hands every
+rank the same sum). The parameters and array persistents are broadcast from rank 0 once,
+when the group starts, so ranks whose models were initialised differently begin alike.
+Under ``chainer.set_debug(True)`` every update first checks that the ranks still agree.
+
+The results come back in rank order, the same list on every rank, so the reported means
+(``main/loss``...) are the same bits on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Any, Dict, List, Optional
+
+import chainer
+
+from ._flat import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
+from ._group import Group, _ensure_grads
+from ._replica import WindowResult
+from .comm.mpi import MpiCommunicator
+
+
+class MpiGroup(Group):
+    """This rank and its peers, reached through a ChainerMN communicator.
+
+    Args:
+        communicator: the ChainerMN communicator given to the updater.
+        model: this rank's model (parameters initialised, on this rank's device).
+        local_weight: this rank's nominal samples per update (``accumulate_steps`` times
+            its iterator's batch size). :attr:`weight_norm` is their sum over the ranks:
+            the global nominal samples per update, which every rank's replica divides by.
+    """
+
+    def __init__(self, communicator: Any, model: chainer.Link, local_weight: float) -> None:
+        self.model = model
+        self.layouts = ModelLayouts(model)
+        self.comm = MpiCommunicator(communicator, self.layouts.spec(), model.device)
+        self.size = self.comm.size
+        self.rank = self.comm.rank
+        self._warned_epochs = False
+        try:
+            weights = self._agree(float(local_weight))
+            self.weight_norm = float(sum(weights))
+            self._broadcast_state()
+        except BaseException:
+            self.comm.abort()
+            raise
+        self._reduced = (list(self.layouts.grad.buffer_names().values())
+                         + list(self.layouts.stat.buffer_names().values()))
+
+    def _agree(self, local_weight: float) -> List[float]:
+        """Check that every rank has the same model layout; return every rank's weight.
+        Every rank sees the same gathered list, so every rank raises alike."""
+        mine = (self.layouts.spec(), [n for n, _ in self.model.namedparams()])
+        gathered = self.comm.allgather_obj((mine, local_weight))
+        for rank, (theirs, _) in enumerate(gathered):
+            if theirs != gathered[0][0]:
+                raise ValueError(
+                    f'rank {rank} has a different model from rank 0 (parameter names, '
+                    f'shapes or dtypes differ): rank 0 {_describe(gathered[0][0])}, rank '
+                    f'{rank} {_describe(theirs)}; build the same model on every rank')
+        return [w for _, w in gathered]
+
+    def _broadcast_state(self) -> None:
+        """Parameters and array persistents from rank 0 to every rank (once)."""
+        arrays = state_arrays(self.model)
+        self.layouts.param.pack(arrays, self.comm.buffer)
+        for name in self.layouts.param.buffer_names().values():
+            self.comm.bcast(name)
+        self.layouts.param.unpack(self.comm.buffer, arrays)
+
+    # ------------------------------------------------------------------ each update
+    def begin(self, loss_scale: Optional[float]) -> None:
+        if chainer.is_debug():
+            self._check_in_sync()
+
+    def finish(self, own: WindowResult) -> List[WindowResult]:
+        model, layouts, comm = self.model, self.layouts, self.comm
+        layouts.grad.pack(grad_arrays(model), comm.buffer)
+        layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / self.size)
+        for name in self._reduced:
+            comm.allreduce(name)
+        _ensure_grads(model)
+        layouts.grad.unpack(comm.buffer, grad_arrays(model))
+        layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+        results = comm.allgather_obj(own)
+        results[self.rank] = own
+        self._check_epochs(results)
+        return results
+
+    def _check_in_sync(self) -> None:
+        digest = hashlib.sha256()
+        for name, array in sorted(state_arrays(self.model).items()):
+            digest.update(name.encode())
+            digest.update(chainer.backend.CpuDevice().send(array).tobytes())
+        digests = self.comm.allgather_obj(digest.hexdigest())
+        apart = [r for r, d in enumerate(digests) if d != digests[0]]
+        if apart:
+            raise RuntimeError(
+                f'the parameters of rank(s) {apart} differ from rank 0 at the start of an '
+                'update; every rank must run the same optimizer on the same model (a '
+                'non-deterministic optimizer hook or a model changed on one rank only?)')
+
+    def _check_epochs(self, results: List[WindowResult]) -> None:
+        """Warn once when the ranks disagree on the epoch: an epoch trigger would then
+        fire at different updates on different ranks, and a rank that stops while the
+        others wait in the next collective leaves them hanging."""
+        if self._warned_epochs:
+            return
+        epochs = [r.epochs[-1].epoch for r in results if r.epochs]
+        if len(set(epochs)) > 1:
+            self._warned_epochs = True
+            if self.rank == 0:
+                warnings.warn(
+                    f'the ranks are at different epochs ({epochs}, in rank order): their '
+                    'shards or batch sizes differ, so a stop trigger or extension counted '
+                    'in epochs fires at different updates on different ranks, and a rank '
+                    'left waiting in a collective hangs. Give every rank as many batches '
+                    'per epoch (chainermn.scatter_dataset shards are equal by default; use '
+                    'the same batch size), or count triggers in iterations',
+                    RuntimeWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ the rest
+    def states(self) -> Dict[int, Dict[str, Any]]:
+        return {}   # each rank snapshots its own iterator
+
+    def pids(self) -> List[int]:
+        return []
+
+    def close(self, abort: bool = False) -> None:
+        if abort:
+            self.comm.abort()
+        else:
+            self.comm.finalize()
+
+
+def _describe(layout: Any) -> str:
+    spec, names = layout
+    return f'{len(names)} parameters, buffers {spec}'

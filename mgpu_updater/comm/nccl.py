@@ -1,0 +1,382 @@
+"""The NCCL backend: one process per GPU, named flat buffers on the device.
+
+CuPy is imported when a communicator is constructed, never when this module is imported.
+
+Sync points, in plain words:
+
+- A verb (``reduce``, ``bcast``, ``allreduce``) *enqueues* its collective and returns; the
+  host does not wait. The collective runs on the communicator's own non-blocking stream,
+  after all the work the caller had enqueued on its current (compute) stream, and the
+  compute stream's later work waits for it. So ``pack -> reduce -> unpack`` on the compute
+  stream is correct with no host synchronisation, and the control-channel contract of
+  :mod:`mgpu_updater.comm.base` holds: a worker that has enqueued its ``reduce`` may tell
+  the master it is done, and the master then enqueues the matching ``reduce``.
+- The host waits in :meth:`NcclCommunicator.init` (NCCL's rendezvous of all ranks, then a
+  warm-up collective), :meth:`~NcclCommunicator.wait` and
+  :meth:`~NcclCommunicator.finalize`, nowhere else. Each wait polls instead of blocking in
+  the driver, calls ``check_peer_alive`` between polls and honours ``timeout``; when a peer
+  is dead or the time is up it aborts the communicator, so that stuck NCCL kernels end,
+  then raises.
+- Reading a result on the host (``buffer.get()``, ``float(loss)``) blocks in the driver
+  until the collective is done, without a bound: call :meth:`~NcclCommunicator.wait` first
+  when a peer may have died.
+- NCCL pairs collectives by their order: every rank calls the same verbs on the same
+  buffers in the same order, and each rank runs on its own GPU (NCCL refuses two ranks on
+  one device).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import numpy
+
+from mgpu_updater import _cuda
+from mgpu_updater.comm.base import BufferSpec, Communicator, check_spec
+
+__all__ = ['NcclCommunicator']
+
+# numpy dtype name -> name of the NCCL data type constant in cupy.cuda.nccl
+_NCCL_TYPES = {
+    'int8': 'NCCL_INT8', 'uint8': 'NCCL_UINT8',
+    'int32': 'NCCL_INT32', 'uint32': 'NCCL_UINT32',
+    'int64': 'NCCL_INT64', 'uint64': 'NCCL_UINT64',
+    'float16': 'NCCL_FLOAT16', 'float32': 'NCCL_FLOAT32', 'float64': 'NCCL_FLOAT64',
+}
+_UNIQUE_ID_BYTES = 128
+_FINALIZE_TIMEOUT = 60.0   # bound on finalize's waits when no timeout was given
+
+
+def nccl_type_name(dtype: Any) -> str:
+    """Name of the NCCL data type for ``dtype``; TypeError when NCCL has none."""
+    dt = numpy.dtype(dtype)
+    name = _NCCL_TYPES.get(dt.name)
+    if name is None or dt.byteorder not in '=|':
+        raise TypeError(
+            f'the nccl communicator cannot sum {dt.str} ({dt.name}) buffers; NCCL supports '
+            f'{", ".join(sorted(_NCCL_TYPES))} in native byte order')
+    return name
+
+
+class NcclCommunicator(Communicator):
+    """NCCL collectives on one GPU per process (see the module docstring for the sync points).
+
+    Args:
+        rank: this process's rank; rank 0 is the master.
+        size: the number of ranks (processes, GPUs).
+        device_id: the CUDA device of this rank.
+        spec: buffer name -> (dtype, element count); identical on every rank. Each buffer
+            is one CuPy array on ``device_id``, allocated here, once.
+        unique_id: :meth:`new_unique_id` of the master, the same on every rank.
+        timeout: seconds any host wait may take (None: no limit, but ``check_peer_alive``
+            still runs).
+        check_peer_alive: called while the host waits; raises (any exception) when a peer
+            process died. The exception propagates after the communicator is aborted.
+
+    The NCCL communicator itself is created lazily, by :meth:`init` or the first verb,
+    with ``device_id`` current, as ChainerMN's ``PureNcclCommunicator`` does.
+    """
+
+    name = 'nccl'
+
+    def __init__(self, rank: int, size: int, device_id: int, spec: BufferSpec,
+                 unique_id: Sequence[int], *, timeout: Optional[float] = None,
+                 check_peer_alive: Optional[Callable[[], None]] = None) -> None:
+        super().__init__(rank, size)
+        self._finalized = True   # until fully constructed: finalize() has nothing to do
+        if not 0 <= rank < size:
+            raise ValueError(f'rank {rank} is not in [0, {size})')
+        if unique_id is None or len(unique_id) != _UNIQUE_ID_BYTES:
+            raise ValueError(
+                f'unique_id must be the {_UNIQUE_ID_BYTES}-byte tuple that '
+                'NcclCommunicator.new_unique_id() returned on the master')
+        self._spec = check_spec(spec)
+        self._type_names = {k: nccl_type_name(dt) for k, (dt, _) in self._spec.items()}
+        self._unique_id = tuple(int(b) for b in unique_id)
+        self.device_id = int(device_id)
+        self.timeout = timeout
+        self.check_peer_alive = check_peer_alive
+
+        cupy = self._cupy = _cuda.import_cupy()
+        nccl = self._nccl = _cuda.import_nccl()
+        self._types = {k: getattr(nccl, v) for k, v in self._type_names.items()}
+        self._device = cupy.cuda.Device(self.device_id)
+        with self._device:
+            self._buffers = {k: cupy.zeros(n, dtype=dt) for k, (dt, n) in self._spec.items()}
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+            self._ready = cupy.cuda.Event(disable_timing=True)
+            self._done = cupy.cuda.Event(disable_timing=True)
+        self._comm: Any = None
+        self._lock = threading.Lock()
+        self._pending_init: Optional[Dict[str, Any]] = None
+        self._finalized = False
+
+    # -- set-up -------------------------------------------------------------------------
+
+    @classmethod
+    def new_unique_id(cls) -> Tuple[int, ...]:
+        """A fresh NCCL unique id (a tuple of 128 ints), made once on the master.
+
+        Pass it to every rank (through the spawn arguments); it pickles as a tuple.
+        """
+        return tuple(_cuda.import_nccl().get_unique_id())
+
+    @property
+    def stream(self) -> Any:
+        """The non-blocking CUDA stream the collectives run on."""
+        return self._stream
+
+    @property
+    def initialized(self) -> bool:
+        return self._comm is not None
+
+    def init(self) -> None:
+        """Join NCCL's rendezvous of all ranks, then run one warm-up collective.
+
+        Call it on every rank during the start-up handshake, so that connection set-up
+        happens while every rank is there; otherwise the first verb calls it. Blocks until
+        every rank has joined: bounded by ``timeout`` and watched by ``check_peer_alive``.
+        """
+        self._check_open()
+        if self._comm is not None:
+            return
+        comm = self._create_comm()
+        with self._lock:
+            aborted = self._finalized   # abort() from another thread meanwhile
+            if not aborted:
+                self._comm = comm
+        if aborted:
+            comm.abort()
+            self._check_open()
+        self._warm_up()
+
+    def _create_comm(self) -> Any:
+        # ncclCommInitRank blocks until every rank joined and cannot be interrupted, so it
+        # runs in a daemon thread (CuPy releases the GIL inside) while this thread watches.
+        state: Dict[str, Any] = {'abandoned': False}
+        lock = self._lock
+
+        def target() -> None:
+            try:
+                with self._cupy.cuda.Device(self.device_id):
+                    comm = self._nccl.NcclCommunicator(self.size, self._unique_id, self.rank)
+            except BaseException as e:  # handed to the waiting thread
+                state['error'] = e
+                return
+            with lock:
+                if state['abandoned']:
+                    comm.abort()   # nobody will use it; do not leave it half-open
+                else:
+                    state['comm'] = comm
+
+        thread = threading.Thread(
+            target=target, name=f'nccl-init-rank{self.rank}', daemon=True)
+        self._pending_init = state
+        thread.start()
+        try:
+            self._bounded_join(thread, 'NCCL initialisation (every rank must call init)')
+        except BaseException:
+            with lock:
+                state['abandoned'] = True
+                comm = state.pop('comm', None)
+            if comm is not None:
+                comm.abort()
+            self._finalized = True
+            raise
+        finally:
+            self._pending_init = None
+        if 'error' in state:
+            self._finalized = True
+            raise RuntimeError(
+                f'NCCL initialisation failed on rank {self.rank} (device {self.device_id}): '
+                f'{state["error"]}') from state['error']
+        if 'comm' not in state:   # abort() was called meanwhile
+            raise RuntimeError(f'the nccl communicator of rank {self.rank} was aborted '
+                               'during its initialisation')
+        return state['comm']
+
+    def _bounded_join(self, thread: threading.Thread, what: str) -> None:
+        start = time.monotonic()
+        while thread.is_alive():
+            thread.join(0.05)
+            if not thread.is_alive():
+                break
+            if self.check_peer_alive is not None:
+                self.check_peer_alive()
+            if self.timeout is not None and time.monotonic() - start > self.timeout:
+                raise TimeoutError(f'{what} did not finish within {self.timeout:g} s '
+                                   f'on rank {self.rank}')
+
+    def _warm_up(self) -> None:
+        with self._device:
+            scratch = self._cupy.zeros(1, dtype=numpy.float32)
+            self._enqueue('warm-up', scratch, self._nccl.NCCL_FLOAT32,
+                          lambda ptr, n, t, s: self._comm.allReduce(
+                              ptr, ptr, n, t, self._nccl.NCCL_SUM, s))
+        self.wait()
+
+    # -- verbs --------------------------------------------------------------------------
+
+    def buffer(self, name: str) -> Any:
+        self._check_open()
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise KeyError(f'no buffer named {name!r}; the spec has '
+                           f'{sorted(self._buffers)}') from None
+
+    def reduce(self, name: str, root: int = 0) -> None:
+        self._check_root(root)
+        self._verb('reduce', name, lambda ptr, n, t, s: self._comm.reduce(
+            ptr, ptr, n, t, self._nccl.NCCL_SUM, root, s))
+
+    def bcast(self, name: str, root: int = 0) -> None:
+        self._check_root(root)
+        self._verb('bcast', name, lambda ptr, n, t, s: self._comm.bcast(ptr, n, t, root, s))
+
+    def allreduce(self, name: str) -> None:
+        self._verb('allreduce', name, lambda ptr, n, t, s: self._comm.allReduce(
+            ptr, ptr, n, t, self._nccl.NCCL_SUM, s))
+
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f'root {root} is not a rank in [0, {self.size})')
+
+    def _verb(self, verb: str, name: str, call: Callable[[int, int, int, int], None]) -> None:
+        array = self.buffer(name)
+        self.init()
+        with self._device:
+            self._enqueue(verb, array, self._types[name], call, name)
+
+    def _enqueue(self, verb: str, array: Any, nccl_type: int,
+                 call: Callable[[int, int, int, int], None], name: str = '') -> None:
+        """Run ``call(ptr, count, type, stream)`` on our stream, ordered with the compute
+        stream both ways. The caller holds the device."""
+        if array.size == 0:
+            return
+        compute = self._cupy.cuda.get_current_stream()
+        self._ready.record(compute)
+        self._stream.wait_event(self._ready)
+        try:
+            call(array.data.ptr, array.size, nccl_type, self._stream.ptr)
+        except Exception as e:
+            raise RuntimeError(
+                f'NCCL {verb}{f" of {name!r}" if name else ""} failed on rank {self.rank} '
+                f'(device {self.device_id}): {e}') from e
+        self._done.record(self._stream)
+        compute.wait_event(self._done)
+
+    # -- waiting ------------------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Non-blocking: True once every collective enqueued so far has finished.
+
+        Raises RuntimeError when NCCL reported an asynchronous error (a peer failed or the
+        network broke); abort the communicator then.
+        """
+        self._check_open()
+        if self._comm is None:
+            return True
+        self._check_async_error()
+        return bool(self._done.done)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block the host until every collective enqueued so far has finished.
+
+        Polls, runs ``check_peer_alive`` and NCCL's asynchronous error check meanwhile, and
+        gives up after ``timeout`` (default: the constructor's). On any failure the
+        communicator is aborted before the exception propagates.
+        """
+        self._check_open()
+        if self._comm is None:
+            return
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            _cuda.wait_event(self._done, timeout=timeout, check=self._check_during_wait,
+                             what=f'NCCL collectives on rank {self.rank}')
+            self._check_async_error()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _check_during_wait(self) -> None:
+        self._check_async_error()
+        if self.check_peer_alive is not None:
+            self.check_peer_alive()
+
+    def _check_async_error(self) -> None:
+        comm = self._comm
+        if comm is None:
+            return
+        try:
+            comm.check_async_error()
+        except Exception as e:
+            raise RuntimeError(
+                f'NCCL reported an asynchronous error on rank {self.rank} '
+                f'(device {self.device_id}): {e}') from e
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Give up at once (a peer died): ncclCommAbort, which ends stuck collectives.
+
+        Never blocks; the communicator is finalized afterwards. The device buffers stay
+        allocated until this object is dropped.
+        """
+        with self._lock:
+            comm, self._comm = self._comm, None
+            self._finalized = True
+            if self._pending_init is not None:
+                self._pending_init['abandoned'] = True
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as e:  # abort must not raise over the error that caused it
+                warnings.warn(f'ncclCommAbort failed on rank {self.rank}: {e}',
+                              RuntimeWarning)
+
+    def finalize(self) -> None:
+        """Wait (bounded) for the collectives in flight, destroy the NCCL communicator,
+        release the buffers. Safe to call twice and after :meth:`abort`.
+
+        It does not raise for communication failures, since it runs during clean-up after
+        errors too: when the wait fails or times out, it warns and aborts instead.
+        """
+        if self._finalized:
+            return
+        comm = self._comm
+        if comm is not None:
+            timeout = self.timeout if self.timeout is not None else _FINALIZE_TIMEOUT
+            try:
+                self.wait(timeout)
+            except BaseException as e:  # wait() has aborted the communicator
+                warnings.warn(f'the nccl communicator of rank {self.rank} was aborted '
+                              f'instead of destroyed: {e}', RuntimeWarning)
+                self._release()
+                if not isinstance(e, Exception):
+                    raise
+                return
+            self._destroy(comm, timeout)
+        self._release()
+
+    def _destroy(self, comm: Any, timeout: float) -> None:
+        # ncclCommDestroy may wait on peers in some NCCL versions: bound it too
+        def target() -> None:
+            with self._cupy.cuda.Device(self.device_id):
+                comm.destroy()
+
+        thread = threading.Thread(target=target, name=f'nccl-destroy-rank{self.rank}',
+                                  daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            warnings.warn(f'ncclCommDestroy did not return within {timeout:g} s on rank '
+                          f'{self.rank}; leaving it to process exit', RuntimeWarning)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._comm = None
+            self._finalized = True
+        self._buffers = {}

@@ -1,0 +1,130 @@
+"""The updater inside chainer.training.Trainer: extensions, reporting, resume, cleanup."""
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer import training
+from chainer.training import extensions
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+
+from _models import classifier, dataset, params, run_updates, setup_optimizer
+
+
+def _alive(pid):
+    try:
+        with open(f'/proc/{pid}/status') as f:
+            return 'State:\tZ' not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_trainer_end_to_end_with_the_usual_extensions(tmp_path, capsys):
+    train, test = dataset(96, seed=1), dataset(32, seed=2)
+    model = classifier(seed=1)
+    opt = setup_optimizer('adam', model)
+    its = shard_iterators(train, 2, 8)
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2, accumulate_steps=2)
+    trainer = training.Trainer(updater, (2, 'epoch'), out=str(tmp_path))
+    test_it = chainer.iterators.SerialIterator(test, 16, repeat=False, shuffle=False)
+    trainer.extend(extensions.Evaluator(test_it, model))
+    trainer.extend(extensions.LogReport(trigger=(1, 'epoch')))
+    printed = io.StringIO()
+    trainer.extend(extensions.PrintReport(
+        ['epoch', 'iteration', 'main/loss', 'main/accuracy', 'validation/main/loss'],
+        out=printed))
+    trainer.extend(extensions.ProgressBar(update_interval=1))
+    pids = []
+    trainer.extend(lambda t: pids.extend(t.updater.worker_pids()), trigger=(1, 'iteration'))
+    trainer.run()
+
+    log = json.loads((tmp_path / 'log').read_text())
+    assert [e['epoch'] for e in log] == [1, 2]
+    # 96 samples over 2 shards of 48, micro-batch 8, 2 steps: 3 updates per epoch
+    assert [e['iteration'] for e in log] == [3, 6]
+    for entry in log:
+        for key in ('main/loss', 'main/accuracy', 'validation/main/loss',
+                    'main/time/data', 'main/time/compute', 'main/time/comm'):
+            assert np.isfinite(entry[key]), key
+    assert 'validation/main/loss' in printed.getvalue()
+    assert 'this epoch' in capsys.readouterr().out   # ProgressBar writes to stdout
+    # every worker is gone once trainer.run() returned, and reaped
+    assert pids and not any(_alive(p) for p in set(pids))
+    assert multiprocessing.active_children() == []
+
+
+def test_logreport_main_loss_equals_the_large_batch_loss(tmp_path):
+    n, b, k, updates = 2, 4, 3, 4
+    datasets = [dataset(b * k * updates, seed=10 + r) for r in range(n)]
+    model, ref = classifier(seed=3), classifier(seed=3)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('momentum+decay', model),
+                                          devices=['@numpy'] * n, accumulate_steps=k)
+    trainer = training.Trainer(updater, (updates, 'iteration'), out=str(tmp_path))
+    trainer.extend(extensions.LogReport(trigger=(1, 'iteration')))
+    trainer.run()
+    logged = [e['main/loss'] for e in json.loads((tmp_path / 'log').read_text())]
+
+    ref_opt = setup_optimizer('momentum+decay', ref)
+    expected = []
+    for u in range(updates):
+        batch = []
+        for d in datasets:
+            batch.extend(d[u * k * b:(u + 1) * k * b])
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        expected.append(float(run_updates(StandardUpdater(it, ref_opt), ref, 1)[0]
+                              ['main/loss'].array))
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+
+
+def _resumable_trainer(out, stop, prefetch):
+    train = dataset(130, seed=5)    # 65 per shard, micro-batch 4, k 3: epochs end mid-window
+    model = classifier(seed=5, batchnorm=True)
+    opt = setup_optimizer('adam', model)
+    its = shard_iterators(train, 2, 4, seed=7)
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
+                                          accumulate_steps=3, prefetch=prefetch)
+    trainer = training.Trainer(updater, (stop, 'iteration'), out=str(out))
+    trainer.extend(extensions.snapshot(filename='snap_{.updater.iteration}'),
+                   trigger=(7, 'iteration'))
+    return trainer, model
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_resume_from_a_snapshot_is_bit_exact(tmp_path, prefetch):
+    straight, model_a = _resumable_trainer(tmp_path / 'a', 14, prefetch)
+    straight.run()
+
+    first, _ = _resumable_trainer(tmp_path / 'b', 7, prefetch)
+    first.run()
+    resumed, model_b = _resumable_trainer(tmp_path / 'b', 14, prefetch)
+    chainer.serializers.load_npz(str(tmp_path / 'b' / 'snap_7'), resumed)
+    assert resumed.updater.iteration == 7
+    resumed.run()
+
+    pa, pb = params(model_a), params(model_b)
+    for name in pa:
+        assert np.array_equal(pa[name], pb[name]), name
+    assert np.array_equal(model_a.predictor.bn.avg_mean, model_b.predictor.bn.avg_mean)
+    assert straight.updater.epoch_detail == resumed.updater.epoch_detail
+
+
+def test_snapshot_with_other_devices_or_steps_is_refused(tmp_path):
+    trainer, _ = _resumable_trainer(tmp_path, 7, 2)
+    trainer.run()
+    model = classifier(seed=5, batchnorm=True)
+    its = shard_iterators(dataset(130, seed=5), 3, 4)
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('adam', model),
+                                          devices=['@numpy'] * 3, accumulate_steps=3)
+    other = training.Trainer(updater, (14, 'iteration'), out=str(tmp_path / 'c'))
+    with pytest.raises(ValueError, match=r'taken with 2 device\(s\) and accumulate_steps=3, '
+                                         r'but this updater has 3'):
+        chainer.serializers.load_npz(str(tmp_path / 'snap_7'), other)
+    updater.finalize()
