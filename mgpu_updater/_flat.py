@@ -7,6 +7,7 @@ communicator; packing and unpacking reuse them across updates.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy
@@ -36,6 +37,12 @@ class FlatLayout:
             sizes[dtype] = offset + int(array.size)
         self.groups = groups
         self.sizes = sizes
+
+    def renamed(self, prefix: str) -> 'FlatLayout':
+        """The same layout under other buffer names (a second set for double buffering)."""
+        other = copy.copy(self)
+        other.prefix = prefix
+        return other
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.groups.values())
@@ -123,7 +130,7 @@ class ModelLayouts:
     - ``param``: every parameter and array persistent (broadcast from the master).
     """
 
-    def __init__(self, link: chainer.Link) -> None:
+    def __init__(self, link: chainer.Link, double_buffered: bool = False) -> None:
         params = [(name, p.array) for name, p in link.namedparams()]
         missing = [name for name, a in params if a is None]
         if missing:
@@ -133,10 +140,21 @@ class ModelLayouts:
         self.stat = FlatLayout('stat', [(n, a) for n, a in persist
                                         if numpy.dtype(a.dtype).kind == 'f'])
         self.param = FlatLayout('param', params + persist)
+        self._grad_sets: Dict[Optional[int], FlatLayout] = {None: self.grad}
+        if double_buffered:
+            for parity in (0, 1):
+                self.grad_set(parity)
+
+    def grad_set(self, parity: Optional[int]) -> FlatLayout:
+        """``grad`` (``None``), or one of the two sets ``grad0``/``grad1`` that the
+        pipelined mode alternates between."""
+        if parity not in self._grad_sets:
+            self._grad_sets[parity] = self.grad.renamed(f'grad{parity}')
+        return self._grad_sets[parity]
 
     def spec(self) -> Dict[str, Tuple[str, int]]:
         spec = {}
-        for layout in (self.grad, self.stat, self.param):
+        for layout in list(self._grad_sets.values()) + [self.stat, self.param]:
             spec.update(layout.spec())
         return spec
 

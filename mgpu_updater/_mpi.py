@@ -82,7 +82,7 @@ class MpiGroup(Group):
         self.layouts.param.unpack(self.comm.buffer, arrays)
 
     # ------------------------------------------------------------------ each update
-    def begin(self, loss_scale: Optional[float]) -> None:
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
         if chainer.is_debug():
             self._check_in_sync()
 

@@ -4,7 +4,7 @@ Runs in a process started with ``spawn`` (or ``forkserver``), so it imports ever
 afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe:
 
 master -> worker                          worker -> master
-('step', loss_scale, scalars)             ('done', WindowResult)
+('step', loss_scale, scalars, parity)     ('done', WindowResult)
 ('state',)                                ('state', iterator state dict)
 ('stop',)                                 (exits)
                                           ('ready',) once, after start-up
@@ -139,9 +139,7 @@ def _build(init: 'WorkerInit') -> Any:
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any) -> None:
-    from ._flat import grad_arrays, persistent_arrays, set_persistent_scalars, state_arrays
-    model = replica.model
-    param_names = list(layouts.param.buffer_names().values())
+    from ._group import replica_step
     while True:
         try:
             msg = conn.recv()
@@ -152,19 +150,7 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any)
             return
         try:
             if kind == 'step':
-                _, loss_scale, scalars = msg
-                for name in param_names:
-                    comm.bcast(name)
-                layouts.param.unpack(comm.buffer, state_arrays(model))
-                set_persistent_scalars(model, scalars)
-                result = replica.run_window(loss_scale)
-                layouts.grad.pack(grad_arrays(model), comm.buffer)
-                layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer,
-                                  scale=1.0 / init.size)
-                for name in list(layouts.grad.buffer_names().values()) + \
-                        list(layouts.stat.buffer_names().values()):
-                    comm.reduce(name)
-                conn.send(('done', result))
+                conn.send(('done', replica_step(msg, replica, comm, layouts, init.size)))
             elif kind == 'state':
                 conn.send(('state', replica.loader.state()))
             else:

@@ -13,8 +13,8 @@ from chainer.training.updaters import StandardUpdater
 
 from . import _validate
 from ._flat import ModelLayouts
-from ._group import Group, LocalGroup, payload_factory
-from ._replica import Replica, combine, observers, total_loss
+from ._group import Group, LocalGroup, Pending, SoloGroup, payload_factory
+from ._replica import Replica, WindowResult, combine, observers, total_loss
 from .errors import NonFiniteLossError
 from .prefetch import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
                        write_state)
@@ -61,6 +61,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
             ``'skip'`` warns and skips that update.
+        pipelined: opt-in overlap (as ChainerMN's ``double_buffering``): the reduction of
+            update t runs in the background during the compute of update t+1, and its
+            gradient is applied one update late, so update t+1's gradient was computed
+            on parameters one step stale. The first update applies nothing. Reports stay
+            those of the window just computed.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -74,6 +79,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  prefetch: int = 2,
                  report_times: bool = True,
                  nonfinite: str = 'raise',
+                 pipelined: bool = False,
                  start_method: str = 'spawn',
                  start_timeout: float = 120.0,
                  communicator: Any = None,
@@ -90,6 +96,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                              f'({start_timeout!r} given)')
         self.start_timeout = float(start_timeout)
         self.report_times = bool(report_times)
+        if not isinstance(pipelined, bool):
+            raise TypeError(f'pipelined must be True or False ({pipelined!r} given)')
+        self.pipelined = pipelined
+        self._pending: Optional[_PendingUpdate] = None
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
         model = _validate.optimizer(optimizer)
@@ -167,6 +177,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                 self.converter, master_device)
         self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
                                 self._weight_norm)
+        self._group = SoloGroup(model)
         if self._communicator is not None:
             from ._mpi import MpiGroup
             self._group = MpiGroup(self._communicator, model, self._weight_norm)
@@ -174,7 +185,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._replica.weight_norm = self._weight_norm
         elif len(self._devices) > 1:
             from . import comm
-            layouts = ModelLayouts(model)
+            layouts = ModelLayouts(model, double_buffered=self.pipelined)
             replica_model = copy.deepcopy(model)
             replica_model.to_device('@numpy')
             for param in replica_model.params():
@@ -209,43 +220,62 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._replica is None:
             self._start()
         optimizer = self._optimizers['main']
-        model = optimizer.target
         loss_scale = optimizer._loss_scale
+        parity = self.iteration % 2 if self.pipelined else None
         watch = Stopwatch()
         with watch('comm'):
-            self._group.begin(loss_scale)
+            self._group.begin(loss_scale, parity)
         own = self._replica.run_window(loss_scale)
         with watch('comm'):
-            results = self._group.finish(own)
+            if self.pipelined:
+                results, pending = self._group.finish_async(own, parity)
+            else:
+                results = self._group.finish(own)
         count = sum(r.count for r in results)
         if count == 0:
             raise StopIteration
         if own.epochs:
             self._epoch = own.epochs[-1]
+        current = _PendingUpdate(count, total_loss(results), loss_scale,
+                                 pending if self.pipelined else None)
+        if self.pipelined:
+            current, self._pending = self._pending, current
+            if current is not None:
+                with watch('comm'):
+                    current.pending.apply(optimizer.target)
+        if current is not None:
+            with watch('update'):
+                self._apply(optimizer, current)
+        if self.auto_new_epoch and any(e.is_new_epoch for e in own.epochs):
+            optimizer.new_epoch(auto=True)
+        self._report(results, own, watch)
+
+    def _apply(self, optimizer: chainer.Optimizer, update: '_PendingUpdate') -> None:
+        """One optimizer step on the model's summed gradient of ``update``."""
+        model = optimizer.target
         # The one correction of the accumulation scaling (see Replica.run_window).
-        if count != self._weight_norm:
-            factor = self._weight_norm / count
+        if update.count != self._weight_norm:
+            factor = self._weight_norm / update.count
             for param in model.params():
                 if param.grad is not None:
                     param.grad *= factor
-        loss = total_loss(results)
+        if not math.isfinite(update.loss):
+            if self.nonfinite == 'raise':
+                raise NonFiniteLossError(self.iteration + 1, update.loss)
+            self._skipped += 1
+            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {update.loss}',
+                          RuntimeWarning)
+            return
+        for param in model.params():
+            param._loss_scale = update.loss_scale
+        optimizer.update()
+
+    def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
         observation = combine(results)
-        with watch('update'):
-            if not math.isfinite(loss):
-                if self.nonfinite == 'raise':
-                    raise NonFiniteLossError(self.iteration + 1, loss)
-                self._skipped += 1
-                warnings.warn(f'skipping update {self.iteration + 1}: the loss is {loss}',
-                              RuntimeWarning)
-            else:
-                for param in model.params():
-                    param._loss_scale = loss_scale
-                optimizer.update()
-        if self.auto_new_epoch and any(e.is_new_epoch for e in own.epochs):
-            optimizer.new_epoch(auto=True)
         times = dict(watch.times)
         times['data'] = own.times.get('data', 0.0)
         times['compute'] = own.times.get('compute', 0.0)
+        times.setdefault('update', 0.0)
         self.last_times = times
         if self.report_times:
             observation.update({f'main/time/{k}': v for k, v in times.items()})
@@ -264,6 +294,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         steps = serializer('accumulate_steps', self.accumulate_steps)
         self._skipped = serializer('skipped_updates', self._skipped)
         saving = isinstance(serializer, chainer.serializer.Serializer)
+        self._serialize_pending(serializer['pending'], saving)
         if not saving and (int(n_devices) != self.n_devices
                            or int(steps) != self.accumulate_steps):
             raise ValueError(
@@ -276,6 +307,33 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._save_iterators(serializer)
         else:
             self._load_iterators(serializer)
+
+    def _serialize_pending(self, serializer: Any, saving: bool) -> None:
+        """The pipelined mode's gradient in flight is state too: save and restore it."""
+        model = self._optimizers['main'].target
+        present = serializer('present', self._pending is not None)
+        if not bool(present):
+            if not saving:
+                self._pending = None
+            return
+        if saving:
+            grads = self._pending.pending.wait()
+            node = serializer['grads']
+            for name, _ in model.namedparams():
+                node(name, grads[name])
+            serializer('count', self._pending.count)
+            serializer('loss', self._pending.loss)
+            serializer('loss_scale', -1.0 if self._pending.loss_scale is None
+                       else self._pending.loss_scale)
+            return
+        node = serializer['grads']
+        grads = {name: node(name, None) for name, _ in model.namedparams()}
+        grads = {name: model.xp.asarray(g) for name, g in grads.items()}
+        scale = float(serializer('loss_scale', -1.0))
+        self._pending = _PendingUpdate(int(serializer('count', 0)),
+                                       float(serializer('loss', 0.0)),
+                                       None if scale < 0 else scale,
+                                       Pending(lambda: grads))
 
     def _save_iterators(self, serializer: Any) -> None:
         main = self._iterators['main']
@@ -298,6 +356,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:
+        if self._pending is not None and self._pending.pending is not None:
+            if abort:
+                self._pending = None
+            else:   # keep the gradient in flight, off the buffers that are about to go
+                grads = {k: v.copy() for k, v in self._pending.pending.wait().items()}
+                self._pending.pending = Pending(lambda: grads)
         group, self._group = self._group, Group()
         try:
             group.close(abort=abort)
@@ -319,6 +383,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
                     pass
+
+
+class _PendingUpdate:
+    """A reduced gradient not applied yet, with what applying it needs."""
+
+    def __init__(self, count: int, loss: float, loss_scale: Optional[float],
+                 pending: Optional[Pending]) -> None:
+        self.count, self.loss, self.loss_scale, self.pending = count, loss, loss_scale, pending
 
 
 def _bound_method_name(loss_func: Any, model: chainer.Link) -> Optional[str]:
