@@ -60,7 +60,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
-            ``'skip'`` warns and skips that update.
+            ``'skip'`` warns and skips that update. With dynamic loss scaling
+            (``optimizer.loss_scaling()``) Chainer itself skips such steps and lowers the
+            scale, so the policy does not apply.
         pipelined: opt-in overlap (as ChainerMN's ``double_buffering``): the reduction of
             update t runs in the background during the compute of update t+1, and its
             gradient is applied one update late, so update t+1's gradient was computed
@@ -259,7 +261,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             for param in model.params():
                 if param.grad is not None:
                     param.grad *= factor
-        if not math.isfinite(update.loss):
+        # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
+        # the scale), exactly as on one device; otherwise the nonfinite policy decides.
+        if not math.isfinite(update.loss) and not optimizer._loss_scaling_is_dynamic:
             if self.nonfinite == 'raise':
                 raise NonFiniteLossError(self.iteration + 1, update.loss)
             self._skipped += 1

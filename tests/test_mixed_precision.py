@@ -1,0 +1,71 @@
+"""float16 models with Chainer's loss scaling, across replicas, against the reference."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _models import classifier, dataset, params, run_updates
+
+
+def _fp16_model(seed):
+    with chainer.using_config('dtype', np.float16):
+        return classifier(seed=seed)
+
+
+def _optimizer(model, dynamic, initial_scale):
+    opt = chainer.optimizers.SGD(0.1)
+    opt.setup(model)
+    opt.use_fp32_update()
+    if dynamic:
+        opt.loss_scaling(interval=2)
+        opt._loss_scale = initial_scale
+    else:
+        opt.loss_scaling(scale=initial_scale)
+    return opt
+
+
+@pytest.mark.parametrize('dynamic,initial_scale,spike', [
+    (False, 128.0, None), (True, 8.0, None),
+    (True, 2.0 ** 15, 3000.0)])   # one worker sample overflows float16 gradients
+def test_float16_with_loss_scaling_matches_the_reference(dynamic, initial_scale, spike):
+    n, b, k, updates = 2, 4, 2, 4
+    datasets = [dataset(b * k * updates, seed=90 + r, dtype=np.float16) for r in range(n)]
+    if spike is not None:
+        datasets[1]._datasets[0][1, :] = spike      # replica 1, update 0 only
+    model, ref = _fp16_model(1), _fp16_model(1)
+    assert model.predictor.l1.W.dtype == np.float16
+    opt, ref_opt = _optimizer(model, dynamic, initial_scale), _optimizer(ref, dynamic, initial_scale)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * n, accumulate_steps=k)
+    scales, ref_scales = [], []
+    try:
+        with warnings.catch_warnings():
+            # Chainer warns on every overflow that dynamic loss scaling skips
+            warnings.filterwarnings('ignore', 'Non finite number found in param.grad')
+            for u in range(updates):
+                run_updates(updater, model, 1)
+                scales.append(opt._loss_scale)
+                batch = []
+                for d in datasets:
+                    batch.extend(d[u * k * b:(u + 1) * k * b])
+                it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+                run_updates(StandardUpdater(it, ref_opt), ref, 1)
+                ref_scales.append(ref_opt._loss_scale)
+    finally:
+        updater.finalize()
+    # an overflow anywhere skips the update for everyone, exactly as on one device
+    assert scales == ref_scales
+    if spike is not None:
+        assert scales[0] == initial_scale / 2   # update 1 overflowed in the worker: skipped
+    for name, value in params(ref).items():
+        got = params(model)[name]
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float32), value.astype(np.float32),
+                                   rtol=2e-2, atol=2e-3, err_msg=name)
