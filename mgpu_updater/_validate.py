@@ -147,7 +147,7 @@ def picklable(name: str, value: Any, hint: str) -> None:
 
 class _Null(io.RawIOBase):
     def write(self, b: Any) -> int:
-        return len(b)
+        return memoryview(b).nbytes
 
     def writable(self) -> bool:
         return True
