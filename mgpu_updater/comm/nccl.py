@@ -19,7 +19,10 @@ Sync points, in plain words:
   then raises.
 - Reading a result on the host (``buffer.get()``, ``float(loss)``) blocks in the driver
   until the collective is done, without a bound: call :meth:`~NcclCommunicator.wait` first
-  when a peer may have died.
+  when a peer may have died. And send the control message that lets the peers reach the
+  matching collective *before* any such host read: a worker that enqueued ``reduce`` and
+  then reads its loss on the host waits for the master's ``reduce``, which waits for that
+  worker's message. Read reported values before the verb, or after the message.
 - NCCL pairs collectives by their order: every rank calls the same verbs on the same
   buffers in the same order, and each rank runs on its own GPU (NCCL refuses two ranks on
   one device).
@@ -213,7 +216,7 @@ class NcclCommunicator(Communicator):
         with self._device:
             scratch = self._cupy.zeros(1, dtype=numpy.float32)
             self._enqueue('warm-up', scratch, self._nccl.NCCL_FLOAT32,
-                          lambda ptr, n, t, s: self._comm.allReduce(
+                          lambda comm, ptr, n, t, s: comm.allReduce(
                               ptr, ptr, n, t, self._nccl.NCCL_SUM, s))
         self.wait()
 
@@ -229,42 +232,48 @@ class NcclCommunicator(Communicator):
 
     def reduce(self, name: str, root: int = 0) -> None:
         self._check_root(root)
-        self._verb('reduce', name, lambda ptr, n, t, s: self._comm.reduce(
+        self._verb('reduce', name, lambda comm, ptr, n, t, s: comm.reduce(
             ptr, ptr, n, t, self._nccl.NCCL_SUM, root, s))
 
     def bcast(self, name: str, root: int = 0) -> None:
         self._check_root(root)
-        self._verb('bcast', name, lambda ptr, n, t, s: self._comm.bcast(ptr, n, t, root, s))
+        self._verb('bcast', name, lambda comm, ptr, n, t, s: comm.bcast(ptr, n, t, root, s))
 
     def allreduce(self, name: str) -> None:
-        self._verb('allreduce', name, lambda ptr, n, t, s: self._comm.allReduce(
+        self._verb('allreduce', name, lambda comm, ptr, n, t, s: comm.allReduce(
             ptr, ptr, n, t, self._nccl.NCCL_SUM, s))
 
     def _check_root(self, root: int) -> None:
         if not 0 <= root < self.size:
             raise ValueError(f'root {root} is not a rank in [0, {self.size})')
 
-    def _verb(self, verb: str, name: str, call: Callable[[int, int, int, int], None]) -> None:
+    def _verb(self, verb: str, name: str, call: Callable[..., None]) -> None:
         array = self.buffer(name)
         self.init()
         with self._device:
             self._enqueue(verb, array, self._types[name], call, name)
 
-    def _enqueue(self, verb: str, array: Any, nccl_type: int,
-                 call: Callable[[int, int, int, int], None], name: str = '') -> None:
-        """Run ``call(ptr, count, type, stream)`` on our stream, ordered with the compute
-        stream both ways. The caller holds the device."""
+    def _enqueue(self, verb: str, array: Any, nccl_type: int, call: Callable[..., None],
+                 name: str = '') -> None:
+        """Run ``call(comm, ptr, count, type, stream)`` on our stream, ordered with the
+        compute stream both ways. The caller holds the device."""
+        comm = self._comm
         if array.size == 0:
             return
         compute = self._cupy.cuda.get_current_stream()
         self._ready.record(compute)
         self._stream.wait_event(self._ready)
         try:
-            call(array.data.ptr, array.size, nccl_type, self._stream.ptr)
+            if comm is None:   # abort() from another thread
+                self._check_open()
+            call(comm, array.data.ptr, array.size, nccl_type, self._stream.ptr)
         except Exception as e:
+            what = f'NCCL {verb}{f" of {name!r}" if name else ""}'
+            if self._finalized:
+                raise RuntimeError(f'{what} on rank {self.rank}: the communicator was '
+                                   f'aborted or finalized meanwhile ({e})') from e
             raise RuntimeError(
-                f'NCCL {verb}{f" of {name!r}" if name else ""} failed on rank {self.rank} '
-                f'(device {self.device_id}): {e}') from e
+                f'{what} failed on rank {self.rank} (device {self.device_id}): {e}') from e
         self._done.record(self._stream)
         compute.wait_event(self._done)
 

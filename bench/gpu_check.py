@@ -1,0 +1,419 @@
+"""One-GPU check: versions, ``pytest -m gpu``, and MNIST-CNN throughput against StandardUpdater.
+
+Usage (``bench/gpu_check.sh`` installs what is missing from ``.whl/`` first, then runs this)::
+
+    python bench/gpu_check.py OUTDIR [--dry-run] [--budget SECONDS] [--batch N]
+
+Writes ``OUTDIR/gpu_check.json`` after every step, so a run that is killed or fails half-way
+still leaves what it measured and the errors; ``pytest_gpu.log``, ``pytest_gpu.xml`` and
+``bench.log`` go beside it. ``--dry-run`` runs the same steps on ``'@numpy'`` (shorter), to
+check the script itself on a machine without a GPU.
+
+The throughput step runs in a child process (a CUDA failure or a hang cannot stop the JSON
+from being written): for each of StandardUpdater, ours with ``accumulate_steps=1`` and ours
+with ``accumulate_steps=4`` (same global batch), a few warm-up updates, then as many updates
+as fit in ``--seconds``, with the device synchronised before the clock starts and stops.
+Two rounds, interleaved, so drift shows. Data are synthetic MNIST-shaped arrays: the
+machine has no network, and samples/s does not depend on the pixel values.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULT = 'RESULT '
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('outdir')
+    parser.add_argument('--dry-run', action='store_true',
+                        help="run every step on '@numpy' (no GPU needed), shorter")
+    parser.add_argument('--budget', type=float, default=270.0,
+                        help='seconds for the whole check (default 270)')
+    parser.add_argument('--batch', type=int, default=256, help='global batch (default 256)')
+    parser.add_argument('--seconds', type=float, default=None,
+                        help='timed seconds per measurement (default 6, dry run 1.5)')
+    parser.add_argument('--skip-pytest', action='store_true')
+    parser.add_argument('--bench-child', action='store_true', help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.bench_child:
+        return bench_child(args)
+
+    start = time.monotonic()
+    os.makedirs(args.outdir, exist_ok=True)
+    out_json = os.path.join(args.outdir, 'gpu_check.json')
+    report: Dict[str, Any] = {
+        'schema': 1, 'dry_run': args.dry_run,
+        'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+        'machine': platform.node(), 'errors': [],
+    }
+
+    def save() -> None:
+        report['elapsed_s'] = round(time.monotonic() - start, 1)
+        tmp = out_json + '.tmp'
+        with open(tmp, 'w') as f:
+            json.dump(report, f, indent=2, sort_keys=True, default=str)
+        os.replace(tmp, out_json)
+
+    def left() -> float:
+        return args.budget - (time.monotonic() - start)
+
+    save()
+    step(report, 'versions', collect_versions, save)
+    if args.skip_pytest:
+        report['pytest'] = {'skipped': '--skip-pytest'}
+    else:
+        step(report, 'pytest', lambda: run_pytest(args.outdir, max(30.0, min(170.0, left() - 90))),
+             save)
+    step(report, 'throughput', lambda: run_bench(args, max(20.0, left() - 10)), save)
+    report['finished'] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec='seconds')
+    report['ok'] = not report['errors']
+    save()
+    print(json.dumps({'ok': report['ok'], 'errors': report['errors'],
+                      'summary': report.get('throughput', {}).get('summary')}, indent=2))
+    print(f'wrote {out_json}')
+    return 0 if report['ok'] else 1
+
+
+def step(report: Dict[str, Any], name: str, fn: Any, save: Any) -> None:
+    """Run one step; record its result or its error, and save either way."""
+    try:
+        report[name] = fn()
+        failed = report[name].get('error') if isinstance(report[name], dict) else None
+        if failed:
+            report['errors'].append(f'{name}: {failed}')
+    except BaseException as e:  # noqa: B902  a step must never stop the report
+        report[name] = {'error': f'{type(e).__name__}: {e}', 'traceback': traceback.format_exc()}
+        report['errors'].append(f'{name}: {type(e).__name__}: {e}')
+        if isinstance(e, KeyboardInterrupt):
+            save()
+            raise
+    save()
+
+
+# -- versions -----------------------------------------------------------------------------
+
+def collect_versions() -> Dict[str, Any]:
+    v: Dict[str, Any] = {'python': sys.version.split()[0], 'platform': platform.platform(),
+                         'executable': sys.executable, 'cpu_count': os.cpu_count()}
+
+    def attempt(key: str, fn: Any) -> None:
+        try:
+            v[key] = fn()
+        except Exception as e:
+            v[key] = None
+            v.setdefault('unavailable', {})[key] = f'{type(e).__name__}: {e}'
+
+    attempt('git_commit', lambda: subprocess.run(
+        ['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True,
+        timeout=10).stdout.strip() or None)
+    import numpy
+    v['numpy'] = numpy.__version__
+    attempt('compat_patches', _apply_compat)
+    attempt('chainer', lambda: __import__('chainer').__version__)
+    attempt('cupy', lambda: __import__('cupy').__version__)
+    if v.get('cupy'):
+        import cupy
+        rt = cupy.cuda.runtime
+        attempt('cuda_runtime', lambda: _cuda_version(rt.runtimeGetVersion()))
+        attempt('cuda_driver_api', lambda: _cuda_version(rt.driverGetVersion()))
+        attempt('device_count', rt.getDeviceCount)
+        attempt('gpu', lambda: _gpu(rt))
+        attempt('nccl', _nccl_version)
+        attempt('cudnn', lambda: __import__(
+            'cupy_backends.cuda.libs.cudnn', fromlist=['getVersion']).getVersion())
+        attempt('chainer_cuda_available',
+                lambda: bool(__import__('chainer').backends.cuda.available))
+    attempt('nvidia_smi', lambda: subprocess.run(
+        ['nvidia-smi', '--query-gpu=name,driver_version,memory.total,pci.bus_id',
+         '--format=csv,noheader'], capture_output=True, text=True, timeout=20).stdout.strip())
+    return v
+
+
+def _apply_compat() -> List[str]:
+    sys.path.insert(0, ROOT)
+    from mgpu_updater import _compat
+    patches = _compat.needed()
+    _compat.apply()
+    return patches
+
+
+def _cuda_version(n: int) -> str:
+    return f'{n // 1000}.{n % 1000 // 10}'
+
+
+def _gpu(rt: Any) -> Dict[str, Any]:
+    p = rt.getDeviceProperties(0)
+    name = p['name'].decode() if isinstance(p['name'], bytes) else p['name']
+    return {'name': name, 'memory_gib': round(p['totalGlobalMem'] / 2 ** 30, 1),
+            'compute_capability': f"{p['major']}.{p['minor']}",
+            'multiprocessors': p.get('multiProcessorCount')}
+
+
+def _nccl_version() -> Dict[str, Any]:
+    sys.path.insert(0, ROOT)
+    from mgpu_updater import _cuda
+    nccl = _cuda.import_nccl()
+    return {'runtime': nccl.get_version(), 'build': nccl.get_build_version()}
+
+
+# -- pytest -m gpu -------------------------------------------------------------------------
+
+def run_pytest(outdir: str, timeout: float) -> Dict[str, Any]:
+    log = os.path.join(outdir, 'pytest_gpu.log')
+    xml = os.path.join(outdir, 'pytest_gpu.xml')
+    cmd = [sys.executable, '-m', 'pytest', '-m', 'gpu', '-q', '-rA', '-p', 'no:cacheprovider',
+           f'--junitxml={xml}', os.path.join(ROOT, 'tests')]
+    result: Dict[str, Any] = {'timeout_s': round(timeout)}
+    if importlib.util.find_spec('pytest_timeout') is None:
+        # pyproject.toml sets pytest-timeout's `timeout`, unknown without it; this run is
+        # bounded by the subprocess timeout instead
+        cmd[5:5] = ['-W', 'ignore::pytest.PytestConfigWarning']
+        result['note'] = 'pytest-timeout not installed: per-test timeouts off'
+    result['command'] = ' '.join(cmd[1:])
+    t0 = time.monotonic()
+    with open(log, 'w') as f:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout, env=_child_env())
+            result['returncode'] = proc.returncode
+        except subprocess.TimeoutExpired:
+            result['returncode'] = None
+            result['error'] = f'pytest -m gpu did not finish within {timeout:.0f} s'
+    result['seconds'] = round(time.monotonic() - t0, 1)
+    with open(log) as f:
+        text = f.read()
+    result['tail'] = text[-3000:]
+    summary = re.findall(r'^=* ?(\d+ (?:passed|failed|skipped|errors?|deselected)\b.*'
+                         r' in [\d.]+s.*?) ?=*$', text, re.M)
+    result['summary_line'] = summary[-1] if summary else None
+    if os.path.exists(xml):
+        result.update(_junit(xml))
+    if result.get('returncode') not in (0, None) and 'error' not in result:
+        # 5: no test collected (every gpu test deselected) is not a failure of the check
+        if result['returncode'] != 5:
+            result['error'] = (f"pytest -m gpu: {result.get('failed', '?')} failed, "
+                               f"{result.get('errors', '?')} errors "
+                               f"(returncode {result['returncode']})")
+    return result
+
+
+def _junit(path: str) -> Dict[str, Any]:
+    root = ET.parse(path).getroot()
+    cases = list(root.iter('testcase'))
+    out: Dict[str, Any] = {'tests': len(cases), 'failed': 0, 'errors': 0, 'skipped': 0,
+                           'passed': 0, 'failures': [], 'skips': {}}
+    for case in cases:
+        name = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find('failure') if case.find('failure') is not None else case.find('error')
+        skip = case.find('skipped')
+        if bad is not None:
+            out['failed' if bad.tag == 'failure' else 'errors'] += 1
+            out['failures'].append({'test': name, 'message': (bad.get('message') or '')[:500]})
+        elif skip is not None:
+            out['skipped'] += 1
+            reason = (skip.get('message') or '')[:200]
+            out['skips'][reason] = out['skips'].get(reason, 0) + 1
+        else:
+            out['passed'] += 1
+    return out
+
+
+def _child_env() -> Dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    paths = [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
+    env['PYTHONPATH'] = os.pathsep.join(paths)
+    return env
+
+
+# -- throughput ----------------------------------------------------------------------------
+
+def run_bench(args: argparse.Namespace, timeout: float) -> Dict[str, Any]:
+    log = os.path.join(args.outdir, 'bench.log')
+    cmd = [sys.executable, os.path.abspath(__file__), args.outdir, '--bench-child',
+           '--batch', str(args.batch), '--budget', str(timeout)]
+    if args.dry_run:
+        cmd.append('--dry-run')
+    if args.seconds is not None:
+        cmd += ['--seconds', str(args.seconds)]
+    result: Dict[str, Any] = {'timeout_s': round(timeout)}
+    with open(log, 'w') as f:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True,
+                                  timeout=timeout, env=_child_env())
+            stdout, result['returncode'] = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout or ''
+            stdout = out.decode() if isinstance(out, bytes) else out
+            result['returncode'] = None
+            result['error'] = f'the throughput run did not finish within {timeout:.0f} s'
+        f.write('\n--- stdout ---\n' + stdout)
+    rows = [json.loads(line[len(RESULT):]) for line in stdout.splitlines()
+            if line.startswith(RESULT)]
+    result['setup'] = next((r['setup'] for r in rows if 'setup' in r), None)
+    result['runs'] = [r for r in rows if 'config' in r]
+    child_errors = [r['error'] for r in rows if 'error' in r and 'config' not in r]
+    failed = [f"{r['config']}: {r['error']}" for r in result['runs'] if 'error' in r]
+    if child_errors or failed:
+        result.setdefault('error', '; '.join(child_errors + failed))
+    elif result['returncode'] not in (0, None):
+        result.setdefault('error', f"the throughput child exited with {result['returncode']} "
+                                   '(see bench.log)')
+    result['summary'] = _summarise(result['runs'])
+    return result
+
+
+def _summarise(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    best: Dict[str, float] = {}
+    for r in runs:
+        if 'samples_per_s' in r:
+            best[r['config']] = max(best.get(r['config'], 0.0), r['samples_per_s'])
+    summary: Dict[str, Any] = {'best_samples_per_s': {k: round(v, 1) for k, v in best.items()}}
+    base = best.get('standard')
+    if base:
+        summary['relative_to_standard'] = {k: round(v / base, 3) for k, v in best.items()}
+    return summary
+
+
+def bench_child(args: argparse.Namespace) -> int:
+    """Runs in its own process; prints one ``RESULT {json}`` line per finished item."""
+    def emit(obj: Dict[str, Any]) -> None:
+        print(RESULT + json.dumps(obj, default=str), flush=True)
+
+    start = time.monotonic()
+    seconds = args.seconds if args.seconds is not None else (1.5 if args.dry_run else 6.0)
+    try:
+        sys.path.insert(0, ROOT)
+        import mgpu_updater  # noqa: F401  applies the compat shim before Chainer
+        import numpy
+        import chainer
+        from chainer.datasets import TupleDataset
+        from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+        make_model, model_source = _model_factory()
+        device = '@numpy' if args.dry_run else '@cupy:0'
+        sync = _synchronizer(device)
+        n = max(args.batch * 16, 4096)
+        rng = numpy.random.RandomState(0)
+        data = TupleDataset(rng.rand(n, 1, 28, 28).astype(numpy.float32),
+                            rng.randint(0, 10, n).astype(numpy.int32))
+        emit({'setup': {'device': device, 'global_batch': args.batch, 'dataset': n,
+                        'timed_seconds': seconds, 'warmup_updates': 3 if args.dry_run else 10,
+                        'model': model_source, 'optimizer': 'MomentumSGD(lr=0.01)',
+                        'chainer': chainer.__version__}})
+    except BaseException as e:
+        emit({'error': f'set-up failed: {type(e).__name__}: {e}',
+              'traceback': traceback.format_exc()})
+        return 1
+
+    def build(config: str) -> Any:
+        model = make_model()
+        model.to_device(device)
+        optimizer = chainer.optimizers.MomentumSGD(lr=0.01).setup(model)
+        if config == 'standard':
+            it = chainer.iterators.SerialIterator(data, args.batch, shuffle=True)
+            return chainer.training.updaters.StandardUpdater(it, optimizer, device=device)
+        acc = int(config.split('acc')[-1])
+        if args.batch % acc:
+            raise ValueError(f'global batch {args.batch} is not divisible by {acc}')
+        its = shard_iterators(data, 1, args.batch // acc, seed=0, shuffle=True)
+        return ParallelAccumulatingUpdater(its, optimizer, devices=[device],
+                                           accumulate_steps=acc, prefetch=2)
+
+    configs = ['standard', 'ours_acc1', 'ours_acc4']
+    warmup = 3 if args.dry_run else 10
+    status = 0
+    for round_ in (1, 2):
+        for config in configs:
+            # leave room for the rest: each measurement takes about seconds + set-up
+            if time.monotonic() - start > args.budget - (seconds + 15):
+                emit({'config': config, 'round': round_, 'error': 'skipped: out of time'})
+                status = 1
+                continue
+            updater = None
+            try:
+                updater = build(config)
+                for _ in range(warmup):
+                    updater.update()
+                sync()
+                t0 = time.perf_counter()
+                count = 0
+                while True:
+                    updater.update()
+                    count += 1
+                    if count % 5 == 0 and time.perf_counter() - t0 >= seconds:
+                        break
+                sync()
+                elapsed = time.perf_counter() - t0
+                row = {'config': config, 'round': round_, 'updates': count,
+                       'seconds': round(elapsed, 3),
+                       'samples_per_s': round(count * args.batch / elapsed, 1),
+                       'ms_per_update': round(1000 * elapsed / count, 3)}
+                times = getattr(updater, 'last_times', None)
+                if times:
+                    row['last_times_ms'] = {k: round(1000 * v, 3) for k, v in times.items()}
+                emit(row)
+            except BaseException as e:
+                emit({'config': config, 'round': round_,
+                      'error': f'{type(e).__name__}: {e}', 'traceback': traceback.format_exc()})
+                status = 1
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+            finally:
+                if updater is not None:
+                    try:
+                        updater.finalize()
+                    except Exception:
+                        traceback.print_exc()
+    return status
+
+
+def _model_factory() -> Any:
+    try:
+        from examples.mnist.model import make_model
+        return make_model, 'examples.mnist.model.make_model()'
+    except Exception as e:  # the example is written elsewhere; keep the check running
+        import chainer
+        import chainer.functions as F
+        import chainer.links as L
+
+        class CNN(chainer.Chain):
+            def __init__(self) -> None:
+                super().__init__()
+                with self.init_scope():
+                    self.conv1 = L.Convolution2D(1, 16, ksize=3)
+                    self.conv2 = L.Convolution2D(16, 32, ksize=3)
+                    self.fc1 = L.Linear(32 * 12 * 12, 128)
+                    self.fc2 = L.Linear(128, 10)
+
+            def forward(self, x: Any) -> Any:
+                h = F.relu(self.conv2(F.relu(self.conv1(x))))
+                return self.fc2(F.relu(self.fc1(F.max_pooling_2d(h, 2))))
+
+        return (lambda: L.Classifier(CNN()),
+                f'built-in CNN (examples.mnist.model unavailable: {type(e).__name__}: {e})')
+
+
+def _synchronizer(device: str) -> Any:
+    if device == '@numpy':
+        return lambda: None
+    import cupy
+    dev = cupy.cuda.Device(int(device.rsplit(':', 1)[-1]))
+    return dev.synchronize
+
+
+if __name__ == '__main__':
+    sys.exit(main())

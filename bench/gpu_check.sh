@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One-GPU check for a machine with no network: see docs/gpu.md.
+#
+#   bench/gpu_check.sh OUTDIR [--dry-run] [more gpu_check.py options]
+#
+# 1. Installs the Python packages that are missing (Chainer, and pytest's pieces if absent)
+#    from the wheels in .whl/ at the repository root, into a separate folder
+#    ($MGPU_GPU_SITE, default /tmp/mgpu_gpu_site) put on PYTHONPATH: never from an index,
+#    never into the system's environment.
+# 2. Runs bench/gpu_check.py, which writes OUTDIR/gpu_check.json (versions, pytest -m gpu,
+#    samples/s of ours against StandardUpdater) even when parts fail.
+# Finishes within about 5 minutes; the exit status is 0 only when every part passed.
+set -u
+
+if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
+    echo "usage: $0 OUTDIR [--dry-run] [gpu_check.py options]" >&2
+    exit 2
+fi
+OUT=$1
+shift
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+SITE=${MGPU_GPU_SITE:-/tmp/mgpu_gpu_site}
+mkdir -p "$OUT" "$SITE"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/gpu_check.log
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+{
+    echo "== gpu_check $(date -u +%FT%TZ) on $(hostname) with $("$PY" -V 2>&1) ($PY)"
+    # import name -> distribution name, for what the check imports; numpy and CuPy must
+    # already be there (they are the machine's own, matched to its CUDA)
+    missing=$("$PY" - <<'EOF'
+import importlib.util
+need = {'chainer': 'chainer', 'filelock': 'filelock', 'google.protobuf': 'protobuf',
+        'six': 'six', 'typing_extensions': 'typing_extensions', 'pytest': 'pytest',
+        'pluggy': 'pluggy', 'iniconfig': 'iniconfig', 'packaging': 'packaging',
+        'pygments': 'pygments', 'pytest_timeout': 'pytest-timeout'}
+def absent(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+print(' '.join(dist for mod, dist in need.items() if absent(mod)))
+EOF
+)
+    if [ -n "$missing" ]; then
+        echo "== missing: $missing"
+        if [ -d "$ROOT/.whl" ]; then
+            for dist in $missing; do
+                "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+                    --find-links "$ROOT/.whl" --target "$SITE" "$dist" \
+                    || echo "!! could not install $dist from $ROOT/.whl (see docs/gpu.md)"
+            done
+        else
+            echo "!! $ROOT/.whl does not exist: build the wheels as docs/gpu.md says"
+        fi
+    else
+        echo "== nothing missing"
+    fi
+} >"$LOG" 2>&1
+
+# gpu_check.py keeps its own budget (270 s); this is the last guard against a hang
+timeout -k 10 290 "$PY" "$ROOT/bench/gpu_check.py" "$OUT" "$@" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+if [ ! -s "$OUT/gpu_check.json" ]; then
+    printf '{"ok": false, "errors": ["gpu_check.py exited with %s before writing its report; see gpu_check.log"]}\n' \
+        "$rc" >"$OUT/gpu_check.json"
+fi
+echo "== gpu_check.py exited with $rc; report: $OUT/gpu_check.json" | tee -a "$LOG"
+exit "$rc"

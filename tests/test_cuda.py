@@ -1,0 +1,152 @@
+"""The CUDA helpers: bounded event waits and the pinned host-to-device stager.
+
+Tests marked ``gpu`` use real CuPy and skip with the reason without it; the others check the
+structure handling and ordering against the stand-in in ``_fakecupy.py``.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+import _fakecupy
+from mgpu_updater import _cuda
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return _fakecupy.install(monkeypatch)
+
+
+class _Event:
+    def __init__(self, polls_until_done):
+        self.left = polls_until_done
+
+    @property
+    def done(self):
+        self.left -= 1
+        return self.left < 0
+
+
+def test_wait_event_returns_when_done_and_runs_the_check_meanwhile():
+    calls = []
+    _cuda.wait_event(_Event(0))
+    _cuda.wait_event(_Event(400), check=lambda: calls.append(1))
+    assert calls   # polled for longer than one check interval
+
+
+def test_wait_event_times_out_and_lets_the_check_raise():
+    with pytest.raises(TimeoutError, match=r'the copy did not finish within 0.05 s'):
+        _cuda.wait_event(_Event(10 ** 9), timeout=0.05, what='the copy')
+
+    def dead():
+        raise RuntimeError('peer died')
+
+    with pytest.raises(RuntimeError, match='peer died'):
+        _cuda.wait_event(_Event(10 ** 9), check=dead)
+
+
+def test_stager_keeps_the_structure_and_the_values(fake):
+    stager = _cuda.PinnedStager(device=2)
+    x = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
+    t = numpy.array([1, 0, 2], dtype=numpy.int32)
+    big_endian = numpy.arange(3, dtype='>f8')
+    names = numpy.array(['a', 'b'])
+    batch = {'x': x[:, ::2], 'y': (t, [big_endian, None, 7]), 'names': names,
+             'empty': numpy.zeros((0, 3), numpy.float32)}
+    staged = stager.stage(batch)
+    out = staged.wait()
+    assert set(out) == set(batch)
+    assert isinstance(out['x'], fake.FakeArray)
+    numpy.testing.assert_array_equal(out['x'], x[:, ::2])
+    numpy.testing.assert_array_equal(out['y'][0], t)
+    assert out['y'][0].dtype == numpy.int32
+    numpy.testing.assert_array_equal(out['y'][1][0], big_endian)
+    assert out['y'][1][0].dtype == numpy.float64 and out['y'][1][0].dtype.isnative
+    assert out['y'][1][1:] == [None, 7] and out['names'] is names
+    assert out['empty'].shape == (0, 3)
+    assert isinstance(out['y'], tuple) and isinstance(out['y'][1], list)
+
+
+def test_stager_orders_copies_after_compute_and_reuses_pinned_buffers(fake):
+    compute = fake.cuda.Stream()
+    stager = _cuda.PinnedStager(device=0, compute_stream=compute)
+    a = numpy.ones((8, 8), numpy.float32)
+    stager.stage((a, a[0]))
+    pinned = list(fake.pinned)
+    del fake.log[:]
+    staged = stager.stage((a * 2, a[0] * 2))
+    record, wait, h2d1, h2d2, done = fake.log
+    assert record[:2] == ('record', compute)                        # after compute so far
+    assert wait[:2] == ('wait', stager.stream) and wait[2] is record[2]
+    assert h2d1[:2] == h2d2[:2] == ('h2d', stager.stream)          # on the side stream
+    assert done[:2] == ('record', stager.stream)
+    assert fake.pinned == pinned                                    # same size: reused
+    consumer = fake.cuda.Stream()
+    x, x0 = staged.wait(consumer)
+    assert fake.log[-1] == ('wait', consumer, done[2])
+    numpy.testing.assert_array_equal(x, a * 2)
+    stager.stage((numpy.ones((16, 16), numpy.float32), a[0]))
+    assert len(fake.pinned) == len(pinned) + 1                      # grown for the bigger one
+
+
+def test_stager_waits_for_the_previous_copy_before_reusing_pinned_memory(fake):
+    stager = _cuda.PinnedStager(device=0, timeout=0.05)
+    stager.stage(numpy.ones(4, numpy.float32))
+    fake.hang = True   # the previous copy never finishes
+    with pytest.raises(TimeoutError, match=r'host-to-device copy to device 0'):
+        stager.stage(numpy.ones(4, numpy.float32))
+
+
+def test_unavailable_reason_without_cupy(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, 'cupy', None)
+    assert _cuda.unavailable_reason().startswith('CuPy not installed')
+    with pytest.raises(ImportError, match=r"mgpu_updater\[cuda12\]"):
+        _cuda.PinnedStager(0)
+
+
+# -- on a GPU ----------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def gpu():
+    reason = _cuda.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    import cupy
+    return cupy
+
+
+@pytest.mark.gpu
+def test_gpu_stager_round_trip(gpu):
+    cupy = gpu
+    stager = _cuda.PinnedStager(0)
+    x = numpy.random.RandomState(0).rand(64, 1, 28, 28).astype(numpy.float32)
+    t = numpy.arange(64, dtype=numpy.int32)
+    with cupy.cuda.Device(0):
+        out_x, out_t = stager.stage((x, t)).wait()
+        assert isinstance(out_x, cupy.ndarray) and out_x.device.id == 0
+        numpy.testing.assert_array_equal(out_x.get(), x)
+        numpy.testing.assert_array_equal(out_t.get(), t)
+    stager.close()
+
+
+@pytest.mark.gpu
+def test_gpu_stager_many_batches_while_computing(gpu):
+    # staging batch k+1 while batch k is being used must never corrupt either: pinned
+    # buffers are reused and device memory is recycled through the memory pool
+    cupy = gpu
+    stager = _cuda.PinnedStager(0)
+    n = 2 ** 20
+    with cupy.cuda.Device(0):
+        staged = stager.stage(numpy.full(n, 0, numpy.float32))
+        sums = []
+        for k in range(1, 30):
+            current = staged.wait()
+            staged = stager.stage(numpy.full(n, k, numpy.float32))   # overlaps the compute
+            y = current
+            for _ in range(20):
+                y = y * 1.0 + 0.0
+            sums.append(float(y.sum()))
+            del current, y
+        assert sums == [float(n * k) for k in range(0, 29)]
+    stager.close()
