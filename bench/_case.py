@@ -1,0 +1,275 @@
+"""Run benchmark cases in this process and print one JSON line per finished case.
+
+Usage (by ``bench/scaling.py``): ``python bench/_case.py '<json plan>'``; the plan holds
+``common`` settings and a list of ``cases``. The orchestrator starts one such process per
+thread setting, because BLAS reads its thread count once, when numpy is imported.
+
+Methods (all train the same model on the same data for the same global batch ``n*k*b``):
+
+- ``standard``: ``StandardUpdater``, one batch of ``n*k*b`` samples per update.
+- ``hand``: the hand-written accumulation loop: ``cleargrads``; ``n*k`` micro-batches of ``b``,
+  each ``forward``, loss scaled by ``1/(n*k)``, ``backward``; one ``optimizer.update()``.
+- ``parallel``: Chainer's ``ParallelUpdater`` over ``n`` replicas, ``k*b`` samples each.
+- ``multiprocess``: Chainer's ``MultiprocessParallelUpdater`` (NCCL, GPUs only).
+- ``ours``: ``ParallelAccumulatingUpdater`` with ``n`` devices, ``k`` micro-batches of ``b``.
+- ``memory``: peak memory of one update as ``k`` micro-batches of ``b`` versus one batch of
+  ``k*b`` (tracemalloc on CPU, CuPy's memory pool on GPU).
+"""
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+import tracemalloc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _common  # noqa: E402  (imports Chainer through the package's shim)
+
+import chainer  # noqa: E402
+
+TIME_KEYS = ('data', 'compute', 'comm', 'update')
+
+
+def _observed_step(updater, model, others=()):
+    """``updater.update()`` inside a reporter scope, as under a Trainer; returns the report.
+
+    ``others``: (name, model) pairs of further replicas that report, as registered by
+    ``ParallelUpdater.connect_trainer``.
+    """
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    reporter.add_observers('main', model.namedlinks(skipself=True))
+    for name, other in others:
+        reporter.add_observer(name, other)
+
+    def step():
+        observation = {}
+        with reporter.scope(observation):
+            updater.update()
+        return observation
+    return step
+
+
+def _float(value):
+    try:
+        return float(value)
+    except TypeError:  # a 0-dim array or a Variable
+        return float(getattr(value, 'array', value))
+
+
+def _run_timed(step, global_batch, common, sync, collect=None):
+    return _common.time_rounds(step, global_batch, common['warmup'], common['rounds'],
+                               common['updates'], sync=sync, on_timed=collect)
+
+
+def run_standard(case, common, dataset, kind):
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    device = _common.device_spec(kind, 0)
+    model.to_device(device)
+    optimizer = _common.make_optimizer(model)
+    iterator = chainer.iterators.SerialIterator(dataset, n * k * b, shuffle=True)
+    updater = chainer.training.updaters.StandardUpdater(iterator, optimizer, device=device)
+    step = _observed_step(updater, model)
+    return {'samples_per_s': _run_timed(step, n * k * b, common,
+                                        lambda: _common.synchronize(kind))}
+
+
+def _hand_step(model, optimizer, iterator, micro_batches, device):
+    convert = chainer.dataset.concat_examples
+
+    def update():
+        model.cleargrads()
+        for _ in range(micro_batches):
+            x, t = convert(iterator.next(), device)
+            loss = model(x, t) / micro_batches
+            loss.backward()
+            del loss
+        optimizer.update()
+    return update
+
+
+def run_hand(case, common, dataset, kind):
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    device = _common.device_spec(kind, 0)
+    model.to_device(device)
+    optimizer = _common.make_optimizer(model)
+    iterator = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
+    update = _hand_step(model, optimizer, iterator, n * k, device)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+
+    def step():
+        with reporter.scope({}):
+            update()
+    return {'samples_per_s': _run_timed(step, n * k * b, common,
+                                        lambda: _common.synchronize(kind))}
+
+
+def run_parallel(case, common, dataset, kind):
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    optimizer = _common.make_optimizer(model)
+    devices = {'main': _common.device_spec(kind, 0)}
+    devices.update({'replica{}'.format(i): _common.device_spec(kind, i) for i in range(1, n)})
+    iterator = chainer.iterators.SerialIterator(dataset, n * k * b, shuffle=True)
+    updater = chainer.training.updaters.ParallelUpdater(iterator, optimizer, devices=devices)
+    others = [(name, m) for name, m in updater._models.items() if m is not model]
+    step = _observed_step(updater, model, others)
+    return {'samples_per_s': _run_timed(step, n * k * b, common,
+                                        lambda: _common.synchronize(kind))}
+
+
+def run_multiprocess(case, common, dataset, kind):
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    optimizer = _common.make_optimizer(model)
+    shards = chainer.datasets.split_dataset_n_random(dataset, n, seed=0)
+    iterators = [chainer.iterators.SerialIterator(shard, k * b, shuffle=True)
+                 for shard in shards]
+    updater = chainer.training.updaters.MultiprocessParallelUpdater(
+        iterators, optimizer, devices=list(range(n)))
+    try:
+        step = _observed_step(updater, model)
+        rates = _run_timed(step, n * k * b, common, lambda: _common.synchronize(kind))
+    finally:
+        updater.finalize()
+    return {'samples_per_s': rates}
+
+
+def run_ours(case, common, dataset, kind):
+    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    optimizer = _common.make_optimizer(model)
+    iterators = shard_iterators(dataset, n=n, batch_size=b,
+                                iterator_class=chainer.iterators.SerialIterator,
+                                seed=0, shuffle=True)
+    devices = [_common.device_spec(kind, i) for i in range(n)]
+    updater = ParallelAccumulatingUpdater(iterators, optimizer, devices=devices,
+                                          accumulate_steps=k, report_times=True)
+    timed = []
+    try:
+        step = _observed_step(updater, model)
+        rates = _run_timed(step, n * k * b, common, lambda: _common.synchronize(kind),
+                           collect=timed.append)
+    finally:
+        updater.finalize()
+    result = {'samples_per_s': rates}
+    times = {}
+    for key in TIME_KEYS:
+        values = [_float(obs['main/time/' + key]) for obs in timed if 'main/time/' + key in obs]
+        if values:
+            times[key] = sum(values) / len(values)
+    if times:
+        result['times'] = times
+        step_time = n * k * b / _median(rates)  # seconds per update
+        result['step_time'] = step_time
+        if 'comm' in times:
+            result['comm_share'] = times['comm'] / step_time
+    return result
+
+
+def _median(values):
+    return _common.summarize(values)['median']
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+def _peak_bytes(fn, kind):
+    """Peak bytes allocated on top of what was live when ``fn`` started."""
+    gc.collect()
+    if kind == 'gpu':
+        import cupy
+        pool = cupy.get_default_memory_pool()
+        _common.synchronize(kind)
+        pool.free_all_blocks()
+        before = pool.total_bytes()
+        fn()
+        _common.synchronize(kind)
+        return pool.total_bytes() - before  # the pool keeps every block it needed at the peak
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def run_memory(case, common, dataset, kind):
+    """One update as ``k`` micro-batches of ``b`` versus one batch of ``k*b``, same process."""
+    k, b = case['k'], common['micro_batch']
+    device = _common.device_spec(kind, 0)
+    model = _common.make_model(common['model'])
+    model.to_device(device)
+    optimizer = _common.make_optimizer(model)
+    param_bytes = sum(p.array.nbytes for p in model.params())
+
+    micro = chainer.iterators.SerialIterator(dataset, b, shuffle=False)
+    accumulate = _hand_step(model, optimizer, micro, k, device)
+    big = chainer.iterators.SerialIterator(dataset, k * b, shuffle=False)
+
+    def one_batch():
+        model.cleargrads()
+        x, t = chainer.dataset.concat_examples(big.next(), device)
+        loss = model(x, t)
+        loss.backward()
+        del loss
+        optimizer.update()
+
+    # Warm up both paths: the optimizer state and any first-call caches exist before measuring.
+    accumulate()
+    one_batch()
+    accumulated = _peak_bytes(accumulate, kind)
+    single = _peak_bytes(one_batch, kind)
+    return {
+        'accumulated_peak_bytes': accumulated,
+        'one_batch_peak_bytes': single,
+        'gradient_bytes': param_bytes,
+        'ratio_peak': accumulated / single,
+        'accumulated_activation_bytes': accumulated - param_bytes,
+        'one_batch_activation_bytes': single - param_bytes,
+        'ratio_activation': (accumulated - param_bytes) / (single - param_bytes),
+        'measured_with': 'tracemalloc' if kind == 'cpu' else 'cupy memory pool',
+    }
+
+
+RUNNERS = {
+    'standard': run_standard,
+    'hand': run_hand,
+    'parallel': run_parallel,
+    'multiprocess': run_multiprocess,
+    'ours': run_ours,
+    'memory': run_memory,
+}
+
+
+def main(argv):
+    plan = json.loads(argv[1])
+    common = plan['common']
+    kind = common['device_kind']
+    dataset = _common.make_dataset(common['dataset_size'], seed=0)
+    _common.emit({'event': 'started', 'pid': os.getpid(),
+                  'threads': _common.current_thread_env(),
+                  'blas': _common.blas_info()})
+    for case in plan['cases']:
+        gc.collect()
+        start = time.perf_counter()
+        record = dict(case)
+        try:
+            record.update(RUNNERS[case['method']](case, common, dataset, kind))
+        except Exception:
+            record['error'] = traceback.format_exc()
+        record['wall_s'] = time.perf_counter() - start
+        record['event'] = 'case'
+        _common.emit(record)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv))

@@ -1,0 +1,114 @@
+"""Smoke test of ``bench/scaling.py``: a tiny grid end to end, then the results' schema.
+
+The benchmark runs in a subprocess (it starts its own processes per thread setting, and
+ChainerMN under ``mpiexec`` when mpi4py is installed); only its outputs are checked here.
+"""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCALING = ROOT / 'bench' / 'scaling.py'
+
+DEVICES = (1, 2)
+KS = (1, 2)
+ROW_KEYS = {'method', 'n', 'k', 'micro_batch', 'global_batch', 'samples_per_s',
+            'samples_per_s_min', 'samples_per_s_max', 'rounds', 'speedup_vs_standard',
+            'efficiency', 'processes', 'thread_env'}
+
+
+def _expected_methods():
+    methods = {'standard', 'hand', 'parallel', 'ours'}
+    mpiexec = Path(sys.executable).parent / 'mpiexec'
+    if importlib.util.find_spec('mpi4py') and (mpiexec.exists() or _on_path('mpiexec')):
+        methods.add('chainermn')
+    return methods
+
+
+def _on_path(name):
+    import shutil
+    return shutil.which(name) is not None
+
+
+@pytest.fixture(scope='module')
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp('bench')
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    cmd = [sys.executable, str(SCALING), '--smoke', '--out', str(out),
+           '--devices', ','.join(map(str, DEVICES)), '--ks', ','.join(map(str, KS)),
+           '--case-timeout', '120']
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=240)
+    result_path = out / 'scaling.json'
+    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    failures = '\n'.join('{} N={} k={}:\n{}'.format(e.get('method'), e.get('n'), e.get('k'),
+                                                    e.get('error'))
+                         for e in result.get('errors', []))
+    assert proc.returncode == 0, failures or proc.stderr[-5000:]
+    return out, result, proc
+
+
+@pytest.mark.slow
+def test_outputs_written(smoke):
+    out, result, proc = smoke
+    assert (out / 'scaling.md').read_text().startswith('# Scaling benchmark')
+    assert (out / 'scaling.png').stat().st_size > 1000
+    assert '| method | devices | k |' in proc.stdout  # the table on stdout
+    assert '[' in proc.stderr  # progress lines
+
+
+@pytest.mark.slow
+def test_every_row_present_and_sane(smoke):
+    _, result, _ = smoke
+    assert result['schema'] == 'mgpu_updater.bench.scaling/1'
+    assert result['errors'] == []
+    assert result['config']['devices'] == list(DEVICES)
+    assert result['config']['accumulate_steps'] == list(KS)
+    b = result['config']['micro_batch']
+    seen = {(r['method'], r['n'], r['k']) for r in result['rows']}
+    expected = {(m, n, k) for m in _expected_methods() for n in DEVICES for k in KS}
+    assert seen == expected
+    for row in result['rows']:
+        assert ROW_KEYS <= set(row), row
+        assert row['global_batch'] == row['n'] * row['k'] * b
+        assert len(row['rounds']) == result['config']['rounds']
+        assert all(math.isfinite(v) and v > 0 for v in row['rounds'])
+        assert row['samples_per_s_min'] <= row['samples_per_s'] <= row['samples_per_s_max']
+        assert row['speedup_vs_standard'] > 0 and row['efficiency'] > 0
+    standard = [r for r in result['rows'] if r['method'] == 'standard']
+    assert all(r['speedup_vs_standard'] == pytest.approx(1.0) for r in standard)
+
+
+@pytest.mark.slow
+def test_ours_reports_times_and_comm_share(smoke):
+    _, result, _ = smoke
+    ours = [r for r in result['rows'] if r['method'] == 'ours']
+    for row in ours:
+        assert set(row['times']) >= {'data', 'compute', 'comm', 'update'}
+        assert all(v >= 0 for v in row['times'].values())
+        assert 0 <= row['comm_share'] <= 1.5  # a share of the measured wall time per update
+
+
+@pytest.mark.slow
+def test_memory_and_environment_recorded(smoke):
+    _, result, _ = smoke
+    assert [m['k'] for m in result['memory']] == list(KS)
+    for m in result['memory']:
+        assert m['accumulated_peak_bytes'] > 0 and m['one_batch_peak_bytes'] > 0
+    assert result['machine']['cores_usable'] >= 1
+    assert {'python', 'numpy', 'chainer', 'blas'} <= set(result['versions'])
+    per_replica = result['threads']['per_replica']
+    assert set(per_replica) == {str(n) for n in DEVICES}
+    if result['config']['device_kind'] == 'cpu':
+        replica_rows = [r for r in result['rows'] if r['method'] == 'ours']
+        for row in replica_rows:
+            assert row['thread_env']['OPENBLAS_NUM_THREADS'] == str(per_replica[str(row['n'])])
+    skipped = {s['method'] for s in result['skipped']}
+    assert 'MultiprocessParallelUpdater' in skipped or result['machine']['gpus'] >= 2
