@@ -17,6 +17,10 @@ Under ``chainer.set_debug(True)`` every update first checks that the ranks still
 
 The results come back in rank order, the same list on every rank, so the reported means
 (``main/loss``...) are the same bits on every rank.
+
+``pipelined=True`` uses :meth:`Group.finish_async`'s default: the same reduction, at once,
+with the gradient applied one update late as that mode defines; across ranks it does not
+overlap the reduction with the next compute yet.
 """
 from __future__ import annotations
 

@@ -144,10 +144,13 @@ class MpiCommunicator(Communicator):
 
     def bcast(self, name: str, root: int = 0) -> None:
         self._check_open()
-        if self._nccl is not None:
-            ptr, n, dtype, stream = self._nccl_args(name)
+        if self._nccl is not None:   # bytes: exact, any dtype (bool persistents too)
+            import cupy
+            from cupy.cuda import nccl
+            buf = self._buffers[name]
             with chainer.using_device(self.device):
-                self._nccl.bcast(ptr, n, dtype, root, stream)
+                self._nccl.bcast(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, root,
+                                 cupy.cuda.get_current_stream().ptr)
             return
         host = self._staged(name)
         array = self._buffers[name] if host is None else host

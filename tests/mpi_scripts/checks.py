@@ -1,0 +1,231 @@
+"""Run under ``mpiexec -n 2 python -m mpi4py checks.py OUT.json``; rank 0 writes OUT.json.
+
+Every check runs on every rank; the results of all ranks are gathered and rank 0 writes
+what the test asserts on:
+
+- ``verbs``: MpiCommunicator's reduce / bcast / allreduce on float16/32/64 and int buffers,
+  compared with the sum computed in numpy;
+- ``cases``: ParallelAccumulatingUpdater over the ranks (unequal batch sizes, k=1 and k=3,
+  a short last window) against a single-process StandardUpdater on the batch holding every
+  sample of the update; the ranks' final parameters and reported values, bitwise;
+- ``batchnorm``: BatchNorm running statistics equal the mean over the ranks of what each
+  rank's micro-batches would have made alone;
+- ``pipelined``: ``pipelined=True`` keeps the ranks bitwise identical;
+- ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named.
+"""
+import copy
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mgpu_updater  # noqa: E402,F401  (applies the compat shim before chainer)
+import chainer  # noqa: E402
+import chainermn  # noqa: E402
+from chainer.training.updaters import StandardUpdater  # noqa: E402
+
+from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
+from mgpu_updater.comm.mpi import MpiCommunicator  # noqa: E402
+
+from _models import (classifier, dataset, params, persistents, run_updates,  # noqa: E402
+                     setup_optimizer)
+
+comm = chainermn.create_communicator('naive')
+RANK, SIZE = comm.rank, comm.size
+
+
+def gathered(obj):
+    return comm.mpi_comm.allgather(obj)
+
+
+def bitwise_equal(dicts):
+    first = dicts[0]
+    return all(d.keys() == first.keys() and all(
+        np.array_equal(np.asarray(d[k]), np.asarray(first[k])) for k in first) for d in dicts)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64))))
+               for k in a)
+
+
+# ---------------------------------------------------------------------------- verbs
+def check_verbs():
+    out = {}
+    for dtype in ['float16', 'float32', 'float64', 'int32']:
+        spec = {'grad/x': (dtype, 7), 'param/x': (dtype, 7)}
+        mpi = MpiCommunicator(comm, spec, '@numpy')
+        mine = (np.arange(7) + 10 * RANK).astype(dtype)
+        total = sum((np.arange(7) + 10 * r).astype(dtype) for r in range(SIZE))
+        ok = {}
+        mpi.buffer('grad/x')[...] = mine
+        mpi.reduce('grad/x', root=0)
+        ok['reduce'] = bool(np.array_equal(mpi.buffer('grad/x'), total)) if RANK == 0 else True
+        mpi.buffer('grad/x')[...] = mine
+        mpi.allreduce('grad/x')
+        ok['allreduce'] = bool(np.array_equal(mpi.buffer('grad/x'), total))
+        mpi.buffer('param/x')[...] = mine
+        mpi.bcast('param/x', root=SIZE - 1)
+        ok['bcast'] = bool(np.array_equal(mpi.buffer('param/x'),
+                                          (np.arange(7) + 10 * (SIZE - 1)).astype(dtype)))
+        mpi.finalize()
+        mpi.finalize()   # twice is fine
+        try:
+            mpi.buffer('grad/x')
+            ok['use_after_finalize_raises'] = False
+        except RuntimeError:
+            ok['use_after_finalize_raises'] = True
+        out[dtype] = ok
+    return out
+
+
+# ---------------------------------------------------------------------------- updates
+def reference(model, datasets, batch_sizes, k, updates, opt_kind):
+    """StandardUpdater on one batch holding every sample of each update."""
+    opt = setup_optimizer(opt_kind, model)
+    losses = []
+    for u in range(updates):
+        batch = []
+        for d, b in zip(datasets, batch_sizes):
+            batch.extend(d[u * k * b:(u + 1) * k * b])
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        obs = run_updates(StandardUpdater(it, opt), model, 1)[0]
+        losses.append(float(obs['main/loss'].array))
+    return losses
+
+
+def ours(model, data, batch_size, k, opt_kind, repeat, updates=None):
+    opt = setup_optimizer(opt_kind, model)
+    it = chainer.iterators.SerialIterator(data, batch_size, shuffle=False, repeat=repeat)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], accumulate_steps=k,
+                                          communicator=comm)
+    observations = []
+    try:
+        while updates is None or len(observations) < updates:
+            try:
+                observations.extend(run_updates(updater, model, 1))
+            except StopIteration:
+                break
+        weight_norm = updater._weight_norm
+    finally:
+        updater.finalize()
+    return observations, weight_norm
+
+
+CASES = [
+    # name, per-rank batch sizes, accumulate_steps, per-rank sample counts, updates, repeat
+    ('k1_unequal', (3, 5), 1, (12, 20), 4, True),
+    ('k3_unequal', (2, 4), 3, (18, 36), 3, True),
+    ('short_last_window', (2, 3), 2, (10, 15), None, False),
+]
+
+
+def check_case(name, batch_sizes, k, counts, updates, repeat, opt_kind='momentum+decay'):
+    with chainer.using_config('dtype', np.float64):
+        datasets = [dataset(n, seed=100 + r, dtype=np.float64) for r, n in enumerate(counts)]
+        n_ref = updates or -(-counts[0] // (k * batch_sizes[0]))
+        ref_model = classifier(seed=0)
+        ref_losses = reference(ref_model, datasets, batch_sizes, k, n_ref, opt_kind)
+        # Rank 1 starts from other weights: the broadcast at start must fix that.
+        model = classifier(seed=RANK)
+        observations, weight_norm = ours(model, datasets[RANK], batch_sizes[RANK], k,
+                                         opt_kind, repeat, updates)
+    mine = params(model)
+    reported = [{key: float(v) for key, v in o.items() if not key.startswith('main/time/')}
+                for o in observations]
+    everyone = gathered((mine, reported))
+    return {
+        'updates': len(observations),
+        'reference_updates': n_ref,
+        'weight_norm': weight_norm,
+        'expected_weight_norm': float(k * sum(batch_sizes)),
+        'params_bitwise_equal_across_ranks': bitwise_equal([p for p, _ in everyone]),
+        'reports_equal_across_ranks': all(r == everyone[0][1] for _, r in everyone),
+        'max_param_diff_vs_reference': max_diff(mine, params(ref_model)),
+        'losses': [o['main/loss'] for o in reported],
+        'reference_losses': ref_losses,
+        'time_keys': sorted(k for k in observations[0] if k.startswith('main/time/')),
+    }
+
+
+def check_batchnorm(k=2, batch_sizes=(4, 6)):
+    datasets = [dataset(40, seed=200 + r) for r in range(SIZE)]
+    model = classifier(seed=0, batchnorm=True)
+    alone = copy.deepcopy(model)    # what this rank's micro-batches do to BN by themselves
+    b = batch_sizes[RANK]
+    with chainer.using_config('train', True), chainer.no_backprop_mode():
+        for j in range(k):
+            x, t = chainer.dataset.concat_examples(datasets[RANK][j * b:(j + 1) * b])
+            alone(x, t)
+    alone_stats = persistents(alone)
+    observations, _ = ours(model, datasets[RANK], b, k, 'sgd', True, updates=1)
+    stats = persistents(model)
+    everyone = gathered((alone_stats, stats))
+    mean = {key: np.mean([a[key] for a, _ in everyone], axis=0) for key in alone_stats}
+    floats = sorted(key for key in mean if mean[key].dtype.kind == 'f')
+    return {
+        'stats_bitwise_equal_across_ranks': bitwise_equal([s for _, s in everyone]),
+        'max_diff_vs_mean_of_ranks': max_diff({k_: stats[k_] for k_ in floats},
+                                              {k_: mean[k_] for k_ in floats}),
+        'float_stats': floats,
+        'ranks_alone_differ': not bitwise_equal([a for a, _ in everyone]),
+    }
+
+
+def check_debug_sync():
+    """Under chainer.set_debug(True) every update first checks the ranks agree."""
+    model = classifier(seed=0)
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(20, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm)
+    out = {}
+    try:
+        with chainer.using_config('debug', True):
+            run_updates(updater, model, 2)
+            out['in_sync_passes'] = True
+            if RANK == 1:
+                model.predictor.l1.W.array[0, 0] += 1.0
+            try:
+                run_updates(updater, model, 1)
+                out['drift_raises'] = None
+            except RuntimeError as e:
+                out['drift_raises'] = str(e)
+    finally:
+        updater.finalize()
+    return gathered(out)
+
+
+def check_pipelined(updates=3):
+    """pipelined=True across ranks: the ranks stay bitwise identical."""
+    model = classifier(seed=0)
+    opt = setup_optimizer('adam', model)
+    it = chainer.iterators.SerialIterator(dataset(24, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], accumulate_steps=2,
+                                          pipelined=True, communicator=comm)
+    try:
+        run_updates(updater, model, updates)
+    finally:
+        updater.finalize()
+    start = params(classifier(seed=0))
+    mine = params(model)
+    return {'ranks_equal': bitwise_equal(gathered(mine)),
+            'moved': max_diff(mine, start) > 0, 'iteration': updater.iteration}
+
+
+def main(out_path):
+    result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
+    for name, *args in CASES:
+        result['cases'][name] = check_case(name, *args)
+    result['batchnorm'] = check_batchnorm()
+    result['debug_sync'] = check_debug_sync()
+    result['pipelined'] = check_pipelined()
+    if RANK == 0:
+        with open(out_path, 'w') as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1])
