@@ -28,6 +28,8 @@ import hashlib
 import warnings
 from typing import Any, Dict, List, Optional
 
+import numpy
+
 import chainer
 
 from ._flat import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
@@ -73,8 +75,8 @@ class MpiGroup(Group):
             if theirs != gathered[0][0]:
                 raise ValueError(
                     f'rank {rank} has a different model from rank 0 (parameter names, '
-                    f'shapes or dtypes differ): rank 0 {_describe(gathered[0][0])}, rank '
-                    f'{rank} {_describe(theirs)}; build the same model on every rank')
+                    f'shapes or dtypes differ): rank 0 has {_describe(gathered[0][0])}, rank '
+                    f'{rank} has {_describe(theirs)}; build the same model on every rank')
         return [w for _, w in gathered]
 
     def _broadcast_state(self) -> None:
@@ -152,4 +154,6 @@ class MpiGroup(Group):
 
 def _describe(layout: Any) -> str:
     spec, names = layout
-    return f'{len(names)} parameters, buffers {spec}'
+    values = ', '.join(f'{count} {numpy.dtype(dtype).name}'
+                       for key, (dtype, count) in sorted(spec.items()) if key.startswith('grad/'))
+    return f'{len(names)} parameters of {values or "no"} values'

@@ -126,6 +126,11 @@ def test_pipelined_mode_keeps_the_ranks_identical(checks):
     assert checks['pipelined'] == {'ranks_equal': True, 'moved': True, 'iteration': 3}
 
 
+def test_a_different_model_on_one_rank_raises_on_every_rank(checks):
+    for message in checks['model_mismatch']:
+        assert message and 'rank 1 has a different model from rank 0' in message
+
+
 def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
     for rank, out in enumerate(checks['debug_sync']):
         assert out['in_sync_passes']

@@ -11,6 +11,7 @@ what the test asserts on:
 - ``batchnorm``: BatchNorm running statistics equal the mean over the ranks of what each
   rank's micro-batches would have made alone;
 - ``pipelined``: ``pipelined=True`` keeps the ranks bitwise identical;
+- ``model_mismatch``: different models on the ranks raise on every rank;
 - ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named.
 """
 import copy
@@ -215,6 +216,21 @@ def check_pipelined(updates=3):
             'moved': max_diff(mine, start) > 0, 'iteration': updater.iteration}
 
 
+def check_model_mismatch():
+    """Rank 1 builds another model: every rank raises when the group starts."""
+    model = classifier(seed=0, n_hidden=16 + RANK)
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(8, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm)
+    try:
+        run_updates(updater, model, 1)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        updater.finalize()
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -222,6 +238,7 @@ def main(out_path):
     result['batchnorm'] = check_batchnorm()
     result['debug_sync'] = check_debug_sync()
     result['pipelined'] = check_pipelined()
+    result['model_mismatch'] = gathered(check_model_mismatch())
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)
