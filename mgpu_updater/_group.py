@@ -99,10 +99,10 @@ class LocalGroup(Group):
         self.pool = WorkerPool(devices, start_method)
         try:
             shm = getattr(self.comm, 'segment_names', [])
-            self.pool.start({r: p(handle) for r, p in payloads.items()}, shm, start_timeout)
-            init = getattr(self.comm, 'init', None)
-            if init is not None:
-                init()
+            if hasattr(self.comm, 'check_peer_alive'):   # NCCL: watch the workers in waits
+                self.comm.check_peer_alive = self.pool.check_alive
+            self.pool.start({r: p(handle) for r, p in payloads.items()}, shm, start_timeout,
+                            before_ready=getattr(self.comm, 'init', None))
         except BaseException:
             self.close(abort=True)
             raise

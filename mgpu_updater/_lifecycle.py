@@ -11,7 +11,7 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .errors import WorkerError
 
@@ -49,8 +49,12 @@ class WorkerPool:
         return [p.pid for p in self._procs.values()]
 
     def start(self, payloads: Dict[int, bytes], shm_names: List[str],
-              timeout: float) -> None:
-        """Start one process per payload and wait (bounded) until each says it is ready."""
+              timeout: float, before_ready: Optional[Callable[[], None]] = None) -> None:
+        """Start one process per payload and wait (bounded) until each says it is ready.
+
+        ``before_ready`` runs after the processes started and before the wait: the NCCL
+        communicator's initialisation, which needs every rank at once.
+        """
         import os
         from . import _worker
         for rank, payload in sorted(payloads.items()):
@@ -62,7 +66,20 @@ class WorkerPool:
             child.close()
             self._procs[rank] = proc
             self._conns[rank] = parent
+        if before_ready is not None:
+            before_ready()
         self.gather('ready', timeout=timeout, what='start')
+
+    def check_alive(self) -> None:
+        """Raise :class:`WorkerError` if a worker has died (never blocks)."""
+        for rank, proc in self._procs.items():
+            if proc.exitcode is not None:
+                if self._conns[rank].poll(0):
+                    msg = self._conns[rank].recv()
+                    if msg[0] == 'error':
+                        raise WorkerError('failed', replica=rank, device=str(self._devices[rank]),
+                                          remote_traceback=msg[1])
+                self._raise_dead(rank)
 
     def send(self, msg: tuple, ranks: Optional[Sequence[int]] = None) -> None:
         for rank in (self.ranks if ranks is None else ranks):

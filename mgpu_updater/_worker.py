@@ -135,6 +135,8 @@ def _build(init: 'WorkerInit') -> Any:
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.weight_norm)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
+    if hasattr(comm, 'init'):   # NCCL: every rank joins while the master waits for 'ready'
+        comm.init()
     return replica, comm, ModelLayouts(model)
 
 

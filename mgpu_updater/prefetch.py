@@ -20,6 +20,8 @@ import chainer
 from chainer.dataset import convert
 from chainer.serializers import DictionarySerializer
 
+from ._cuda import Staged   # imports no CuPy
+
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 
 
@@ -124,12 +126,15 @@ class Loader:
         self._exhausted = False
         self._closed = False
 
-    def _load(self) -> Optional[Batch]:
+    def _load(self, stager: Any = None) -> Optional[Batch]:
         try:
             batch = self.iterator.next()
         except StopIteration:
             return None
-        arrays = convert._call_converter(self.converter, batch, self.device)
+        if stager is None:
+            arrays = convert._call_converter(self.converter, batch, self.device)
+        else:   # GPU: convert on the host, copy from pinned memory on a side stream
+            arrays = stager.stage(convert._call_converter(self.converter, batch, None))
         return Batch(len(batch), arrays, epoch_info(self.iterator))
 
     def get(self) -> Optional[Batch]:
@@ -169,23 +174,25 @@ class Prefetcher(Loader):
         self._thread.start()
 
     def _run(self) -> None:
-        if self.device is not None:
-            try:
+        stager = None
+        try:
+            if _is_gpu(self.device):
+                from ._cuda import PinnedStager
                 self.device.use()
-            except Exception:  # noqa: BLE001 - CPU devices need nothing
-                pass
-        while not self._stop.is_set():
-            try:
+                stager = PinnedStager(self.device.device.id, timeout=60.0)
+            while not self._stop.is_set():
                 with self._lock:
                     before = capture_state(self.iterator)
-                    item = self._load()
+                    item = self._load(stager)
                     self._pending.append(before)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                self._put(('error', exc))
-                return
-            self._put(('item', item) if item is not None else ('end', None))
-            if item is None:
-                return
+                self._put(('item', item) if item is not None else ('end', None))
+                if item is None:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put(('error', exc))
+        finally:
+            if stager is not None:
+                stager.close()
 
     def _put(self, entry: tuple) -> None:
         while not self._stop.is_set():
@@ -215,6 +222,8 @@ class Prefetcher(Loader):
         if kind == 'end':
             self._exhausted = True
             return None
+        if isinstance(payload.arrays, Staged):   # on a side stream: order it, don't block
+            payload = payload._replace(arrays=payload.arrays.wait())
         return payload
 
     def state(self) -> Dict[str, numpy.ndarray]:
@@ -234,6 +243,10 @@ class Prefetcher(Loader):
         except queue.Empty:
             pass
         self._thread.join(_STOP_WAIT)
+
+
+def _is_gpu(device: Any) -> bool:
+    return device is not None and device.xp is not numpy
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int) -> Loader:

@@ -1,0 +1,110 @@
+"""The loader: exact state with batches in flight, errors with their traceback, shutdown."""
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import chainer
+
+from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater.prefetch import Prefetcher, capture_state, load_state, make_loader
+
+from _models import classifier, dataset, setup_optimizer
+
+
+def _iterator(n=20, b=3, **kwargs):
+    return chainer.iterators.SerialIterator(dataset(n, seed=1), b, **kwargs)
+
+
+@pytest.mark.parametrize('depth', [0, 1, 3])
+def test_state_is_that_of_the_last_batch_handed_out(depth):
+    it = _iterator(shuffle=True)
+    loader = make_loader(it, chainer.dataset.concat_examples, None, depth)
+    try:
+        for _ in range(4):
+            loader.get()
+        time.sleep(0.05)                       # let the thread run ahead
+        state = loader.state()
+        expected = [loader.get().arrays[0] for _ in range(5)]
+    finally:
+        loader.close()
+    fresh = _iterator(shuffle=True)
+    load_state(fresh, _Deserializer(state))
+    replay = [chainer.dataset.concat_examples(fresh.next())[0] for _ in range(5)]
+    for a, b in zip(expected, replay):
+        np.testing.assert_array_equal(a, b)
+
+
+class _Deserializer(chainer.serializers.NpzDeserializer):
+    pass
+
+
+def test_repeat_false_ends_with_none_and_stays_ended():
+    loader = make_loader(_iterator(n=7, b=3, repeat=False, shuffle=False),
+                         chainer.dataset.concat_examples, None, 2)
+    try:
+        sizes = []
+        while True:
+            batch = loader.get()
+            if batch is None:
+                break
+            sizes.append(batch.size)
+        assert sizes == [3, 3, 1]
+        assert loader.get() is None
+    finally:
+        loader.close()
+
+
+def _failing_converter(batch, device=None):
+    raise KeyError('broken example in the converter')
+
+
+def test_an_error_in_the_loader_surfaces_with_its_traceback():
+    loader = make_loader(_iterator(), _failing_converter, None, 2)
+    try:
+        with pytest.raises(KeyError, match='broken example') as info:
+            loader.get()
+        frames = ''.join(traceback.format_tb(info.value.__traceback__))
+        assert '_failing_converter' in frames
+    finally:
+        loader.close()
+
+
+class _SlowDataset(chainer.dataset.DatasetMixin):
+    def __len__(self):
+        return 1000
+
+    def get_example(self, i):
+        time.sleep(0.2)
+        return np.zeros(5, np.float32), np.int32(0)
+
+
+def test_close_stops_the_thread_promptly():
+    loader = Prefetcher(chainer.iterators.SerialIterator(_SlowDataset(), 2),
+                        chainer.dataset.concat_examples, None, 2)
+    loader.get()
+    t0 = time.monotonic()
+    loader.close()
+    loader.close()                            # twice is fine
+    assert time.monotonic() - t0 < 2.0
+    assert not any(t.name == 'mgpu-prefetch' and t.is_alive() for t in threading.enumerate())
+
+
+def test_works_with_multiprocess_iterator():
+    train = dataset(40, seed=3)
+    model = classifier(seed=3)
+    its = [chainer.iterators.MultiprocessIterator(train, 4, n_processes=1, shuffle=False)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], accumulate_steps=2)
+    try:
+        for _ in range(3):
+            updater.update()
+        # 3 updates x 2 micro-batches x 4 samples, as of the batches used, not prefetched
+        assert updater.epoch_detail == pytest.approx(24 / 40)
+        assert int(capture_state(its[0])['current_position']) >= 24
+    finally:
+        updater.finalize()
