@@ -1,0 +1,116 @@
+"""The updater on one GPU ('@cupy:0'): equivalence, CUDA-stream prefetch, float16.
+
+Marked ``gpu``; each skips with the reason when CuPy or a CUDA device is missing. With one
+GPU there are no workers: multi-replica logic is proven on CPU replicas through the same
+communicator interface, and NCCL itself in tests/test_nccl.py.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater, _cuda
+
+from _models import classifier, dataset, params, run_updates, setup_optimizer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope='module')
+def gpu():
+    reason = _cuda.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    import cupy
+    return cupy
+
+
+def _reference(model, opt, data, samples_per_update, updates, device):
+    losses = []
+    for u in range(updates):
+        batch = data[u * samples_per_update:(u + 1) * samples_per_update]
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        updater = StandardUpdater(it, opt, device=device)
+        losses.append(float(run_updates(updater, model, 1)[0]['main/loss'].array))
+    return losses
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_one_gpu_with_accumulation_matches_the_large_batch(gpu, prefetch):
+    b, k, updates = 8, 4, 3
+    data = dataset(b * k * updates, seed=1)
+    model, ref = classifier(seed=1), classifier(seed=1)
+    opt = setup_optimizer('momentum+decay', model)
+    it = chainer.iterators.SerialIterator(data, b, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@cupy:0'], accumulate_steps=k,
+                                          prefetch=prefetch)
+    try:
+        losses = [o['main/loss'] for o in run_updates(updater, model, updates)]
+    finally:
+        updater.finalize()
+    assert isinstance(model.predictor.l1.W.array, gpu.ndarray)
+    ref_losses = _reference(ref, setup_optimizer('momentum+decay', ref), data, b * k, updates,
+                            '@cupy:0')
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = params(_to_cpu(model))
+    for name, value in params(_to_cpu(ref)).items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _to_cpu(model):
+    copy = model.copy(mode='copy')
+    copy.to_device('@numpy')
+    return copy
+
+
+def test_prefetch_stages_batches_on_a_side_stream(gpu):
+    from mgpu_updater.prefetch import make_loader
+    device = chainer.get_device('@cupy:0')
+    device.use()
+    it = chainer.iterators.SerialIterator(dataset(64, seed=2), 16, shuffle=False)
+    loader = make_loader(it, chainer.dataset.concat_examples, device, 2)
+    try:
+        batch = loader.get()
+        x, t = batch.arrays
+        assert isinstance(x, gpu.ndarray) and x.shape == (16, 5)
+        np.testing.assert_array_equal(gpu.asnumpy(x), dataset(64, seed=2)._datasets[0][:16])
+        second = loader.get()
+        np.testing.assert_array_equal(gpu.asnumpy(second.arrays[1]),
+                                      dataset(64, seed=2)._datasets[1][16:32])
+    finally:
+        loader.close()
+
+
+def test_float16_dynamic_loss_scaling_on_gpu(gpu):
+    with chainer.using_config('dtype', np.float16):
+        model, ref = classifier(seed=3), classifier(seed=3)
+    data = dataset(4 * 8 * 3, seed=3, dtype=np.float16)
+
+    def opt_for(m):
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(m)
+        opt.use_fp32_update()
+        opt.loss_scaling(interval=2)
+        return opt
+    opt = opt_for(model)
+    it = chainer.iterators.SerialIterator(data, 8, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@cupy:0'], accumulate_steps=4)
+    ref_opt = opt_for(ref)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', 'Non finite number found in param.grad')
+        try:
+            run_updates(updater, model, 3)
+        finally:
+            updater.finalize()
+        _reference(ref, ref_opt, data, 32, 3, '@cupy:0')
+    assert opt._loss_scale == ref_opt._loss_scale
+    got = params(_to_cpu(model))
+    for name, value in params(_to_cpu(ref)).items():
+        assert got[name].dtype == np.float16
+        np.testing.assert_allclose(got[name].astype(np.float32), value.astype(np.float32),
+                                   rtol=2e-2, atol=2e-3, err_msg=name)
