@@ -237,7 +237,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if count == 0:
             raise StopIteration
         if own.epochs:
-            self._epoch = own.epochs[-1]
+            # One update spans the window: epoch triggers must see the boundary it crossed.
+            first, last = own.epochs[0], own.epochs[-1]
+            self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
+                                    any(e.is_new_epoch for e in own.epochs))
         current = _PendingUpdate(count, total_loss(results), loss_scale,
                                  pending if self.pipelined else None)
         if self.pipelined:
@@ -248,7 +251,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if current is not None:
             with watch('update'):
                 self._apply(optimizer, current)
-        if self.auto_new_epoch and any(e.is_new_epoch for e in own.epochs):
+        if self.auto_new_epoch and own.epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, watch)
 

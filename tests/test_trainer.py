@@ -128,3 +128,18 @@ def test_snapshot_with_other_devices_or_steps_is_refused(tmp_path):
                                          r'but this updater has 3'):
         chainer.serializers.load_npz(str(tmp_path / 'snap_7'), other)
     updater.finalize()
+
+
+def test_epoch_triggers_fire_when_an_epoch_ends_inside_a_window(tmp_path):
+    # shards of 10, micro-batch 4, k 2: every update holds 8 samples per replica, so the
+    # epochs end inside windows (after 1.25 updates)
+    model = classifier(seed=4)
+    its = shard_iterators(dataset(20, seed=4), 2, 4)
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, accumulate_steps=2)
+    trainer = training.Trainer(updater, (3, 'epoch'), out=str(tmp_path))
+    trainer.extend(extensions.LogReport(trigger=(1, 'epoch')))
+    trainer.run()
+    log = json.loads((tmp_path / 'log').read_text())
+    assert [e['epoch'] for e in log] == [1, 2, 3]
+    assert [e['iteration'] for e in log] == [2, 3, 4]   # 8, 16, 24, 32 samples per shard
