@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 

@@ -1,6 +1,8 @@
 """Test-session setup: Chainer's compat shim first, and the skip for the ``mpi`` marker.
 
-``gpu`` tests skip themselves (they ask the driver from the test, never at collection).
+``gpu`` tests take the ``gpu`` (or ``nccl_gpu``) fixture, which skips with the reason when
+CuPy, a CUDA device (or NCCL) is missing; the driver is asked from the test, never at
+collection.
 """
 from __future__ import annotations
 
@@ -47,3 +49,24 @@ def mpiexec(monkeypatch):
         monkeypatch.setenv('OMPI_ALLOW_RUN_AS_ROOT', '1')
         monkeypatch.setenv('OMPI_ALLOW_RUN_AS_ROOT_CONFIRM', '1')
     return [path, '--oversubscribe']
+
+
+def _cupy_or_skip(nccl):
+    from mgpu_updater import _cuda
+    reason = _cuda.unavailable_reason(nccl=nccl)
+    if reason:
+        pytest.skip(reason)
+    import cupy
+    return cupy
+
+
+@pytest.fixture(scope='session')
+def gpu():
+    """The ``cupy`` module, when CuPy and a CUDA device are usable; else skip saying why."""
+    return _cupy_or_skip(nccl=False)
+
+
+@pytest.fixture(scope='session')
+def nccl_gpu():
+    """As ``gpu``, and NCCL is importable too."""
+    return _cupy_or_skip(nccl=True)

@@ -107,15 +107,6 @@ def test_unavailable_reason_without_cupy(monkeypatch):
 
 # -- on a GPU ----------------------------------------------------------------------------
 
-@pytest.fixture(scope='module')
-def gpu():
-    reason = _cuda.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    import cupy
-    return cupy
-
-
 @pytest.mark.gpu
 def test_gpu_stager_round_trip(gpu):
     cupy = gpu

@@ -14,20 +14,11 @@ import pytest
 import chainer
 from chainer.training.updaters import StandardUpdater
 
-from mgpu_updater import ParallelAccumulatingUpdater, _cuda
+from mgpu_updater import ParallelAccumulatingUpdater
 
 from _models import classifier, dataset, params, run_updates, setup_optimizer
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope='module')
-def gpu():
-    reason = _cuda.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    import cupy
-    return cupy
 
 
 def _reference(model, opt, data, samples_per_update, updates, device):

@@ -273,15 +273,6 @@ def test_new_unique_id_is_a_plain_tuple(fake):
 
 # -- on a GPU ----------------------------------------------------------------------------
 
-@pytest.fixture(scope='module')
-def gpu():
-    reason = _cuda.unavailable_reason(nccl=True)
-    if reason:
-        pytest.skip(reason)
-    import cupy
-    return cupy
-
-
 def _one_rank(spec, **kwargs):
     return NcclCommunicator(0, 1, 0, spec, NcclCommunicator.new_unique_id(), timeout=60,
                             **kwargs)
@@ -289,8 +280,8 @@ def _one_rank(spec, **kwargs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize('dtype', DTYPES)
-def test_one_rank_reduce_bcast_allreduce_equal_the_cpu_result(gpu, dtype):
-    cupy = gpu
+def test_one_rank_reduce_bcast_allreduce_equal_the_cpu_result(nccl_gpu, dtype):
+    cupy = nccl_gpu
     n = 1000
     host = (numpy.arange(n) % 97).astype(dtype)
     comm = _one_rank({'b': (dtype, n)})
@@ -312,10 +303,10 @@ def test_one_rank_reduce_bcast_allreduce_equal_the_cpu_result(gpu, dtype):
 
 
 @pytest.mark.gpu
-def test_one_rank_large_buffer_ordering(gpu):
+def test_one_rank_large_buffer_ordering(nccl_gpu):
     # 64 MiB: the fill, the collective and the read are long enough to expose missing
     # ordering between the compute stream and the communicator's stream
-    cupy = gpu
+    cupy = nccl_gpu
     n = 16 * 2 ** 20
     comm = _one_rank({'g': ('float32', n)})
     try:
@@ -331,7 +322,7 @@ def test_one_rank_large_buffer_ordering(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_finalize_twice_and_use_after_finalize(gpu):
+def test_gpu_finalize_twice_and_use_after_finalize(nccl_gpu):
     comm = _one_rank({'b': ('float32', 8)})
     comm.init()
     comm.finalize()
@@ -341,7 +332,7 @@ def test_gpu_finalize_twice_and_use_after_finalize(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_abort(gpu):
+def test_gpu_abort(nccl_gpu):
     comm = _one_rank({'b': ('float32', 8)})
     comm.reduce('b')
     comm.abort()
@@ -376,8 +367,8 @@ def _two_rank_child(rank, uid, queue):
 
 
 @pytest.mark.gpu
-def test_two_ranks_on_two_gpus(gpu):
-    if gpu.cuda.runtime.getDeviceCount() < 2:
+def test_two_ranks_on_two_gpus(nccl_gpu):
+    if nccl_gpu.cuda.runtime.getDeviceCount() < 2:
         pytest.skip('needs two CUDA devices (NCCL refuses two ranks on one device)')
     ctx = multiprocessing.get_context('spawn')
     queue = ctx.Queue()
