@@ -12,19 +12,23 @@ from typing import Any, Dict, List, Sequence, Tuple
 import chainer
 from chainer.dataset import iterator as iterator_module
 
+
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f'{name} must be an int >= {minimum} ({value!r} of type '
                         f'{type(value).__name__} given); pass e.g. {name}={max(minimum, 1)}')
     if value < minimum:
-        raise ValueError(f'{name} must be >= {minimum} ({value!r} given)')
+        raise ValueError(f'{name} must be an int >= {minimum} ({value!r} given); pass e.g. '
+                         f'{name}={max(minimum, 1)}')
     return int(value)
+
 
 def choice(name: str, value: Any, options: Sequence[str]) -> str:
     if value not in options:
         raise ValueError(f'{name} must be one of {", ".join(map(repr, options))} '
                          f'({value!r} given)')
     return value
+
 
 def _cuda_available() -> Tuple[bool, str]:
     from chainer.backends import cuda
@@ -38,8 +42,13 @@ def _cuda_available() -> Tuple[bool, str]:
         return False, 'CUDA reports no device'
     return True, ''
 
+
 def devices(value: Any) -> Tuple[List[Any], List[str]]:
-    """Parse ``devices`` into Chainer device objects and their labels (master first)."""
+    """Parse ``devices`` into Chainer device objects and their labels (master first).
+
+    Everything that can be told from the specifiers alone (unknown, repeated, CPU and GPU
+    mixed) is checked before CUDA is asked anything.
+    """
     if isinstance(value, dict):
         if 'main' not in value:
             raise ValueError(f"devices given as a dict needs a 'main' key ({value!r} given); "
@@ -53,30 +62,27 @@ def devices(value: Any) -> Tuple[List[Any], List[str]]:
     if not ordered:
         raise ValueError('devices must name at least one device ([] given); '
                          "e.g. devices=['@numpy'] for one CPU replica")
-    parsed, labels = [], []
-    gpu_ids: Dict[int, int] = {}
-    for i, spec in enumerate(ordered):
-        label = _label(spec, i)
+    labels = [_label(spec, i) for i, spec in enumerate(ordered)]
+    first: Dict[str, int] = {}
+    for i, label in enumerate(labels):
         if label == '@numpy':
-            parsed.append(chainer.get_device('@numpy'))
-        else:
-            gpu = int(label.split(':')[1])
-            ok, why = _cuda_available()
-            if not ok:
-                raise ValueError(f'devices[{i}] is {spec!r}, a GPU, but {why}; use '
-                                 "'@numpy' for CPU replicas or install the cuda12/cuda13 extra")
-            if gpu in gpu_ids:
-                raise ValueError(f'devices lists GPU {gpu} twice (positions {gpu_ids[gpu]} and '
-                                 f'{i} of {ordered!r}); give each GPU once, or use '
-                                 'accumulate_steps for more micro-batches per GPU')
-            gpu_ids[gpu] = i
-            parsed.append(chainer.get_device(label))
-        labels.append(label)
-    kinds = {lab == '@numpy' for lab in labels}
-    if len(kinds) > 1:
+            continue
+        if label in first:
+            raise ValueError(f'devices lists GPU {label[6:]} twice (positions {first[label]} '
+                             f'and {i} of {ordered!r}); give each GPU once, or use '
+                             'accumulate_steps for more micro-batches per GPU')
+        first[label] = i
+    if first and len(first) != len(labels):
         raise ValueError(f'devices mixes CPU and GPU devices ({ordered!r}); use only GPUs '
                          "or only '@numpy' replicas")
-    return parsed, labels
+    if first:
+        ok, why = _cuda_available()
+        if not ok:
+            i = min(first.values())
+            raise ValueError(f'devices[{i}] is {ordered[i]!r}, a GPU, but {why}; use '
+                             "'@numpy' for CPU replicas or install the cuda12/cuda13 extra")
+    return [chainer.get_device(label) for label in labels], labels
+
 
 def _label(spec: Any, i: int) -> str:
     if isinstance(spec, chainer.backend.Device):
@@ -97,12 +103,14 @@ def _label(spec: Any, i: int) -> str:
                      "supports; use a GPU id (0, 1, ...), '@cupy:N', or '@numpy' / -1 "
                      'for a CPU replica')
 
+
 def iterators(value: Any, n_devices: int) -> List[Any]:
     if isinstance(value, iterator_module.Iterator):
         value = [value]
     elif not isinstance(value, (list, tuple)):
         raise TypeError(f'iterators must be a chainer iterator or a list of them, one per '
-                        f'device ({type(value).__name__} given)')
+                        f'device ({_show(value)} given); wrap the dataset in e.g. '
+                        'chainer.iterators.SerialIterator')
     value = list(value)
     if len(value) != n_devices:
         raise ValueError(f'iterators has {len(value)} iterator(s) but devices has '
@@ -110,13 +118,14 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
                          '(mgpu_updater.shard_iterators builds them from one dataset)')
     for i, it in enumerate(value):
         if not isinstance(it, iterator_module.Iterator):
-            raise TypeError(f'iterators[{i}] is {type(it).__name__}, not a '
+            raise TypeError(f'iterators[{i}] is {_show(it)}, not a '
                             'chainer.dataset.Iterator; wrap the dataset in e.g. '
                             'chainer.iterators.SerialIterator')
     if len({id(it) for it in value}) != len(value):
         raise ValueError('iterators holds the same iterator object more than once; each '
                          'device needs its own iterator over its own shard')
     return value
+
 
 def optimizer(value: Any) -> chainer.Link:
     if not isinstance(value, chainer.Optimizer):
@@ -132,18 +141,60 @@ def optimizer(value: Any) -> chainer.Link:
                          'inside init_scope()')
     return target
 
+
+_CALLABLE_HINTS = {
+    'converter': 'e.g. chainer.dataset.concat_examples (the default)',
+    'loss_func': 'or None to call the model itself',
+}
+
+
 def callable_or_none(name: str, value: Any) -> Any:
     if value is not None and not callable(value):
-        raise TypeError(f'{name} must be callable or None ({value!r} given)')
+        raise TypeError(f'{name} must be callable ({_show(value)} given); pass a function, '
+                        f'{_CALLABLE_HINTS.get(name, "or None")}')
     return value
 
+
 def picklable(name: str, value: Any, hint: str) -> None:
-    """Refuse what cannot travel to a worker process, naming it."""
+    """Refuse what cannot travel to a worker process, naming it (and the attribute)."""
     try:
-        pickle.dump(value, _Null(), protocol=pickle.HIGHEST_PROTOCOL)
+        _dump(value)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types
+        where = _culprit(name[4:] if name.startswith('the ') else name, value)
+        part = f'; the culprit is {where}' if where else ''
         raise TypeError(f'{name} ({type(value).__name__}) cannot be sent to a worker '
-                        f'process: {type(exc).__name__}: {exc}. {hint}') from exc
+                        f'process: {type(exc).__name__}: {exc}{part}. {hint}') from exc
+
+
+def _dump(value: Any) -> None:
+    pickle.dump(value, _Null(), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _culprit(path: str, value: Any, depth: int = 4) -> str:
+    """The deepest attribute (``path.attr.attr``) that does not pickle, or ''."""
+    if depth == 0:
+        return ''
+    items = getattr(value, '__dict__', None)
+    if not isinstance(items, dict):
+        return ''
+    for key, item in items.items():
+        try:
+            _dump(item)
+        except Exception:  # noqa: BLE001 - this one fails: look inside
+            sub = f'{path}.{key}'
+            return _culprit(sub, item, depth - 1) or f'{sub} ({_show(item)})'
+    return ''
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters, with the type when it is not obvious."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[:limit - 3] + '...'
+    if type(value).__name__ not in text:
+        text += f' of type {type(value).__name__}'
+    return text
+
 
 class _Null(io.RawIOBase):
     def write(self, b: Any) -> int:
@@ -152,8 +203,10 @@ class _Null(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+
 def non_finite_policy(value: Any) -> str:
     return choice('nonfinite', value, ('raise', 'skip'))
+
 
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'picklable', 'non_finite_policy']

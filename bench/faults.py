@@ -1,0 +1,111 @@
+"""Repeat every fault scenario and print time to error and successes.
+
+    python bench/faults.py [--repeat 20] [--scenario NAME ...] [--json PATH]
+
+Each run is one ``tests/fault_scripts/harness.py`` process (the master and its workers
+below it) under a hard timeout. A run succeeds when the harness found no problem: the
+right error within the bound, every process gone, no shared memory left. Time to error
+is from the fault (the worker's raise or SIGKILL) to the master's ``WorkerError``, or from
+the signal to the master until its last worker is gone.
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / 'tests' / 'fault_scripts' / 'harness.py'
+
+SCENARIOS = {
+    # name: (harness scenario, extra driver arguments, bound in seconds)
+    'raise_forward': ('raise_forward', [], 5.0),
+    'raise_backward': ('raise_backward', [], 5.0),
+    'raise_iterator': ('raise_iterator', [], 5.0),
+    'raise_converter': ('raise_converter', [], 5.0),
+    'raise_start': ('raise_start', [], 5.0),
+    'kill_worker': ('kill_worker', [], 10.0),
+    'master_sigint': ('master_sigint', [], 5.0),
+    'master_sigterm': ('master_sigterm', [], 5.0),
+    'master_sigkill': ('master_sigkill', [], 5.0),
+    'master_sigkill_forkserver': ('master_sigkill', ['--start-method', 'forkserver'], 5.0),
+}
+
+
+def run_once(scenario, extra=(), timeout=90.0):
+    """One harness run; returns its report (``problems`` empty on success)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+    proc = subprocess.Popen([sys.executable, str(HARNESS), scenario, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {'scenario': scenario, 'problems': [f'hang: killed after {timeout:.0f} s']}
+    for line in out.decode().splitlines():
+        if line.startswith('HARNESS '):
+            return json.loads(line[len('HARNESS '):])
+    return {'scenario': scenario,
+            'problems': [f'no report (exit {proc.returncode}): {err.decode()[-1000:]}']}
+
+
+def repeat(name, n):
+    """Run scenario ``name`` (a key of SCENARIOS) ``n`` times; one row of the table."""
+    scenario, extra, bound = SCENARIOS[name]
+    times, failures = [], []
+    t0 = time.monotonic()
+    for i in range(n):
+        report = run_once(scenario, extra)
+        t = report.get('time_to_error')
+        if t is not None:
+            times.append(t)
+        if report['problems']:
+            failures.append(f'run {i + 1}: {report["problems"]}')
+    return {'scenario': name, 'runs': n, 'ok': n - len(failures), 'bound_s': bound,
+            'median_s': statistics.median(times) if times else None,
+            'max_s': max(times) if times else None, 'times_s': times,
+            'wall_s': time.monotonic() - t0, 'failures': failures}
+
+
+def format_table(rows):
+    head = f'{"scenario":<28}{"ok":>8}{"median s":>11}{"max s":>9}{"bound s":>9}'
+    lines = [head, '-' * len(head)]
+    for r in rows:
+        med = f'{r["median_s"]:.3f}' if r['median_s'] is not None else '-'
+        mx = f'{r["max_s"]:.3f}' if r['max_s'] is not None else '-'
+        lines.append(f'{r["scenario"]:<28}{r["ok"]:>5}/{r["runs"]:<2}{med:>11}{mx:>9}'
+                     f'{r["bound_s"]:>9.0f}')
+    return '\n'.join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--repeat', type=int, default=20)
+    parser.add_argument('--scenario', action='append', choices=sorted(SCENARIOS),
+                        help='run only these (repeatable); default: all')
+    parser.add_argument('--json', help='also write the rows to this file')
+    args = parser.parse_args()
+    rows = []
+    for name in args.scenario or list(SCENARIOS):
+        row = repeat(name, args.repeat)
+        rows.append(row)
+        print(f'{name}: {row["ok"]}/{row["runs"]} in {row["wall_s"]:.0f} s', file=sys.stderr,
+              flush=True)
+        for failure in row['failures']:
+            print('  ' + failure, file=sys.stderr)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r['ok'] == r['runs'] for r in rows) else 1
+
+
+if __name__ == '__main__':
+    sys.exit(main())

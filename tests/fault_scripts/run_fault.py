@@ -1,0 +1,193 @@
+"""The master of one fault scenario; run by ``harness.py``, never by pytest directly.
+
+    python run_fault.py SCENARIO [--replicas N] [--replica R]
+
+Worker faults (``raise_forward``, ``raise_backward``, ``raise_iterator``,
+``raise_converter``, ``raise_start``, ``kill_worker``): train until the planted fault
+fires in replica R, catch the error, check what the master can see (the error, the
+workers reaped, the shared memory gone, ``finalize()`` twice), print ``RESULT <json>``.
+
+``serve``: train (slowly) until a signal arrives; prints ``READY <json>`` once the
+workers run, so the harness knows whom to watch and when to send the signal.
+"""
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # the repository root
+
+# site, action, the call of that site (in the faulty worker) that fires
+WORKER_FAULTS = {
+    'raise_forward': ('forward', 'raise', 5),        # update 3, first micro-batch
+    'raise_backward': ('backward', 'raise', 5),
+    'raise_iterator': ('iterator', 'raise', 17),     # 4 samples x 2 steps x 2 updates + 1
+    'raise_converter': ('converter', 'raise', 5),
+    'raise_start': ('start', 'raise', 1),            # unpickling its dataset at start-up
+    'kill_worker': ('forward', 'kill', 5),
+}
+# the function the worker's traceback must show for each site
+TRACEBACK_MARK = {'forward': 'in forward', 'backward': 'in backward',
+                  'iterator': 'in __getitem__', 'converter': 'in __call__',
+                  'start': 'in __setstate__'}
+
+
+def emit(tag, payload):
+    print(tag, json.dumps(payload), flush=True)
+
+
+def spy_segments():
+    """Record the name of every shared-memory segment this process creates."""
+    from multiprocessing import shared_memory
+    created = []
+    base = shared_memory.SharedMemory
+
+    class Spy(base):
+        def __init__(self, name=None, create=False, size=0, **kwargs):
+            super().__init__(name=name, create=create, size=size, **kwargs)
+            if create:
+                created.append(self.name.lstrip('/'))
+    shared_memory.SharedMemory = Spy
+    return created
+
+
+def proc_state(pid):
+    """'gone', or the one-letter state in /proc/<pid>/stat ('Z' for a zombie)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return 'gone'
+
+
+def worker_fault(args, created):
+    with tempfile.TemporaryDirectory(prefix='mgpu-fault-') as tmp:
+        _worker_fault(args, created, os.path.join(tmp, 'stamp'))
+
+
+def _worker_fault(args, created, stamp):
+    import faulty
+    from mgpu_updater import WorkerError
+    site, action, at = WORKER_FAULTS[args.scenario]
+    fault = faulty.Fault(site, action, replica=args.replica, at=at, stamp=stamp)
+    updater = faulty.build(args.replicas, fault, prefetch=args.prefetch,
+                           start_method=args.start_method)
+    out = {'scenario': args.scenario, 'replica_expected': args.replica}
+    pids, segments_seen = [], []
+    error = None
+    try:
+        for i in range(20):
+            updater.update()
+            if i == 0:
+                pids = updater.worker_pids()
+                segments_seen = faulty.own_segments()
+                emit('READY', {'master': os.getpid(), 'workers': pids,
+                               'segments': sorted(created)})
+    except BaseException as exc:  # noqa: BLE001 - what we came for
+        t_error = time.time()
+        error = exc
+        out['updates_done'] = updater.iteration
+    else:
+        out['updates_done'] = updater.iteration
+    if error is None:
+        out['error_type'] = None
+    else:
+        if os.path.exists(stamp):      # else the fault never fired: a wrong error
+            with open(stamp) as f:
+                out['time_to_error'] = t_error - float(f.read())
+        out['error_type'] = type(error).__name__
+        out['message'] = str(error)
+        out['replica'] = getattr(error, 'replica', None)
+        out['device'] = getattr(error, 'device', None)
+        out['exitcode'] = getattr(error, 'exitcode', None)
+        tb = getattr(error, 'remote_traceback', None) or ''
+        out['remote_traceback'] = tb
+        out['traceback_has_fault'] = 'FaultInjected' in tb and TRACEBACK_MARK[site] in tb
+        out['is_worker_error'] = isinstance(error, WorkerError)
+    # after the error, before finalize: the failed update already stopped everything
+    out['active_children_after_error'] = [p.pid for p in multiprocessing.active_children()]
+    finalize_times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        try:
+            updater.finalize()
+            finalize_times.append(time.perf_counter() - t0)
+        except BaseException:  # noqa: BLE001 - reported
+            out.setdefault('finalize_errors', []).append(traceback.format_exc())
+    out['finalize_times'] = finalize_times
+    out['workers'] = pids
+    out['worker_states'] = {str(p): proc_state(p) for p in pids}
+    out['not_reaped'] = [p for p in pids if not _is_reaped(p)]
+    out['active_children'] = [p.pid for p in multiprocessing.active_children()]
+    out['segments_created'] = sorted(created)
+    out['segments_mapped_at_update_1'] = segments_seen
+    out['segments_left'] = [n for n in created if os.path.exists('/dev/shm/' + n)]
+    emit('RESULT', out)
+
+
+def _is_reaped(pid):
+    """No zombie, no running process: ``waitpid`` knows no such child."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def serve(args, created):
+    import faulty
+    updater = faulty.build(args.replicas, delay=args.delay, prefetch=args.prefetch,
+                           start_method=args.start_method)
+    out = {'scenario': 'serve'}
+    pids = []
+    try:
+        deadline = time.monotonic() + args.max_seconds
+        while time.monotonic() < deadline:
+            updater.update()
+            if updater.iteration == 2:
+                pids = updater.worker_pids()
+                emit('READY', {'master': os.getpid(), 'workers': pids,
+                               'segments': sorted(created)})
+        out['error_type'] = None
+    except BaseException as exc:  # noqa: BLE001 - SIGINT ends up here
+        out['error_type'] = type(exc).__name__
+        out['t_caught'] = time.time()
+    finally:
+        try:
+            updater.finalize()
+            updater.finalize()
+        except BaseException:  # noqa: BLE001 - reported
+            out['finalize_errors'] = traceback.format_exc()
+        out['t_finalized'] = time.time()
+        out['workers'] = pids
+        out['not_reaped'] = [p for p in pids if not _is_reaped(p)]
+        out['active_children'] = [p.pid for p in multiprocessing.active_children()]
+        out['segments_left'] = [n for n in created if os.path.exists('/dev/shm/' + n)]
+        emit('RESULT', out)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument('scenario', choices=sorted(WORKER_FAULTS) + ['serve'])
+    parser.add_argument('--replicas', type=int, default=2)
+    parser.add_argument('--replica', type=int, default=1, help='the faulty one')
+    parser.add_argument('--delay', type=float, default=0.01, help='serve: s per forward')
+    parser.add_argument('--max-seconds', type=float, default=60.0)
+    parser.add_argument('--start-method', default='spawn')
+    parser.add_argument('--prefetch', type=int, default=2)
+    args = parser.parse_args()
+    created = spy_segments()
+    if args.scenario == 'serve':
+        serve(args, created)
+    else:
+        worker_fault(args, created)
+
+
+if __name__ == '__main__':
+    main()

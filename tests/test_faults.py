@@ -1,0 +1,205 @@
+"""Faults: a worker that raises or dies, a master that is interrupted or killed.
+
+Each scenario runs in fresh processes (``fault_scripts/harness.py`` -> ``run_fault.py``
+-> the workers) under a hard timeout that kills the whole process group, so a hang fails
+the test instead of stalling CI. The harness is a child subreaper: it sees every worker
+exit, reaps the orphans, and checks that no descendant and no ``/dev/shm/mgpu_*`` segment
+of the run is left. Faults fire only in the chosen worker (``fault_scripts/faulty.py``).
+
+The 20x repetitions are marked ``slow`` (``bench/faults.py`` prints the table).
+"""
+import concurrent.futures
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / 'tests' / 'fault_scripts' / 'harness.py'
+HARD_TIMEOUT = 90.0   # seconds for one scenario, processes included
+
+
+def run_scenario(scenario, *driver_args, timeout=HARD_TIMEOUT):
+    """Run one scenario; returns the harness's report (a dict)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+    proc = subprocess.Popen([sys.executable, str(HARNESS), scenario, *driver_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=str(ROOT), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the harness, the master and its workers
+        proc.communicate()
+        return {'scenario': scenario,
+                'problems': [f'no result within {timeout:.0f} s (hang); all killed']}
+    for line in out.decode().splitlines():
+        if line.startswith('HARNESS '):
+            return json.loads(line[len('HARNESS '):])
+    return {'scenario': scenario, 'problems': [
+        f'the harness printed no report (exit {proc.returncode}): {err.decode()[-3000:]}']}
+
+
+# Every fast scenario: key -> harness arguments. They run a few at a time in the
+# background as soon as the first test of this module asks (each is mostly process
+# start-up), so the module costs about a third of running them one by one.
+FAST = {
+    'raise_forward': ('raise_forward',),
+    'raise_backward': ('raise_backward',),
+    'raise_iterator': ('raise_iterator',),
+    'raise_converter': ('raise_converter',),
+    'raise_forward_replica2': ('raise_forward', '--replicas', '3', '--replica', '2'),
+    'raise_start': ('raise_start',),
+    'kill_worker': ('kill_worker',),
+    'master_sigint': ('master_sigint',),
+    'master_sigterm': ('master_sigterm',),
+    'master_sigkill': ('master_sigkill',),
+    'master_sigkill_forkserver': ('master_sigkill', '--start-method', 'forkserver'),
+}
+
+
+class Scenarios:
+    def __init__(self, keys, width):
+        self.pool = concurrent.futures.ThreadPoolExecutor(width)
+        self.futures = {key: self.pool.submit(run_scenario, *FAST[key]) for key in keys}
+
+    def report(self, key):
+        if key not in self.futures:
+            self.futures[key] = self.pool.submit(run_scenario, *FAST[key])
+        return self.futures[key].result()
+
+
+@pytest.fixture(scope='module')
+def scenarios(request):
+    this = request.module.__name__
+    fast = [item for item in request.session.items if item.module.__name__ == this
+            and item.get_closest_marker('slow') is None]
+    width = 4   # mostly waiting on process start-up, not CPU-bound
+    runner = Scenarios(list(FAST) if len(fast) > 1 else [], width)
+    yield runner
+    runner.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def assert_clean(report):
+    assert report['problems'] == [], (
+        f"{report['scenario']}: {report['problems']}\n--- driver stderr ---\n"
+        f"{report.get('stderr_tail', '')}")
+
+
+# ------------------------------------------------------------------ a worker raises
+@pytest.mark.parametrize('scenario, site', [
+    ('raise_forward', 'forward'),
+    ('raise_backward', 'backward'),
+    ('raise_iterator', '__getitem__'),
+    ('raise_converter', '__call__'),
+])
+def test_worker_raises(scenarios, scenario, site):
+    report = scenarios.report(scenario)
+    assert_clean(report)
+    result = report['result']
+    assert result['error_type'] == 'WorkerError'
+    assert result['replica'] == 1 and result['device'] == '@numpy'
+    assert re.match(r"replica 1 on device '@numpy': failed during update", result['message'])
+    # the worker's full traceback, down to the line that raised
+    assert '--- traceback in the worker process ---' in result['message']
+    tb = result['remote_traceback']
+    assert tb.startswith('Traceback (most recent call last):')
+    assert f'in {site}\n' in tb
+    assert re.search(r'faulty\.FaultInjected: injected fault in \w+, call \d+, pid \d+\n?$', tb)
+    assert result['time_to_error'] < 5.0
+    assert len(result['finalize_times']) == 2
+
+
+def test_worker_raises_names_the_right_replica(scenarios):
+    """Three replicas, the fault in the last one: the error names replica 2."""
+    report = scenarios.report('raise_forward_replica2')
+    assert_clean(report)
+    assert report['result']['replica'] == 2
+    assert report['result']['message'].startswith("replica 2 on device '@numpy'")
+    assert len(report['ready']['workers']) == 2
+
+
+def test_worker_fails_at_start(scenarios):
+    report = scenarios.report('raise_start')
+    assert_clean(report)
+    result = report['result']
+    assert result['updates_done'] == 0
+    assert result['message'].startswith("replica 1 on device '@numpy': failed during start")
+    assert 'in __setstate__' in result['remote_traceback']
+
+
+# ------------------------------------------------------------------ a worker is killed
+def test_worker_killed_mid_update(scenarios):
+    report = scenarios.report('kill_worker')
+    assert_clean(report)
+    result = report['result']
+    assert re.match(r"replica 1 on device '@numpy': the worker process \(pid \d+\) was "
+                    r'killed by SIGKILL', result['message'])
+    assert result['exitcode'] == -signal.SIGKILL
+    assert result['remote_traceback'] == ''
+    assert result['time_to_error'] < 10.0
+
+
+# ------------------------------------------------------------------ the master goes
+@pytest.mark.parametrize('scenario', ['master_sigint', 'master_sigterm', 'master_sigkill'])
+def test_master_signalled(scenarios, scenario):
+    report = scenarios.report(scenario)
+    assert_clean(report)
+    assert report['ready']['workers']
+    assert report['time_to_error'] < 5.0         # the last worker gone, after the signal
+    if scenario == 'master_sigint':              # the master cleans up itself
+        assert report['result']['error_type'] == 'KeyboardInterrupt'
+        assert report['driver_exit'] == 0
+    else:                                        # the workers notice by themselves
+        signum = signal.SIGTERM if scenario == 'master_sigterm' else signal.SIGKILL
+        assert report['driver_exit'] == -signum
+
+
+def test_master_killed_forkserver(scenarios):
+    """Under forkserver the workers' parent is the fork server, not the master: the
+    parent watch must still see the master die (it waits on the parent's sentinel)."""
+    report = scenarios.report('master_sigkill_forkserver')
+    assert_clean(report)
+    assert report['time_to_error'] < 5.0
+
+
+# ------------------------------------------------------------------ 20 times each
+SCENARIOS = ['raise_forward', 'raise_backward', 'raise_iterator', 'raise_converter',
+             'raise_start', 'kill_worker', 'master_sigint', 'master_sigterm',
+             'master_sigkill', 'master_sigkill_forkserver']   # the keys of bench/faults.py
+
+
+def _bench(name):
+    """Import ``bench/<name>.py`` (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f'mgpu_bench_{name}',
+                                                  ROOT / 'bench' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize('scenario', SCENARIOS)
+def test_fault_20_times(scenario):
+    faults = _bench('faults')
+    row = faults.repeat(scenario, 20)
+    print(faults.format_table([row]))
+    assert row['ok'] == 20, row['failures']
+
+
+# ------------------------------------------------------------------ soak and hygiene
+@pytest.mark.slow
+def test_soak_short():
+    """A short ``bench/soak.py``: RSS flat, fds and segments constant, no inet or
+    listening socket, segment names of 128 random bits, nothing left afterwards."""
+    soak = _bench('soak')
+    out = soak.soak(updates=1000, start=200, every=200, log=lambda *a: None)
+    print(soak.format_figures(out['figures']))
+    assert out['problems'] == []

@@ -1,0 +1,303 @@
+"""Bad input is refused at construction: at once, before any process starts, with a
+``ValueError`` or ``TypeError`` (never ``AssertionError``) whose message names the argument,
+echoes the value and says what to do. And a loss that becomes NaN or infinite."""
+import multiprocessing
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import pytest
+
+import chainer
+import chainer.links as L
+from chainer.backends import cuda
+
+import mgpu_updater
+from mgpu_updater import NonFiniteLossError, ParallelAccumulatingUpdater
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / 'fault_scripts'))
+import faulty  # noqa: E402
+
+
+def dataset(n=16):
+    return chainer.datasets.TupleDataset(numpy.zeros((n, 4), numpy.float32),
+                                         numpy.zeros(n, numpy.int32))
+
+
+def iterators(n=2):
+    return [chainer.iterators.SerialIterator(dataset(), 4) for _ in range(n)]
+
+
+def set_up(model=None):
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model if model is not None else L.Classifier(L.Linear(4, 3)))
+    return optimizer
+
+
+def build(**overrides):
+    kwargs = dict(iterators=iterators(), optimizer=set_up(), devices=['@numpy', '@numpy'])
+    kwargs.update(overrides)
+    return ParallelAccumulatingUpdater(kwargs.pop('iterators'), kwargs.pop('optimizer'),
+                                       **kwargs)
+
+
+def rejected(error, match, **overrides):
+    """Building with ``overrides`` raises ``error`` matching ``match``, in under 1 s,
+    with no process started."""
+    t0 = time.perf_counter()
+    with pytest.raises(error, match=match) as info:
+        build(**overrides)
+    assert time.perf_counter() - t0 < 1.0
+    assert type(info.value) is error          # not a subclass such as AssertionError
+    assert multiprocessing.active_children() == []
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ accumulate_steps
+@pytest.mark.parametrize('value, error', [(0, ValueError), (-2, ValueError),
+                                          (2.5, TypeError), ('3', TypeError),
+                                          (True, TypeError), (None, TypeError)])
+def test_accumulate_steps(value, error):
+    shown = re.escape(repr(value))
+    rejected(error, rf'^accumulate_steps must be an int >= 1 \({shown}( of type \w+)? given\); '
+                    r'pass e\.g\. accumulate_steps=1$', accumulate_steps=value)
+
+
+def test_prefetch_and_policies():
+    rejected(ValueError, r'^prefetch must be an int >= 0 \(-1 given\)', prefetch=-1)
+    rejected(ValueError, r"^nonfinite must be one of 'raise', 'skip' \('ignore' given\)",
+             nonfinite='ignore')
+    rejected(ValueError, r"^start_method must be one of 'spawn', 'forkserver' \('fork' given\)",
+             start_method='fork')
+
+
+# ------------------------------------------------------------------ devices
+def test_devices_empty():
+    rejected(ValueError, r"^devices must name at least one device \(\[\] given\); "
+                         r"e\.g\. devices=\['@numpy'\]", devices=[], iterators=[])
+
+
+def test_devices_not_a_list():
+    rejected(TypeError, r"^devices must be a list of device specifiers \('@numpy' given\)",
+             devices='@numpy')
+
+
+def test_iterators_count_differs_from_devices():
+    rejected(ValueError, r'^iterators has 3 iterator\(s\) but devices has 2; give exactly '
+                         r'one iterator per device \(mgpu_updater\.shard_iterators',
+             iterators=iterators(3))
+
+
+@pytest.mark.parametrize('spec', ['gpu0', '@cupy:x', 'cuda:0', '@intel64', True, -2, 1.0])
+def test_unknown_device(spec):
+    rejected(ValueError, rf"^devices\[1\] is {re.escape(repr(spec))}, which is not a device "
+                         r"specifier this updater supports; use a GPU id \(0, 1, \.\.\.\), "
+                         r"'@cupy:N', or '@numpy' / -1", devices=['@numpy', spec])
+
+
+def test_gpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(cuda, 'available', False)
+    rejected(ValueError, r"^devices\[0\] is '@cupy:0', a GPU, but CuPy is not installed or "
+                         r"cannot use CUDA; use '@numpy' for CPU replicas or install the "
+                         r'cuda12/cuda13 extra', devices=['@cupy:0', '@cupy:1'])
+
+
+@pytest.mark.parametrize('devices, first, second', [([0, 0], 0, 1), ([1, 0, '@cupy:1'], 0, 2)])
+def test_duplicate_gpu(devices, first, second):
+    # Checked from the specifiers alone, before CUDA is asked: no GPU needed here.
+    gpu = 0 if devices == [0, 0] else 1
+    rejected(ValueError, rf'^devices lists GPU {gpu} twice \(positions {first} and {second} of '
+                         rf'{re.escape(repr(devices))}\); give each GPU once, or use '
+                         r'accumulate_steps', devices=devices, iterators=iterators(len(devices)))
+
+
+@pytest.mark.parametrize('devices', [['@numpy', 0], [0, -1], ['@cupy:0', '@numpy']])
+def test_cpu_and_gpu_mixed(devices):
+    rejected(ValueError, rf'^devices mixes CPU and GPU devices \({re.escape(repr(devices))}\); '
+                         r"use only GPUs or only '@numpy' replicas", devices=devices)
+
+
+def test_device_checks_run_before_cuda(monkeypatch):
+    """With CUDA present the same specifiers fail the same way (parse first, CUDA last)."""
+    from mgpu_updater import _validate
+    monkeypatch.setattr(_validate, '_cuda_available', lambda: (True, ''))
+    rejected(ValueError, r'^devices lists GPU 0 twice', devices=[0, 0])
+    rejected(ValueError, r'^devices mixes CPU and GPU', devices=[0, '@numpy'])
+
+
+# ------------------------------------------------------------------ iterators
+def test_not_an_iterator():
+    rejected(TypeError, r'^iterators\[0\] is <object object at 0x[0-9a-f]+>, not a '
+                        r'chainer\.dataset\.Iterator; wrap the dataset in e\.g\. '
+                        r'chainer\.iterators\.SerialIterator',
+             iterators=[object(), iterators(1)[0]])
+
+
+def test_a_dataset_instead_of_iterators():
+    rejected(TypeError, r'^iterators must be a chainer iterator or a list of them, one per '
+                        r'device \(<chainer\.datasets\.tuple_dataset\.TupleDataset object .*'
+                        r'given\); wrap the dataset in e\.g\. chainer\.iterators\.SerialIterator',
+             iterators=dataset())
+
+
+def test_same_iterator_twice():
+    it = iterators(1)[0]
+    rejected(ValueError, r'^iterators holds the same iterator object more than once',
+             iterators=[it, it])
+
+
+# ------------------------------------------------------------------ optimizer and model
+def test_optimizer_not_set_up():
+    rejected(ValueError, r'^optimizer \(SGD\) was not set up; call optimizer\.setup\(model\) '
+                         'before building the updater', optimizer=chainer.optimizers.SGD())
+
+
+def test_not_an_optimizer():
+    rejected(TypeError, r'^optimizer must be a chainer\.Optimizer \(Classifier given\)',
+             optimizer=L.Classifier(L.Linear(4, 3)))
+
+
+def test_model_without_parameters():
+    rejected(ValueError, r'^the model \(Chain\) has no parameters: there is nothing to train; '
+                         r'check that its links are registered inside init_scope\(\)',
+             optimizer=set_up(chainer.Chain()))
+
+
+@pytest.mark.parametrize('name, value, error, shown', [
+    ('converter', 3, TypeError, r'3 of type int'),
+    ('converter', None, TypeError, r'None'),
+    ('loss_func', 'abc', TypeError, r"'abc' of type str"),
+])
+def test_not_callable(name, value, error, shown):
+    rejected(error, rf'^{name} must be callable \({shown} given\)', **{name: value})
+
+
+# ------------------------------------------------------------------ cannot be sent to a worker
+class LambdaAttribute(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(4, 3)
+        self.activation = lambda x: x      # the problem
+
+    def forward(self, x, t):
+        return chainer.functions.softmax_cross_entropy(self.fc(self.activation(x)), t)
+
+
+class GeneratorDataset:
+    """A dataset that reads from a generator: it cannot be pickled."""
+
+    def __init__(self, n=8):
+        self.n = n
+        self.rows = (numpy.zeros(4, numpy.float32) for _ in range(n))
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return next(self.rows), numpy.int32(0)
+
+
+def test_unpicklable_model():
+    message = rejected(
+        TypeError, r'^the model \(LambdaAttribute\) cannot be sent to a worker process: ',
+        optimizer=set_up(LambdaAttribute()))
+    assert re.search(r'the culprit is model\.activation \(<function LambdaAttribute', message)
+    assert message.endswith('Make it picklable (no lambdas or open files as attributes) so '
+                            'it can be copied to the workers.')
+
+
+def test_unpicklable_model_is_fine_on_one_device():
+    updater = build(optimizer=set_up(LambdaAttribute()), devices=['@numpy'],
+                    iterators=iterators(1))
+    updater.update()
+    updater.finalize()
+    assert multiprocessing.active_children() == []
+
+
+def test_generator_dataset():
+    its = [iterators(1)[0], chainer.iterators.SerialIterator(GeneratorDataset(), 2)]
+    message = rejected(
+        TypeError, r"^iterators\[1\] \(SerialIterator\) cannot be sent to a worker process: "
+                   r"TypeError: cannot pickle 'generator' object; the culprit is "
+                   r'iterators\[1\]\.dataset\.rows \(<generator object', iterators=its)
+    assert 'open files lazily in __getitem__' in message
+
+
+def test_lambda_loss_and_converter():
+    rejected(TypeError, r'^loss_func \(function\) cannot be sent to a worker process: .*'
+                        r'Use a module-level function or a method of the model',
+             loss_func=lambda x, t: x)
+    rejected(TypeError, r'^converter \(function\) cannot be sent to a worker process: .*'
+                        r'Use a module-level function instead of a lambda',
+             converter=lambda batch, device=None: batch)
+
+
+# ------------------------------------------------------------------ NaN / inf loss
+def params(updater):
+    return {name: p.array.copy() for name, p in
+            updater.get_optimizer('main').target.namedparams()}
+
+
+def same(a, b):
+    return all(numpy.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize('poison', ['nan', 'inf'])
+def test_nonfinite_loss_raises_on_the_master(poison):
+    """One device: the loss of update 2 is poisoned; the parameters stay as they were.
+    (Back-propagating inf makes numpy warn 'invalid value', an error under this suite's
+    filterwarnings; errstate keeps that out of the way.)"""
+    updater = faulty.build(1, faulty.Fault('forward', poison, replica=0, at=3), prefetch=0)
+    updater.update()
+    before = params(updater)
+    with numpy.errstate(invalid='ignore'), pytest.raises(NonFiniteLossError, match=rf'^the loss became {poison} at update 2; '
+                                                 r'parameters were not updated\. Lower the '
+                                                 r"learning rate.*nonfinite='skip'") as info:
+        updater.update()
+    assert info.value.iteration == 2
+    assert same(before, params(updater))
+    updater.finalize()
+    updater.finalize()
+
+
+def test_nonfinite_loss_from_a_worker_raises():
+    """The NaN comes from replica 1's window: the reduced loss is NaN, the master raises
+    with the update number, stops the worker and cleans up."""
+    updater = faulty.build(2, faulty.Fault('forward', 'nan', replica=1, at=3))
+    updater.update()
+    before = params(updater)
+    with pytest.raises(NonFiniteLossError, match=r'^the loss became nan at update 2;') as info:
+        updater.update()
+    assert info.value.iteration == 2 and numpy.isnan(info.value.loss)
+    assert same(before, params(updater))
+    assert multiprocessing.active_children() == []   # the failed update stopped them
+    updater.finalize()
+    updater.finalize()
+
+
+def test_nonfinite_loss_skip():
+    """``nonfinite='skip'``: a RuntimeWarning, no parameter change, training goes on."""
+    updater = faulty.build(2, faulty.Fault('forward', 'nan', replica=1, at=3),
+                           nonfinite='skip')
+    try:
+        updater.update()
+        before = params(updater)
+        t_before = updater.get_optimizer('main').t
+        with pytest.warns(RuntimeWarning, match=r'^skipping update 2: the loss is nan$'):
+            updater.update()
+        assert same(before, params(updater))
+        assert updater.get_optimizer('main').t == t_before
+        updater.update()                   # the next update is finite and applies
+        assert not same(before, params(updater))
+        assert updater.iteration == 3
+    finally:
+        updater.finalize()
+    assert multiprocessing.active_children() == []
+
+
+def test_public_names():
+    assert mgpu_updater.WorkerError.__module__ == 'mgpu_updater.errors'
+    assert issubclass(NonFiniteLossError, FloatingPointError)
