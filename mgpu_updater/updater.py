@@ -92,9 +92,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.nonfinite = _validate.non_finite_policy(nonfinite)
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
-        if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
+        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)):
+            raise TypeError(f'start_timeout must be a number of seconds > 0 '
+                            f'({start_timeout!r} of type {type(start_timeout).__name__} '
+                            'given); pass e.g. start_timeout=120')
+        if not start_timeout > 0:   # also refuses NaN
             raise ValueError(f'start_timeout must be a number of seconds > 0 '
-                             f'({start_timeout!r} given)')
+                             f'({start_timeout!r} given); pass e.g. start_timeout=120')
         self.start_timeout = float(start_timeout)
         self.report_times = bool(report_times)
         if not isinstance(pipelined, bool):
