@@ -1,0 +1,1 @@
+"""Runnable examples for mgpu_updater (importable from the repository root)."""

@@ -1,0 +1,1 @@
+"""MNIST example: a small CNN trained data-parallel with gradient accumulation."""
