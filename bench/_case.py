@@ -159,22 +159,12 @@ def run_ours(case, common, dataset, kind):
     finally:
         updater.finalize()
     result = {'samples_per_s': rates}
-    times = {}
-    for key in TIME_KEYS:
-        values = [_float(obs['main/time/' + key]) for obs in timed if 'main/time/' + key in obs]
-        if values:
-            times[key] = sum(values) / len(values)
+    times = {key: [_float(obs['main/time/' + key]) for obs in timed if 'main/time/' + key in obs]
+             for key in TIME_KEYS}
+    times = {key: values for key, values in times.items() if values}
     if times:
-        result['times'] = times
-        step_time = n * k * b / _median(rates)  # seconds per update
-        result['step_time'] = step_time
-        if 'comm' in times:
-            result['comm_share'] = times['comm'] / step_time
+        result['times_per_update'] = times  # seconds, every timed update
     return result
-
-
-def _median(values):
-    return _common.summarize(values)['median']
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +231,7 @@ def run_memory(case, common, dataset, kind):
 
 RUNNERS = {
     'standard': run_standard,
+    'standard_1t': run_standard,  # the orchestrator runs it with one BLAS thread
     'hand': run_hand,
     'parallel': run_parallel,
     'multiprocess': run_multiprocess,

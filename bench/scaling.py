@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,10 @@ HERE = Path(__file__).resolve().parent
 SCHEMA = 'mgpu_updater.bench.scaling/1'
 
 PROFILES = {
-    #            model   b   ks         warmup rounds updates
-    'default': ('cnn', 32, (1, 4, 8), 2, 5, 3),
-    'quick': ('cnn', 32, (1, 4, 8), 1, 3, 1),
-    'smoke': ('tiny', 4, (1, 2), 1, 2, 1),
+    #            model   b   ks         warmup rounds updates passes
+    'default': ('cnn', 32, (1, 4, 8), 1, 3, 2, 3),
+    'quick': ('cnn', 32, (1, 4, 8), 1, 3, 1, 1),
+    'smoke': ('tiny', 4, (1, 2), 1, 2, 1, 1),
 }
 
 
@@ -52,12 +53,14 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, help='warm-up updates per case')
     p.add_argument('--rounds', type=int, help='timed rounds per case')
     p.add_argument('--updates', type=int, help='updates per timed round')
+    p.add_argument('--passes', type=int,
+                   help='times the whole grid runs (rounds pooled; alternate passes reversed)')
     p.add_argument('--methods', help='comma-separated subset of ' + ','.join(_report.LABELS))
     p.add_argument('--case-timeout', type=float, default=900,
                    help='seconds allowed for one group of cases (one process or mpiexec)')
     args = p.parse_args(argv)
     profile = 'smoke' if args.smoke else 'quick' if args.quick else 'default'
-    model, b, ks, warmup, rounds, updates = PROFILES[profile]
+    model, b, ks, warmup, rounds, updates, passes = PROFILES[profile]
     args.profile = profile
     args.model = args.model or model
     args.micro_batch = args.micro_batch or b
@@ -65,6 +68,7 @@ def parse_args(argv=None):
     args.warmup = warmup if args.warmup is None else args.warmup
     args.rounds = args.rounds or rounds
     args.updates = args.updates or updates
+    args.passes = args.passes or passes
     args.methods = (args.methods.split(',') if args.methods else list(_report.LABELS))
     unknown = set(args.methods) - set(_report.LABELS)
     if unknown:
@@ -186,33 +190,48 @@ def _multiprocess_status(kind, n_gpus):
 
 
 def build_groups(args, kind, ns, cores):
-    """Groups of cases, each for one fresh process (or one mpiexec) with its thread setting."""
+    """One group per case: each runs in a fresh process (or one mpiexec) with its thread
+    setting. Fresh processes matter on CPU: glibc malloc adapts its mmap and trim thresholds
+    to the sizes a process has freed, so one process's earlier cases would change the speed
+    of its later ones (by up to 60% here for 32-sample micro-batches)."""
     groups, skipped = [], []
-    single = _common.thread_env(cores) if kind == 'cpu' else {}
+    all_threads = _common.thread_env(cores) if kind == 'cpu' else {}
+
+    def add(method, n, env, processes, **extra):
+        for k in args.ks:
+            groups.append(dict(label='{} N={}'.format(_report.LABELS[method], n), env=env,
+                               processes=processes, n=n,
+                               cases=[{'method': method, 'n': n, 'k': k}], **extra))
+
+    def per_replica(n):
+        return _common.thread_env(_common.threads_per_process(n, cores)) if kind == 'cpu' else {}
+
     for method in ('standard', 'hand', 'parallel'):
         if method in args.methods:
-            groups.append({'label': _report.LABELS[method], 'env': single, 'processes': 1,
-                           'cases': [{'method': method, 'n': n, 'k': k}
-                                     for n in ns for k in args.ks]})
+            for n in ns:
+                add(method, n, all_threads, 1)
+    if 'standard_1t' in args.methods:
+        if kind == 'cpu' and cores > 1:
+            for n in ns:
+                add('standard_1t', n, _common.thread_env(1), 1)
+        else:
+            skipped.append({'method': _report.LABELS['standard_1t'],
+                            'reason': 'only on CPU with 2+ cores'})
     if 'multiprocess' in args.methods:
         reason = _multiprocess_status(kind, _common.gpu_count())
         if reason:
             skipped.append({'method': _report.LABELS['multiprocess'], 'reason': reason})
         else:
-            groups.append({'label': _report.LABELS['multiprocess'], 'env': {}, 'processes': 1,
-                           'cases': [{'method': 'multiprocess', 'n': n, 'k': k}
-                                     for n in ns if n >= 2 for k in args.ks]})
+            for n in ns:
+                if n >= 2:
+                    add('multiprocess', n, {}, n)
     if 'ours' in args.methods:
         if importlib.util.find_spec('mgpu_updater') is None:
             skipped.append({'method': _report.LABELS['ours'],
                             'reason': 'mgpu_updater is not importable'})
         else:
             for n in ns:
-                env = _common.thread_env(_common.threads_per_process(n, cores)) \
-                    if kind == 'cpu' else {}
-                groups.append({'label': '{} N={}'.format(_report.LABELS['ours'], n), 'env': env,
-                               'processes': n,
-                               'cases': [{'method': 'ours', 'n': n, 'k': k} for k in args.ks]})
+                add('ours', n, per_replica(n), n)
     if 'chainermn' in args.methods:
         mpiexec, reason = _chainermn_status()
         if reason:
@@ -222,13 +241,10 @@ def build_groups(args, kind, ns, cores):
                             'reason': 'the naive communicator baseline runs on CPU only'})
         else:
             for n in ns:
-                env = _common.thread_env(_common.threads_per_process(n, cores))
-                groups.append({'label': '{} N={}'.format(_report.LABELS['chainermn'], n),
-                               'env': env, 'processes': n, 'mpiexec': mpiexec, 'n': n,
-                               'cases': [{'method': 'chainermn', 'n': n, 'k': k}
-                                         for k in args.ks]})
-    # Memory: k micro-batches vs one batch of k*b, measured once per k in one process.
-    groups.append({'label': 'memory', 'env': single, 'processes': 1,
+                add('chainermn', n, per_replica(n), n, mpiexec=mpiexec)
+    # Memory: k micro-batches vs one batch of k*b (tracemalloc counts bytes, not speed, so
+    # one process for every k is fine).
+    groups.append({'label': 'memory', 'env': all_threads, 'processes': 1, 'n': 1,
                    'cases': [{'method': 'memory', 'n': 1, 'k': k} for k in args.ks]})
     return groups, skipped
 
@@ -244,15 +260,26 @@ def _child_env(extra):
     return env
 
 
-def run_groups(args, groups, common, workdir):
-    records, errors = [], []
-    progress = Progress(sum(len(g['cases']) for g in groups))
+def schedule(groups, passes):
+    """Run order: every group once per pass, every other pass reversed, so that a machine
+    whose speed drifts during the run weighs on every method alike; memory only once."""
+    order = []
+    for p in range(passes):
+        run = [g for g in groups if p == 0 or g['label'] != 'memory']
+        order += [(p, g) for g in (run if p % 2 == 0 else run[::-1])]
+    return order
 
-    def on_record(record, group):
-        if record.get('event') != 'case' and record.get('event') != 'error':
+
+def run_groups(args, order, common, workdir):
+    """Run the scheduled groups; returns (records of finished cases, error records)."""
+    records, errors = [], []
+    progress = Progress(sum(len(g['cases']) for _, g in order))
+
+    def on_record(record, group, p, seen):
+        if record.get('event') not in ('case', 'error'):
             return
-        record['processes'] = group['processes']
-        record['thread_env'] = group['env']
+        record.update({'pass': p, 'processes': group['processes'], 'thread_env': group['env']})
+        seen.add((record['method'], record['n'], record.get('k')))
         if 'error' in record:
             errors.append(record)
             progress.show('{} k={}: FAILED'.format(group['label'], record.get('k')), 1)
@@ -263,30 +290,31 @@ def run_groups(args, groups, common, workdir):
                     if rate else 'done')
             progress.show('{} k={}: {}'.format(group['label'], record['k'], text), 1)
 
-    for i, group in enumerate(groups):
-        progress.show('{} ...'.format(group['label']))
+    for i, (p, group) in enumerate(order):
+        ks = ','.join(str(c['k']) for c in group['cases'])
+        progress.show('{} k={} ...'.format(group['label'], ks))
         log_path = os.path.join(workdir, 'group{}.log'.format(i))
         env = _child_env(group['env'])
-        plan = {'common': common, 'cases': group['cases']}
+        seen = set()
         if 'mpiexec' in group:
-            out = os.path.join(workdir, 'chainermn{}.jsonl'.format(group['n']))
+            out = os.path.join(workdir, 'chainermn{}.jsonl'.format(i))
             plan = {'common': common, 'ks': [c['k'] for c in group['cases']], 'out': out}
             cmd = _mpiexec_cmd(group['mpiexec'], group['n'], list(group['env']), plan)
             rc, timed_out = run_group(cmd, env, args.case_timeout, lambda line: None, log_path)
             if os.path.exists(out):
                 with open(out) as f:
                     for line in f:
-                        on_record(json.loads(line), group)
+                        on_record(json.loads(line), group, p, seen)
         else:
+            plan = {'common': common, 'cases': group['cases']}
             cmd = [sys.executable, str(HERE / '_case.py'), json.dumps(plan)]
 
-            def on_line(line, group=group):
+            def on_line(line, group=group, p=p, seen=seen):
                 line = line.strip()
                 if line.startswith('{'):
-                    on_record(json.loads(line), group)
+                    on_record(json.loads(line), group, p, seen)
             rc, timed_out = run_group(cmd, env, args.case_timeout, on_line, log_path)
-        finished = {(r['method'], r['n'], r['k']) for r in records + errors}
-        missing = [c for c in group['cases'] if (c['method'], c['n'], c['k']) not in finished]
+        missing = [c for c in group['cases'] if (c['method'], c['n'], c['k']) not in seen]
         if missing:
             with open(log_path, errors='replace') as f:
                 tail = f.read()[-3000:]
@@ -294,10 +322,30 @@ def run_groups(args, groups, common, workdir):
                 'exited with status {}'.format(rc)
             for case in missing:
                 errors.append(dict(case, error='{}; log tail:\n{}'.format(why, tail),
-                                   processes=group['processes']))
+                                   processes=group['processes'], thread_env=group['env']))
                 progress.show('{} k={}: {}'.format(group['label'], case['k'], why), 1)
     progress.close()
     return records, errors
+
+
+def merge_passes(records):
+    """One record per (method, n, k): rounds and reported per-update times of every pass
+    pooled."""
+    merged = {}
+    for record in sorted(records, key=lambda r: r['pass']):
+        key = (record['method'], record['n'], record['k'])
+        if key not in merged:
+            merged[key] = dict(record, passes=1,
+                               times_per_update=dict(record.get('times_per_update', {})))
+            continue
+        m = merged[key]
+        m['passes'] += 1
+        m['samples_per_s'] = m['samples_per_s'] + record['samples_per_s']
+        m['wall_s'] += record['wall_s']
+        for key, values in record.get('times_per_update', {}).items():
+            pooled = m.setdefault('times_per_update', {})
+            pooled[key] = pooled.get(key, []) + values
+    return list(merged.values())
 
 
 def _row(record, micro_batch):
@@ -310,9 +358,18 @@ def _row(record, micro_batch):
         'processes': record['processes'], 'thread_env': record['thread_env'],
         'wall_s': record['wall_s'],
     }
-    for key in ('times', 'step_time', 'comm_share'):
-        if key in record:
-            row[key] = record[key]
+    times = record.get('times_per_update')
+    if times:
+        # Medians: the typical update; means: stragglers and hiccups included. On the master,
+        # time/comm covers the reduce and the wait for the slowest replica, so its median is
+        # close to the transfer itself and its mean adds the waits.
+        row['times'] = {key: statistics.median(v) for key, v in times.items()}
+        row['times_mean'] = {key: statistics.fmean(v) for key, v in times.items()}
+        row['step_time'] = row['global_batch'] / summary['median']  # seconds per update
+        if 'comm' in times:
+            row['comm_share'] = row['times']['comm'] / row['step_time']
+            row['comm_share_mean'] = row['times_mean']['comm'] / row['step_time']
+    row['passes'] = record['passes']
     return row
 
 
@@ -333,11 +390,12 @@ def main(argv=None):
     machine = _common.machine_info()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix='mgpu-bench-') as workdir:
-        records, errors = run_groups(args, groups, common, workdir)
+        records, errors = run_groups(args, schedule(groups, args.passes), common, workdir)
+    records = merge_passes(records)
     rows = _report.derive([_row(r, args.micro_batch) for r in records
                            if r['method'] != 'memory'])
     memory = sorted((r for r in records if r['method'] == 'memory'), key=lambda r: r['k'])
-    drop = ('event', 'processes', 'thread_env', 'method', 'n')
+    drop = ('event', 'processes', 'thread_env', 'method', 'n', 'pass', 'passes')
     memory = [{key: value for key, value in r.items() if key not in drop} for r in memory]
     for m in memory:
         m['micro_batch'] = args.micro_batch
@@ -365,8 +423,8 @@ def main(argv=None):
             'model_source': _common.model_source(args.model),
             'micro_batch': args.micro_batch, 'accumulate_steps': args.ks, 'devices': ns,
             'device_kind': kind, 'warmup': args.warmup, 'rounds': args.rounds,
-            'updates_per_round': args.updates, 'dataset_size': common['dataset_size'],
-            'methods': args.methods,
+            'updates_per_round': args.updates, 'passes': args.passes,
+            'dataset_size': common['dataset_size'], 'methods': args.methods,
         },
         'machine': machine,
         'versions': _common.versions(mpiexec),
