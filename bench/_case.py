@@ -217,7 +217,12 @@ def run_memory(case, common, dataset, kind):
     one_batch()
     accumulated = _peak_bytes(accumulate, kind)
     single = _peak_bytes(one_batch, kind)
-    return {
+    result = {}
+    ours = _ours_peak_bytes(common, dataset, kind, k)
+    if ours is not None:
+        result = {'ours_peak_bytes': ours, 'ratio_peak_ours': ours / single,
+                  'ratio_activation_ours': (ours - param_bytes) / (single - param_bytes)}
+    return dict(result, **{
         'accumulated_peak_bytes': accumulated,
         'one_batch_peak_bytes': single,
         'gradient_bytes': param_bytes,
@@ -226,7 +231,27 @@ def run_memory(case, common, dataset, kind):
         'one_batch_activation_bytes': single - param_bytes,
         'ratio_activation': (accumulated - param_bytes) / (single - param_bytes),
         'measured_with': 'tracemalloc' if kind == 'cpu' else 'cupy memory pool',
-    }
+    })
+
+
+def _ours_peak_bytes(common, dataset, kind, k):
+    """Peak of one ``ParallelAccumulatingUpdater`` update on one device (the master computes
+    in this process; prefetched micro-batches included). None without the package."""
+    try:
+        from mgpu_updater import ParallelAccumulatingUpdater
+    except ImportError:
+        return None
+    model = _common.make_model(common['model'])
+    optimizer = _common.make_optimizer(model)
+    iterator = chainer.iterators.SerialIterator(dataset, common['micro_batch'], shuffle=False)
+    updater = ParallelAccumulatingUpdater([iterator], optimizer,
+                                          devices=[_common.device_spec(kind, 0)],
+                                          accumulate_steps=k, report_times=False)
+    try:
+        updater.update()  # warm-up: optimizer state, prefetch thread
+        return _peak_bytes(updater.update, kind)
+    finally:
+        updater.finalize()
 
 
 RUNNERS = {

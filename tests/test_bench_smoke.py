@@ -106,6 +106,7 @@ def test_memory_and_environment_recorded(smoke):
     assert [m['k'] for m in result['memory']] == list(KS)
     for m in result['memory']:
         assert m['accumulated_peak_bytes'] > 0 and m['one_batch_peak_bytes'] > 0
+        assert m['ours_peak_bytes'] > 0
     assert result['machine']['cores_usable'] >= 1
     assert {'python', 'numpy', 'chainer', 'blas'} <= set(result['versions'])
     per_replica = result['threads']['per_replica']
