@@ -34,7 +34,7 @@ SCHEMA = 'mgpu_updater.bench.scaling/1'
 
 PROFILES = {
     #            model   b   ks         warmup rounds updates passes
-    'default': ('cnn', 32, (1, 4, 8), 1, 3, 2, 3),
+    'default': ('cnn', 32, (1, 4, 8), 1, 2, 2, 5),
     'quick': ('cnn', 32, (1, 4, 8), 1, 3, 1, 1),
     'smoke': ('tiny', 4, (1, 2), 1, 2, 1, 1),
 }
@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument('--passes', type=int,
                    help='times the whole grid runs (rounds pooled; alternate passes reversed)')
     p.add_argument('--methods', help='comma-separated subset of ' + ','.join(_report.LABELS))
+    p.add_argument('--settle', type=float, default=0.0,
+                   help='seconds to pause before each case, so that the kernel finishes '
+                        'reclaiming the previous case\'s memory (default 0)')
     p.add_argument('--case-timeout', type=float, default=900,
                    help='seconds allowed for one group of cases (one process or mpiexec)')
     args = p.parse_args(argv)
@@ -402,6 +405,13 @@ def main(argv=None):
     machine['loadavg_end'] = _common.loadavg()
     mpiexec = _mpiexec()
     notes = []
+    spreads = [(r['samples_per_s_max'] - r['samples_per_s_min']) / r['samples_per_s']
+               for r in rows]
+    if spreads:
+        notes.append('Spread of the rounds, (max - min) / median: {:.0%} for the median row, '
+                     '{:.0%} at worst. Differences smaller than that (such as the 3% of the '
+                     'one-replica goal) are not resolved by this run; more --passes help.'
+                     .format(statistics.median(spreads), max(spreads)))
     if (machine['loadavg_start'] or 0) > 0.5:
         notes.append('The machine was not idle (1-minute load average {} on {} cores before '
                      'the benchmark started): other work skews these figures.'
