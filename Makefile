@@ -11,7 +11,9 @@ endif
 VENV := .venv
 VENV312 := .venv312
 EXTRAS := mpi,bench,test
-PYTEST_ARGS ?= -q
+# `make test` (and CI) leaves out the tests marked slow (20x fault repeats, soak, bench
+# end-to-end); `make test-slow` runs them.
+PYTEST_ARGS ?= -q -m "not slow"
 
 # Chainer 7.8.1 is an sdist: the constraints must reach its isolated build too.
 # pip reads PIP_CONSTRAINT there up to 26.2; newer pips take --build-constraint.
@@ -21,7 +23,7 @@ PIP_CONSTRAINT=$(abspath $(1)) $(2)/bin/python -m pip install \
 	   && echo --build-constraint $(abspath $(1))) $(3)
 endef
 
-.PHONY: setup setup-py312 test test-py312 example bench clean
+.PHONY: setup setup-py312 test test-py312 test-slow example bench clean
 
 setup: $(VENV)/.setup-stamp
 setup-py312: $(VENV312)/.setup-stamp
@@ -53,6 +55,9 @@ test: setup
 
 test-py312: setup-py312
 	$(call run_pytest,$(VENV312))
+
+test-slow: setup
+	$(MAKE) test PYTEST_ARGS='-q -m slow'
 
 example: setup
 	$(VENV)/bin/python examples/mnist/train_mnist.py
