@@ -10,40 +10,20 @@ The 20x repetitions are marked ``slow`` (``bench/faults.py`` prints the table).
 """
 import concurrent.futures
 import importlib.util
-import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = ROOT / 'tests' / 'fault_scripts' / 'harness.py'
 HARD_TIMEOUT = 90.0   # seconds for one scenario, processes included
 
 
 def run_scenario(scenario, *driver_args, timeout=HARD_TIMEOUT):
-    """Run one scenario; returns the harness's report (a dict)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
-    proc = subprocess.Popen([sys.executable, str(HARNESS), scenario, *driver_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            cwd=str(ROOT), start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # the harness, the master and its workers
-        proc.communicate()
-        return {'scenario': scenario,
-                'problems': [f'no result within {timeout:.0f} s (hang); all killed']}
-    for line in out.decode().splitlines():
-        if line.startswith('HARNESS '):
-            return json.loads(line[len('HARNESS '):])
-    return {'scenario': scenario, 'problems': [
-        f'the harness printed no report (exit {proc.returncode}): {err.decode()[-3000:]}']}
+    """Run one scenario; returns the harness's report (a dict). The runner is the one
+    ``bench/faults.py`` repeats."""
+    return _bench('faults').run_once(scenario, driver_args, timeout=timeout)
 
 
 # Every fast scenario: key -> harness arguments. They run a few at a time in the
