@@ -102,11 +102,11 @@ def sample(pids):
 
 
 def build(replicas, batch_size, accumulate_steps):
+    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators  # shim first
     import chainer
     import chainer.functions as F
     import chainer.links as L
     import numpy
-    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
     rng = numpy.random.RandomState(0)
     x = rng.rand(4096, 16).astype(numpy.float32)
     t = (x[:, :4].argmax(axis=1)).astype(numpy.int32)

@@ -18,6 +18,7 @@ import time
 
 import numpy
 
+import mgpu_updater  # noqa: F401  (its compat shim first: Python 3.12, numpy 2)
 import chainer
 import chainer.functions as F
 import chainer.links as L
