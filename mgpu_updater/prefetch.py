@@ -166,7 +166,8 @@ class Prefetcher(Loader):
         super().__init__(iterator, converter, device)
         self.depth = depth
         self._queue: 'queue.Queue[tuple]' = queue.Queue(maxsize=depth)
-        # states captured before each batch still in the queue, oldest first
+        # states captured before each batch loaded or being loaded and not yet handed
+        # out, oldest first; empty only while the thread is not inside a load
         self._pending: Deque[Dict[str, numpy.ndarray]] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -181,10 +182,11 @@ class Prefetcher(Loader):
                 self.device.use()
                 stager = PinnedStager(self.device.device.id, timeout=60.0)
             while not self._stop.is_set():
+                # Record the state before loading, then load without the lock: the
+                # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
-                    before = capture_state(self.iterator)
-                    item = self._load(stager)
-                    self._pending.append(before)
+                    self._pending.append(capture_state(self.iterator))
+                item = self._load(stager)
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None:
                     return
