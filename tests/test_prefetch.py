@@ -108,3 +108,36 @@ def test_works_with_multiprocess_iterator():
         assert int(capture_state(its[0])['current_position']) >= 24
     finally:
         updater.finalize()
+
+
+class _GatedDataset(chainer.dataset.DatasetMixin):
+    """Example 0 loads at once; every later example waits for ``gate``."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def __len__(self):
+        return 10
+
+    def get_example(self, i):
+        if i > 0:
+            self.gate.wait(10)
+        return np.full(5, i, np.float32), np.int32(i)
+
+
+def test_a_loaded_batch_is_handed_out_while_the_next_one_is_still_loading():
+    data = _GatedDataset()
+    loader = Prefetcher(chainer.iterators.SerialIterator(data, 1, shuffle=False),
+                        chainer.dataset.concat_examples, None, 2)
+    got = []
+    consumer = threading.Thread(target=lambda: got.append(loader.get()))
+    try:
+        consumer.start()
+        consumer.join(5)              # the loader is now blocked inside example 1
+        assert got and got[0].arrays[1][0] == 0, 'get() waited for the load in progress'
+        state = loader.state()        # and the state is that before example 1
+        assert int(state['current_position']) == 1
+    finally:
+        data.gate.set()
+        consumer.join(5)
+        loader.close()
