@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from run_fault import proc_state  # noqa: E402  (same folder; a light import)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, 'run_fault.py')
 PR_SET_CHILD_SUBREAPER = 36
@@ -36,14 +38,6 @@ def become_subreaper():
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), 'prctl(PR_SET_CHILD_SUBREAPER) failed')
-
-
-def proc_state(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return 'gone'
 
 
 def running(pid):
