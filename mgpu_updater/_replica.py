@@ -1,12 +1,13 @@
 """What every replica does in one update: its window of micro-batches.
 
-The master and each worker run the same :class:`Replica`. The loss scaling for
-accumulation lives here, in :meth:`Replica.run_window`, and nowhere else.
+The master and each worker run the same :class:`Replica`. Every factor a gradient is
+scaled by (accumulation, ``loss_reduction``, ``replica_reduction``) is decided here, in
+:class:`Scaling`, and nowhere else.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
 
@@ -23,6 +24,61 @@ class WindowResult(NamedTuple):
     weights: Dict[str, float]            # reported key -> samples that reported it
     times: Dict[str, float]              # seconds: 'data', 'compute'
     epochs: List[EpochInfo]              # epoch bookkeeping after each micro-batch
+    summed: Tuple[str, ...] = ()         # keys whose values add up (the loss under 'sum')
+
+
+class Scaling(NamedTuple):
+    """Every factor a replica's gradient is scaled by: the one home of gradient scaling.
+
+    Notation: a micro-batch of ``b`` samples whose ``loss_func`` returned ``L``; ``W`` the
+    nominal samples of one update over all replicas (``update_norm``); ``W_r`` this
+    replica's nominal samples per window, ``accumulate_steps`` times its batch size
+    (``window_norm``); ``B_r`` and ``B`` the samples the window and the update really held.
+
+    ============  ===========  =====================================  ======================
+    loss          replicas     the update's gradient                  factors
+    ============  ===========  =====================================  ======================
+    ``'mean'``    ``'mean'``   of the mean loss over all ``B``        ``b/W``, then ``W/B``
+                               samples (StandardUpdater, one batch)   on the reduced sum
+    ``'mean'``    ``'sum'``    sum over replicas of the gradient of   ``b/W_r``, then
+                               the replica's window mean loss         ``W_r/B_r`` per window
+                               (ParallelUpdater, one batch of
+                               ``accumulate_steps * b`` per device)
+    ``'sum'``     either       of the sum of ``L`` over every micro-  ``1``
+                               batch = the summed loss of all ``B``
+                               samples (StandardUpdater, one batch)
+    ============  ===========  =====================================  ======================
+
+    The micro-batch factor multiplies the loss before ``backward`` (with the optimizer's
+    own loss scale); the window factor is applied by the replica to its own gradient,
+    before the reduction, only when its window was short; the update factor is applied by
+    the master to the reduced gradient, only when the update was short (the end of an
+    epoch with ``repeat=False``).
+    """
+    loss_reduction: str       # 'mean' | 'sum': what loss_func returns over its batch
+    replica_reduction: str    # 'mean' | 'sum': how the replicas' gradients combine
+    update_norm: float        # W
+    window_norm: float        # W_r
+
+    def micro_batch(self, size: int) -> float:
+        """Factor on the loss of a micro-batch of ``size`` samples, before backward."""
+        if self.loss_reduction == 'sum':
+            return 1.0
+        if self.replica_reduction == 'sum':
+            return size / self.window_norm
+        return size / self.update_norm
+
+    def window(self, count: int) -> float:
+        """Factor on this replica's gradient once its window held ``count`` samples."""
+        if self.loss_reduction == 'mean' and self.replica_reduction == 'sum' and count:
+            return self.window_norm / count
+        return 1.0
+
+    def update(self, count: int) -> float:
+        """Factor on the reduced gradient once the whole update held ``count`` samples."""
+        if self.loss_reduction == 'mean' and self.replica_reduction == 'mean' and count:
+            return self.update_norm / count
+        return 1.0
 
 
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:
@@ -41,34 +97,50 @@ def _host(value: Any) -> Any:
 
 
 class Replica:
-    """One model replica with its loader, running ``accumulate_steps`` micro-batches."""
+    """One model replica with its loader, running ``accumulate_steps`` micro-batches.
+
+    Args:
+        name: how errors name this replica (``'replica 1 (@numpy)'``).
+        keep_graphs: keep, when ``chainer.config.keep_graph_on_report`` is on, the
+            Variables (with their graphs) that the window's first micro-batch reported,
+            in :attr:`graph_roots` (the master does, for ``DumpGraph``).
+    """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
-                 loader: Loader, accumulate_steps: int, weight_norm: float) -> None:
+                 loader: Loader, accumulate_steps: int, scaling: Scaling,
+                 name: str = 'replica 0', keep_graphs: bool = False) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
         self.accumulate_steps = accumulate_steps
-        self.weight_norm = weight_norm
+        self.scaling = scaling
+        self.name = name
+        self.keep_graphs = keep_graphs
+        #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
+        self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
 
     def run_window(self, loss_scale: Optional[float]) -> WindowResult:
         """Run up to ``accumulate_steps`` micro-batches, accumulating gradients.
 
-        Loss scaling for accumulation, the only place it happens: the micro-batch of
-        ``b`` samples back-propagates ``loss * b / W`` (times the optimizer's own loss
-        scale), where ``W`` is the nominal number of samples of one update over all
-        replicas. Summed over every micro-batch of every replica this is the gradient of
-        the sample-weighted mean loss whenever the update holds ``W`` samples; the master
-        multiplies by ``W / B`` when it really held ``B`` (the short end of an epoch).
+        The gradient is scaled as :class:`Scaling` says, here and nowhere else: each
+        micro-batch back-propagates ``loss * scaling.micro_batch(b)`` (times the
+        optimizer's own loss scale), and a short window's gradient is multiplied by
+        ``scaling.window(count)``; the master applies ``scaling.update(count)``.
+        Under ``loss_reduction='sum'`` the reported value that is the loss itself (the
+        same Variable or array ``loss_func`` returned) adds up over the update instead of
+        being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
         watch = Stopwatch()
         self.model.cleargrads()
+        self.graph_roots = {}
+        keep_graphs = self.keep_graphs and bool(chainer.config.keep_graph_on_report)
         count = 0
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         weights: Dict[str, float] = {}
+        summed: Dict[str, None] = {}
         epochs: List[EpochInfo] = []
         for _ in range(self.accumulate_steps):
             with watch('data'):
@@ -78,42 +150,120 @@ class Replica:
             with watch('compute'):
                 observation: Dict[str, Any] = {}
                 with self.reporter.scope(observation):
-                    arrays = batch.arrays
-                    if isinstance(arrays, tuple):
-                        loss = self.loss_func(*arrays)
-                    elif isinstance(arrays, dict):
-                        loss = self.loss_func(**arrays)
-                    else:
-                        loss = self.loss_func(arrays)
-                    scale = batch.size / self.weight_norm
+                    loss = self._forward(batch.arrays)
+                    scale = self.scaling.micro_batch(batch.size)
                     if loss_scale is not None:
                         scale *= loss_scale
                     loss.backward(loss_scale=scale)
                 loss_sum = loss_sum + loss.array * batch.size  # stays on the device
-                del loss
+                if keep_graphs and count == 0:
+                    self.graph_roots = {k: v for k, v in observation.items()
+                                        if isinstance(v, chainer.Variable)}
                 for key, value in observation.items():
                     if isinstance(value, chainer.Variable):
                         value = value.array
-                    sums[key] = sums.get(key, 0.0) + value * batch.size
+                    if self.scaling.loss_reduction == 'sum' and value is loss.array:
+                        summed[key] = None
+                    factor = 1 if key in summed else batch.size
+                    sums[key] = sums.get(key, 0.0) + value * factor
                     weights[key] = weights.get(key, 0.0) + batch.size
+                del loss
             count += batch.size
             epochs.append(batch.epoch)
+        if count:
+            self._check_gradients()
+            factor = self.scaling.window(count)
+            if factor != 1.0:
+                for param in self.model.params():
+                    if param.grad is not None:
+                        param.grad *= factor
         return WindowResult(
             count=count,
             loss_sum=_host(loss_sum) if count else 0.0,
             sums={k: _host(v) for k, v in sums.items()},
-            weights=weights, times=dict(watch.times), epochs=epochs)
+            weights=weights, times=dict(watch.times), epochs=epochs,
+            summed=tuple(summed))
+
+    def _forward(self, arrays: Any) -> chainer.Variable:
+        try:
+            if isinstance(arrays, tuple):
+                return self.loss_func(*arrays)
+            if isinstance(arrays, dict):
+                return self.loss_func(**arrays)
+            return self.loss_func(arrays)
+        except KeyError as exc:
+            # chainer/reporter.py:172 (Chainer 7.8.1): a link of another model reported.
+            if 'not registered to the reporter' not in str(exc):
+                raise
+            raise RuntimeError(
+                f'{self.name}: loss_func ({_describe(self.loss_func)}) reported through a '
+                'link that is not part of this replica\'s model, so it computes with a '
+                f'different copy of the model. {_LOSS_FUNC_FIX}') from exc
+
+    def _check_gradients(self) -> None:
+        """A window that left no parameter with a gradient computed with another model."""
+        if any(p.grad is not None for p in self.model.params()):
+            return
+        raise RuntimeError(
+            f'{self.name}: no parameter of its model got a gradient from this update\'s '
+            f'micro-batches, so its share of the gradient would be zeros. Most likely '
+            f'loss_func ({_describe(self.loss_func)}) computes with a different copy of the '
+            f'model than this replica\'s. {_LOSS_FUNC_FIX}')
+
+
+_LOSS_FUNC_FIX = (
+    'A loss_func that is the model, one of its links, a method of either, or a closure or '
+    'functools.partial over them is re-bound to each replica; one that reaches the model '
+    'another way (an object holding it, a global variable) computes with its own copy in '
+    'the worker. Pass one of the forms above, or a function of the model\'s outputs')
+
+
+def _describe(func: Any) -> str:
+    text = getattr(func, '__qualname__', None) or type(func).__name__
+    return text if len(text) <= 80 else text[:77] + '...'
 
 
 def combine(results: List[WindowResult]) -> Dict[str, Any]:
-    """The sample-weighted mean of every reported value over all replicas' windows."""
+    """The sample-weighted mean of every reported value over all replicas' windows; the
+    sum for the keys a replica marked ``summed`` (the loss under ``loss_reduction='sum'``)."""
     sums: Dict[str, Any] = {}
     weights: Dict[str, float] = {}
+    summed = {key for r in results for key in r.summed}
     for r in results:
         for key, value in r.sums.items():
             sums[key] = sums.get(key, 0.0) + value
             weights[key] = weights.get(key, 0.0) + r.weights[key]
-    return {key: sums[key] / weights[key] for key in sums if weights[key] > 0}
+    return {key: sums[key] if key in summed else sums[key] / weights[key]
+            for key in sums if weights[key] > 0}
+
+
+class AggregatedOverUpdate(chainer.FunctionNode):
+    """A node that outputs the update's aggregate of a reported value.
+
+    Its input is what the master's first micro-batch reported (with its graph), so
+    ``DumpGraph`` draws the model's graph of that micro-batch, ending in this node, while
+    the value that ``LogReport`` averages is exactly the aggregate over the update.
+    It only exists to be looked at: backward through it is refused.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def forward(self, inputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        device = chainer.backend.get_device_from_array(inputs[0])
+        return device.send(numpy.asarray(self.value)),
+
+    def backward(self, indexes: Tuple[int, ...], grad_outputs: Tuple[Any, ...]) -> Any:
+        raise RuntimeError('AggregatedOverUpdate is a reported value, not part of the '
+                           'loss: do not back-propagate through it')
+
+
+def with_graph(root: chainer.Variable, value: Any) -> chainer.Variable:
+    """``value`` as a Variable whose graph is ``root``'s, for extensions that read graphs
+    (``DumpGraph``; anything relying on ``chainer.config.keep_graph_on_report``)."""
+    with chainer.force_backprop_mode():
+        out, = AggregatedOverUpdate(value).apply((root,))
+    return out
 
 
 def total_loss(results: List[WindowResult]) -> float:

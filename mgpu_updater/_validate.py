@@ -208,5 +208,34 @@ def non_finite_policy(value: Any) -> str:
     return choice('nonfinite', value, ('raise', 'skip'))
 
 
+_REDUCTION_HINTS = {
+    'loss_reduction': ("'mean' when loss_func returns the mean over its batch (Chainer's "
+                       "losses, e.g. F.softmax_cross_entropy), 'sum' when it returns the sum "
+                       "(e.g. F.black_out, a hierarchical softmax, a loss summed over a tree)"),
+    'replica_reduction': ("'mean' for StandardUpdater's (and ChainerMN's) dynamics on the "
+                          "global batch, 'sum' for ParallelUpdater's and "
+                          "MultiprocessParallelUpdater's sum over the devices"),
+}
+
+
+def _reduction(name: str, value: Any) -> str:
+    if isinstance(value, str) and value in ('mean', 'sum'):
+        return value
+    kind = '' if isinstance(value, str) else f' of type {type(value).__name__}'
+    raise ValueError(f"{name} must be 'mean' or 'sum' ({value!r}{kind} given); pass "
+                     f'{_REDUCTION_HINTS[name]}')
+
+
+def loss_reduction(value: Any) -> str:
+    """What ``loss_func`` returns over its batch: its mean or its sum."""
+    return _reduction('loss_reduction', value)
+
+
+def replica_reduction(value: Any) -> str:
+    """How the replicas' gradients combine: as one global batch, or summed."""
+    return _reduction('replica_reduction', value)
+
+
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
-           'callable_or_none', 'picklable', 'non_finite_policy']
+           'callable_or_none', 'picklable', 'non_finite_policy', 'loss_reduction',
+           'replica_reduction']

@@ -28,12 +28,12 @@ class WorkerInit(NamedTuple):
     device: Any                 # device specifier as given
     model: Any                  # the master's model, on the CPU
     loss_func: Optional[Callable]
-    bind_loss_to_model: Optional[str]   # name of a bound method of the model
+    bind_loss_to_model: Any     # _loss_binding.LossBinding: loss_func is a link or its method
     converter: Callable
     iterator: Any
     prefetch: int
     accumulate_steps: int
-    weight_norm: float
+    scaling: Any                # _replica.Scaling: this replica's gradient factors
     comm_name: str
     comm_handle: Any
 
@@ -120,7 +120,7 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
 
 def _build(init: 'WorkerInit') -> Any:
     import chainer
-    from . import comm as comm_module
+    from . import _loss_binding, comm as comm_module
     from ._flat import ModelLayouts
     from ._replica import Replica
     from .prefetch import make_loader
@@ -129,11 +129,12 @@ def _build(init: 'WorkerInit') -> Any:
     device.use()
     model = init.model
     model.to_device(device)
-    loss_func = init.loss_func
+    loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
-        loss_func = getattr(model, init.bind_loss_to_model)
+        loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
-    replica = Replica(model, loss_func, loader, init.accumulate_steps, init.weight_norm)
+    replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
+                      name=f'replica {init.rank} ({init.device})')
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     if hasattr(comm, 'init'):   # NCCL: every rank joins while the master waits for 'ready'
         comm.init()

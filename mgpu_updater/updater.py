@@ -10,10 +10,11 @@ import chainer
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
-from . import _validate
+from . import _loss_binding, _validate
 from ._flat import ModelLayouts
 from ._group import Group, LocalGroup, Pending, SoloGroup, payload_factory
-from ._replica import Replica, WindowResult, combine, observers, total_loss
+from ._replica import (Replica, Scaling, WindowResult, combine, observers, total_loss,
+                       with_graph)
 from .errors import NonFiniteLossError
 from .prefetch import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
                        write_state)
@@ -31,7 +32,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        next micro-batches are loaded meanwhile in a background thread (``prefetch``).
     3. Gradients are summed onto the master (sync point 2) and scaled so that the result
        is the gradient of the *sample-weighted mean loss over every sample of the update*:
-       identical to ``StandardUpdater`` on one batch holding all those samples.
+       identical to ``StandardUpdater`` on one batch holding all those samples (with the
+       defaults; ``loss_reduction`` and ``replica_reduction`` say otherwise).
     4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
        The optimizer and its hyperparameters are never modified.
 
@@ -39,7 +41,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     equal weights after each update; integer and scalar persistents keep the master's
     values. Everything a replica reports (``main/loss``, ``main/accuracy``, any
     ``chainer.report``) reaches the master's reporter as the sample-weighted mean over
-    every micro-batch of every replica of the update.
+    every micro-batch of every replica of the update. When
+    ``chainer.config.keep_graph_on_report`` is on (``DumpGraph`` turns it on), a value
+    the master's first micro-batch reported as a Variable is reported as a Variable
+    holding the aggregate whose graph is that micro-batch's: ``DumpGraph('main/loss')``
+    draws the model's graph, ``LogReport`` logs the aggregate.
 
     When an iterator ends (``repeat=False``) in the middle of a window, that replica
     contributes the micro-batches it got; the update is weighted by the samples it really
@@ -53,8 +59,19 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             / ``-1`` (may repeat) for CPU replicas; a dict with a ``'main'`` key works too.
         accumulate_steps: micro-batches per device per update (int >= 1).
         converter, loss_func: as for ``StandardUpdater``. Both must be picklable when
-            there are workers (module-level functions; a bound method of the model is
-            re-bound to each replica).
+            there are workers. A ``loss_func`` that is the model, one of its links, a
+            method of either, or a closure / ``functools.partial`` over them computes in
+            each worker with that worker's replica (re-bound by link path).
+        loss_reduction: what ``loss_func`` returns over its batch: ``'mean'`` (default,
+            Chainer's losses) or ``'sum'`` (e.g. ``F.black_out``, a hierarchical softmax,
+            a loss accumulated over a tree). Either way the update equals
+            ``StandardUpdater`` on one batch of all the update's samples; under
+            ``'sum'`` the reported loss is the sum over those samples, as there.
+        replica_reduction: how the replicas' gradients combine: ``'mean'`` (default,
+            the global batch above; ChainerMN's mean) or ``'sum'``: each replica's
+            gradient is that of its window as one batch (its ``accumulate_steps``
+            micro-batches), and those are summed, exactly as ``ParallelUpdater`` and
+            ``MultiprocessParallelUpdater`` do (N times the default for equal shares).
         prefetch: micro-batches loaded ahead per replica (0 turns it off).
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
@@ -84,12 +101,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  start_method: str = 'spawn',
                  start_timeout: float = 120.0,
                  communicator: Any = None,
-                 auto_new_epoch: bool = True) -> None:
+                 auto_new_epoch: bool = True,
+                 loss_reduction: str = 'mean',
+                 replica_reduction: str = 'mean') -> None:
         self._finalized = False
         self._group: Group = Group()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
         self.prefetch = _validate.positive_int('prefetch', prefetch, minimum=0)
         self.nonfinite = _validate.non_finite_policy(nonfinite)
+        self.loss_reduction = _validate.loss_reduction(loss_reduction)
+        self.replica_reduction = _validate.replica_reduction(replica_reduction)
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
         if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)):
@@ -119,9 +140,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                              f'devices has {len(self._devices)} ({self.device_labels!r}); '
                              'pass devices=[comm.intra_rank] (GPU) or ["@numpy"]')
         self._worker_iterators = its[1:]
-        self._bound_loss = None
+        self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
-            self._bound_loss = _bound_method_name(loss_func, model)
+            self._bound_loss = _loss_binding.find(loss_func, model)
             _validate.picklable('the model', model, 'Make it picklable (no lambdas or open '
                                 'files as attributes) so it can be copied to the workers.')
             if loss_func is not None and self._bound_loss is None:
@@ -181,13 +202,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         _initialize_lazy_params(model, self.loss_func, self._iterators['main'],
                                 self.converter, master_device)
         self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
-                                self._weight_norm)
+                                self._scaling(self._iterators['main']),
+                                name=f'replica 0 ({self.device_labels[0]})', keep_graphs=True)
         self._group = SoloGroup(model)
         if self._communicator is not None:
             from ._mpi import MpiGroup
             self._group = MpiGroup(self._communicator, model, self._weight_norm)
             self._weight_norm = self._group.weight_norm
-            self._replica.weight_norm = self._weight_norm
+            self._replica.scaling = self._scaling(self._iterators['main'])
         elif len(self._devices) > 1:
             from . import comm
             layouts = ModelLayouts(model, double_buffered=self.pipelined)
@@ -200,14 +222,21 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 payloads[rank] = payload_factory(dict(
                     rank=rank, size=len(self._devices), device=self.device_labels[rank],
                     model=replica_model,
-                    loss_func=None if self._bound_loss else self.loss_func,
+                    loss_func=None if self._bound_loss else
+                    _loss_binding.swap_model(self.loss_func, model, replica_model),
                     bind_loss_to_model=self._bound_loss, converter=self.converter,
                     iterator=it, prefetch=self.prefetch,
-                    accumulate_steps=self.accumulate_steps, weight_norm=self._weight_norm,
+                    accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
                     comm_name=comm.backend_for(self._devices)))
             self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
                                      master_device, self.device_labels, payloads,
                                      self.start_method, self.start_timeout)
+
+    def _scaling(self, iterator: Any) -> Scaling:
+        """The gradient factors of the replica that reads ``iterator`` (see Scaling)."""
+        window = self.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
+        return Scaling(self.loss_reduction, self.replica_reduction,
+                       update_norm=self._weight_norm, window_norm=float(window))
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
@@ -261,9 +290,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _apply(self, optimizer: chainer.Optimizer, update: '_PendingUpdate') -> None:
         """One optimizer step on the model's summed gradient of ``update``."""
         model = optimizer.target
-        # The one correction of the accumulation scaling (see Replica.run_window).
-        if update.count != self._weight_norm:
-            factor = self._weight_norm / update.count
+        # The update's own factor, decided by Scaling with the others (see _replica).
+        factor = self._replica.scaling.update(update.count)
+        if factor != 1.0:
             for param in model.params():
                 if param.grad is not None:
                     param.grad *= factor
@@ -282,6 +311,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
         observation = combine(results)
+        for key, root in self._replica.graph_roots.items():
+            if key in observation:
+                observation[key] = with_graph(root, observation[key])
         times = dict(watch.times)
         times['data'] = own.times.get('data', 0.0)
         times['compute'] = own.times.get('compute', 0.0)
@@ -401,13 +433,6 @@ class _PendingUpdate:
     def __init__(self, count: int, loss: float, loss_scale: Optional[float],
                  pending: Optional[Pending]) -> None:
         self.count, self.loss, self.loss_scale, self.pending = count, loss, loss_scale, pending
-
-
-def _bound_method_name(loss_func: Any, model: chainer.Link) -> Optional[str]:
-    """Name of ``loss_func`` if it is a method bound to the model (re-bound in workers)."""
-    if loss_func is not None and getattr(loss_func, '__self__', None) is model:
-        return loss_func.__name__
-    return None
 
 
 def _initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],

@@ -1,0 +1,210 @@
+"""A ``loss_func`` that computes with the model runs on each replica's own copy.
+
+Chainer's scripts pass the model itself (the VAE example), a link inside it, a method of
+one, or a closure over the model (``model.get_loss_func()``). Every form must train exactly
+as ``StandardUpdater`` on the global batch; a form that cannot be re-bound must fail with
+a clear error instead of reducing zeros.
+"""
+from __future__ import annotations
+
+import functools
+import pickle
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
+from mgpu_updater import _loss_binding, updater as updater_module
+
+from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
+                            seeded)
+from _models import dataset, params, setup_optimizer
+
+N, K, B, UPDATES = 2, 2, 4, 2
+
+
+def _datasets():
+    return [dataset(B * K * UPDATES, seed=60 + r) for r in range(N)]
+
+
+def run_updates(updater, model, n):
+    """Run n updates with the model's links named as the Trainer names them."""
+    observations = []
+    for _ in range(n):
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+        reporter.add_observers('main', model.namedlinks(skipself=True))
+        obs = {}
+        with reporter.scope(obs):
+            updater.update()
+        observations.append(obs)
+    return observations
+
+
+def _reference(model, make_loss, datasets):
+    opt = setup_optimizer('momentum+decay', model)
+    losses = []
+    for u in range(UPDATES):
+        batch = []
+        for d in datasets:
+            batch.extend(d[u * K * B:(u + 1) * K * B])
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        obs = run_updates(StandardUpdater(it, opt, loss_func=make_loss(model)), model, 1)[0]
+        losses.append(obs)
+    return losses
+
+
+def _ours(model, make_loss, datasets, **kwargs):
+    opt = setup_optimizer('momentum+decay', model)
+    its = [chainer.iterators.SerialIterator(d, B, shuffle=False) for d in datasets]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
+                                          accumulate_steps=K, loss_func=make_loss(model),
+                                          **kwargs)
+    try:
+        return run_updates(updater, model, UPDATES)
+    finally:
+        updater.finalize()
+
+
+FORMS = {
+    # the VAE example: loss_func=model
+    'the model': (SelfLoss, lambda m: m, 'main/loss'),
+    # a link inside the model, called
+    'a sub-link': (Outer, lambda m: m.clf, 'main/clf/loss'),
+    # a method of a link inside the model
+    'a method of a sub-link': (Outer, lambda m: m.clf.loss, 'main/clf/loss'),
+    # a method of the model
+    'a method of the model': (SelfLoss, lambda m: m.forward, 'main/loss'),
+    # functools.partial over a module-level function and the model
+    'a partial over the model': (SelfLoss, lambda m: functools.partial(loss_of, m), None),
+}
+
+
+@pytest.mark.parametrize('form', list(FORMS))
+def test_loss_func_bound_to_the_model_trains_as_standard_updater(form):
+    cls, make_loss, key = FORMS[form]
+    datasets = _datasets()
+    ours, ref = seeded(cls), seeded(cls)
+    initial = params(ours)
+    ours_obs = _ours(ours, make_loss, datasets)
+    ref_obs = _reference(ref, make_loss, datasets)
+    for name, value in params(ref).items():
+        np.testing.assert_allclose(params(ours)[name], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=f'{form}: {name}')
+        assert not np.allclose(value, initial[name]), name   # training moved it
+    if key is not None:   # what the model reported is the mean over the global batch
+        np.testing.assert_allclose([o[key] for o in ours_obs],
+                                   [float(o[key].array) for o in ref_obs], rtol=1e-5)
+
+
+def test_find_describes_links_and_methods_by_path():
+    model = Outer()
+    assert _loss_binding.find(model, model) == ('/', None)
+    assert _loss_binding.find(model.clf, model) == ('/clf', None)
+    assert _loss_binding.find(model.clf.loss, model) == ('/clf', 'loss')
+    assert _loss_binding.find(Outer().clf.loss, model) is None     # another model's
+    assert _loss_binding.find(loss_of, model) is None
+    replica = pickle.loads(pickle.dumps(model))
+    assert _loss_binding.resolve(_loss_binding.LossBinding('/clf', 'loss'),
+                                 replica) == replica.clf.loss
+    assert _loss_binding.resolve(_loss_binding.LossBinding('/', None), replica) is replica
+
+
+def test_swap_model_points_closures_and_partials_at_the_replica():
+    model = SelfLoss()
+    replica = pickle.loads(pickle.dumps(model))
+    closure = model.get_loss_func(weight=0.5)
+    swapped = _loss_binding.swap_model(closure, model, replica)
+    cells = {id(c.cell_contents) for c in swapped.__closure__}
+    assert id(replica) in cells and id(model) not in cells
+    assert any(c.cell_contents is model for c in closure.__closure__)   # original untouched
+    partial = _loss_binding.swap_model(functools.partial(loss_of, model.net), model, replica)
+    assert partial.args[0] is replica.net
+    method = _loss_binding.swap_model(functools.partial(model.net.forward), model, replica)
+    assert method.func.__self__ is replica.net
+    assert _loss_binding.swap_model(loss_of, model, replica) is loss_of   # nothing to swap
+    x, t = chainer.dataset.concat_examples(dataset(4, seed=1))
+    np.testing.assert_allclose(swapped(x, t).array, closure(x, t).array, rtol=1e-6)
+
+
+@pytest.fixture
+def closure_payloads():
+    """Skip while the updater refuses closures (the standard pickle does, by reference)."""
+    model = SelfLoss()
+    its = [chainer.iterators.SerialIterator(d, B) for d in _datasets()]
+    try:
+        ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model), devices=['@numpy'] * N,
+                                    loss_func=model.get_loss_func()).finalize()
+    except TypeError as exc:
+        if 'cannot be sent to a worker process' not in str(exc):
+            raise
+        pytest.skip('the worker payload is pickled with the standard pickle, which refuses '
+                    'closures; it carries them once it switches to cloudpickle '
+                    '(issue 10 item 2)')
+
+
+def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_payloads,
+                                                                    monkeypatch):
+    """The VAE example's ``loss_func=model.get_loss_func()``: in the worker the closure's
+    ``self`` must be the worker's replica model, the very object it trains."""
+    captured = {}
+
+    class Capture:
+        def __init__(self, model, layouts, backend, master_device, devices, payloads,
+                     *args):
+            captured.update(payloads)
+
+        def close(self, abort=False):
+            pass
+
+    monkeypatch.setattr(updater_module, 'LocalGroup', Capture)
+    model = SelfLoss()
+    opt = setup_optimizer('sgd', model)
+    its = [chainer.iterators.SerialIterator(d, B) for d in _datasets()]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
+                                          loss_func=model.get_loss_func())
+    updater._start()
+    init = pickle.loads(captured[1](None))
+    cells = [c.cell_contents for c in init.loss_func.__closure__]
+    assert any(c is init.model for c in cells), cells
+
+
+def test_closure_over_the_model_trains_as_standard_updater(closure_payloads):
+    datasets = _datasets()
+    ours, ref = seeded(SelfLoss), seeded(SelfLoss)
+    ours_obs = _ours(ours, lambda m: m.get_loss_func(), datasets)
+    ref_obs = _reference(ref, lambda m: m.get_loss_func(), datasets)
+    for name, value in params(ref).items():
+        np.testing.assert_allclose(params(ours)[name], value, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([o['main/loss'] for o in ours_obs],
+                               [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
+
+
+def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros():
+    model = SelfLoss()
+    with pytest.raises(WorkerError, match=r'(?s)replica 1 .*no parameter of its model got '
+                                          r'a gradient.*loss_func \(HoldsAModel\)'):
+        _ours(model, HoldsAModel, _datasets())
+
+
+def test_worker_whose_loss_func_reports_through_another_model_says_so():
+    model = SelfLoss()
+    with pytest.raises(WorkerError, match=r'(?s)replica 1 .*reported through a link that '
+                                          r'is not part of this replica'):
+        _ours(model, HoldsAReportingModel, _datasets())
+
+
+def test_master_whose_loss_func_misses_its_model_raises():
+    model, other = SelfLoss(), SelfLoss()
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(_datasets()[0], B)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'],
+                                          loss_func=HoldsAModel(other))
+    try:
+        with pytest.raises(RuntimeError, match=r'replica 0 \(@numpy\): no parameter'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
