@@ -182,6 +182,52 @@ def test_replica_sum_short_windows_sum_the_mean_of_what_each_replica_held():
     _assert_params(ours, ref)
 
 
+def _multiprocess_parallel_updater(model, opt, datasets, b, updates=UPDATES):
+    """What MultiprocessParallelUpdater.update_core computes (it needs CUDA and NCCL):
+    every device's mean loss on its own batch, backward, the gradients summed (NCCL_SUM),
+    one step of the optimizer that its constructor changed in place."""
+    for u in range(updates):
+        total = {name: 0 for name, _ in model.namedparams()}
+        for d in datasets:
+            model.cleargrads()
+            model(*chainer.dataset.concat_examples(d[u * b:(u + 1) * b])).backward()
+            for name, p in model.namedparams():
+                total[name] = total[name] + p.grad
+        for name, p in model.namedparams():
+            p.grad = total[name]
+        opt.update()
+
+
+@pytest.mark.parametrize('kind', ['momentum+decay', 'clip', 'adam'])
+def test_multiprocess_parallel_updater_dynamics(kind):
+    """README's recipe: replica_reduction='sum' plus the optimizer change it made itself
+    (lr / N, or eps * N for Adam) is exact, hooks included; without hooks, the default
+    'mean' with the original optimizer is the same update."""
+    n, b = 2, 4
+    datasets = _shards(n, b, 1)
+    ref = classifier(seed=9)
+    ref_opt = setup_optimizer(kind, ref)
+    if kind == 'adam':
+        ref_opt.eps *= n
+    else:
+        ref_opt.lr /= n
+    _multiprocess_parallel_updater(ref, ref_opt, datasets, b)
+    ours = classifier(seed=9)
+    if kind == 'adam':   # no hooks: the default mean with the original eps
+        _ours(ours, kind, datasets, b, 1)
+    else:
+        opt = setup_optimizer(kind, ours)
+        opt.lr /= n
+        its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+        updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * n,
+                                              replica_reduction='sum')
+        try:
+            run_updates(updater, ours, UPDATES)
+        finally:
+            updater.finalize()
+    _assert_params(ours, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_replica_sum_with_sum_loss_is_the_global_sum():
     n, k, b = 2, 2, 4
     datasets = _shards(n, b, k)
