@@ -13,6 +13,7 @@ import numpy
 
 import chainer
 
+from ._chunks import split
 from .prefetch import Batch, EpochInfo, Loader, Stopwatch
 
 
@@ -101,6 +102,8 @@ class Replica:
 
     Args:
         name: how errors name this replica (``'replica 1 (@numpy)'``).
+        micro_batch_size: run each loaded micro-batch as chunks of at most this many
+            samples (None: whole).
         keep_graphs: keep, when ``chainer.config.keep_graph_on_report`` is on, the
             Variables (with their graphs) that the window's first micro-batch reported,
             in :attr:`graph_roots` (the master does, for ``DumpGraph``).
@@ -108,7 +111,8 @@ class Replica:
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
-                 name: str = 'replica 0', keep_graphs: bool = False) -> None:
+                 name: str = 'replica 0', keep_graphs: bool = False,
+                 micro_batch_size: Optional[int] = None) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -116,6 +120,7 @@ class Replica:
         self.scaling = scaling
         self.name = name
         self.keep_graphs = keep_graphs
+        self.micro_batch_size = micro_batch_size
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
@@ -124,6 +129,9 @@ class Replica:
     def run_window(self, loss_scale: Optional[float]) -> WindowResult:
         """Run up to ``accumulate_steps`` micro-batches, accumulating gradients.
 
+        With ``micro_batch_size`` m, each loaded micro-batch runs as chunks of at most m
+        samples; a chunk counts as a micro-batch of its own size below, so the update
+        stays the same over the same samples.
         The gradient is scaled as :class:`Scaling` says, here and nowhere else: each
         micro-batch back-propagates ``loss * scaling.micro_batch(b)`` (times the
         optimizer's own loss scale), and a short window's gradient is multiplied by
@@ -148,26 +156,28 @@ class Replica:
             if batch is None:        # iterator exhausted: the window holds what it got
                 break
             with watch('compute'):
-                observation: Dict[str, Any] = {}
-                with self.reporter.scope(observation):
-                    loss = self._forward(batch.arrays)
-                    scale = self.scaling.micro_batch(batch.size)
-                    if loss_scale is not None:
-                        scale *= loss_scale
-                    loss.backward(loss_scale=scale)
-                loss_sum = loss_sum + loss.array * batch.size  # stays on the device
-                if keep_graphs and count == 0:
-                    self.graph_roots = {k: v for k, v in observation.items()
-                                        if isinstance(v, chainer.Variable)}
-                for key, value in observation.items():
-                    if isinstance(value, chainer.Variable):
-                        value = value.array
-                    if self.scaling.loss_reduction == 'sum' and value is loss.array:
-                        summed[key] = None
-                    factor = 1 if key in summed else batch.size
-                    sums[key] = sums.get(key, 0.0) + value * factor
-                    weights[key] = weights.get(key, 0.0) + batch.size
-                del loss
+                for size, arrays in split(batch.arrays, batch.size, self.micro_batch_size):
+                    observation: Dict[str, Any] = {}
+                    with self.reporter.scope(observation):
+                        loss = self._forward(arrays)
+                        scale = self.scaling.micro_batch(size)
+                        if loss_scale is not None:
+                            scale *= loss_scale
+                        loss.backward(loss_scale=scale)
+                    loss_sum = loss_sum + loss.array * size  # stays on the device
+                    if keep_graphs:   # the first chunk's graphs only
+                        keep_graphs = False
+                        self.graph_roots = {k: v for k, v in observation.items()
+                                            if isinstance(v, chainer.Variable)}
+                    for key, value in observation.items():
+                        if isinstance(value, chainer.Variable):
+                            value = value.array
+                        if self.scaling.loss_reduction == 'sum' and value is loss.array:
+                            summed[key] = None
+                        factor = 1 if key in summed else size
+                        sums[key] = sums.get(key, 0.0) + value * factor
+                        weights[key] = weights.get(key, 0.0) + size
+                    del loss
             count += batch.size
             epochs.append(batch.epoch)
         if count:

@@ -236,6 +236,20 @@ def replica_reduction(value: Any) -> str:
     return _reduction('replica_reduction', value)
 
 
+def micro_batch_size(value: Any) -> Any:
+    """None, or the most samples one forward/backward may hold (an int >= 1)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f'micro_batch_size must be None or an int >= 1 ({value!r} of type '
+                        f'{type(value).__name__} given); pass e.g. micro_batch_size=16 to '
+                        'run each loaded batch in chunks of at most 16 samples')
+    if value < 1:
+        raise ValueError(f'micro_batch_size must be None or an int >= 1 ({value!r} given); '
+                         'pass e.g. micro_batch_size=16, or None to run whole batches')
+    return int(value)
+
+
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'picklable', 'non_finite_policy', 'loss_reduction',
-           'replica_reduction']
+           'replica_reduction', 'micro_batch_size']

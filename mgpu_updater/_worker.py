@@ -36,6 +36,7 @@ class WorkerInit(NamedTuple):
     scaling: Any                # _replica.Scaling: this replica's gradient factors
     comm_name: str
     comm_handle: Any
+    micro_batch_size: Optional[int] = None   # chunks of a loaded micro-batch (None: whole)
 
 
 def _parent_sentinel() -> Optional[int]:
@@ -134,7 +135,8 @@ def _build(init: 'WorkerInit') -> Any:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
-                      name=f'replica {init.rank} ({init.device})')
+                      name=f'replica {init.rank} ({init.device})',
+                      micro_batch_size=init.micro_batch_size)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     if hasattr(comm, 'init'):   # NCCL: every rank joins while the master waits for 'ready'
         comm.init()

@@ -72,6 +72,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             gradient is that of its window as one batch (its ``accumulate_steps``
             micro-batches), and those are summed, exactly as ``ParallelUpdater`` and
             ``MultiprocessParallelUpdater`` do (N times the default for equal shares).
+        micro_batch_size: None (default), or an int m: every loaded micro-batch of ``b``
+            samples runs as ``ceil(b / m)`` chunks of at most m samples, gradients
+            accumulated, so a batch that does not fit in memory at once still gives the
+            same update over the same samples (BatchNormalization then normalises over
+            each chunk).
         prefetch: micro-batches loaded ahead per replica (0 turns it off).
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
@@ -103,7 +108,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  communicator: Any = None,
                  auto_new_epoch: bool = True,
                  loss_reduction: str = 'mean',
-                 replica_reduction: str = 'mean') -> None:
+                 replica_reduction: str = 'mean',
+                 micro_batch_size: Optional[int] = None) -> None:
         self._finalized = False
         self._group: Group = Group()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -111,6 +117,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.nonfinite = _validate.non_finite_policy(nonfinite)
         self.loss_reduction = _validate.loss_reduction(loss_reduction)
         self.replica_reduction = _validate.replica_reduction(replica_reduction)
+        self.micro_batch_size = _validate.micro_batch_size(micro_batch_size)
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
         if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)):
@@ -203,7 +210,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                 self.converter, master_device)
         self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
                                 self._scaling(self._iterators['main']),
-                                name=f'replica 0 ({self.device_labels[0]})', keep_graphs=True)
+                                name=f'replica 0 ({self.device_labels[0]})', keep_graphs=True,
+                                micro_batch_size=self.micro_batch_size)
         self._group = SoloGroup(model)
         if self._communicator is not None:
             from ._mpi import MpiGroup
@@ -227,6 +235,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     bind_loss_to_model=self._bound_loss, converter=self.converter,
                     iterator=it, prefetch=self.prefetch,
                     accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
+                    micro_batch_size=self.micro_batch_size,
                     comm_name=comm.backend_for(self._devices)))
             self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
                                      master_device, self.device_labels, payloads,

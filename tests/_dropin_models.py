@@ -102,3 +102,24 @@ class SumLoss(chainer.Chain):
 def seeded(cls, seed=0):
     np.random.seed(seed)
     return cls()
+
+
+class CappedMLP(chainer.Chain):
+    """Raises MemoryError when one forward holds more than ``cap`` samples, as a device
+    that runs out of memory would; records the largest forward it ran."""
+
+    def __init__(self, cap):
+        super().__init__()
+        self.cap = cap
+        self.largest = 0
+        with self.init_scope():
+            self.net = MLP()
+
+    def forward(self, x, t):
+        if len(x) > self.cap:
+            raise MemoryError(f'{len(x)} samples do not fit (cap {self.cap})')
+        self.largest = max(self.largest, len(x))
+        y = self.net(x)
+        loss = F.softmax_cross_entropy(y, t)
+        chainer.report({'loss': loss, 'accuracy': F.accuracy(y, t)}, self)
+        return loss

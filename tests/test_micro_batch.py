@@ -1,0 +1,125 @@
+"""``micro_batch_size=m``: a loaded batch runs as chunks of at most m samples, and the
+update stays that of StandardUpdater on the global batch (issue 12)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _dropin_models import CappedMLP, SumLoss, seeded
+from _models import dataset, params, run_updates, setup_optimizer
+
+UPDATES = 2
+
+
+def _run(model, datasets, b, k, opt_kind='momentum+decay', updates=UPDATES, **kwargs):
+    opt = setup_optimizer(opt_kind, model)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * len(datasets),
+                                          accumulate_steps=k, **kwargs)
+    try:
+        return run_updates(updater, model, updates)
+    finally:
+        updater.finalize()
+
+
+def _standard(model, datasets, b, k, opt_kind='momentum+decay', updates=UPDATES):
+    opt = setup_optimizer(opt_kind, model)
+    out = []
+    for u in range(updates):
+        batch = []
+        for d in datasets:
+            batch.extend(d[u * k * b:(u + 1) * k * b])
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        out.append(run_updates(StandardUpdater(it, opt), model, 1)[0])
+    return out
+
+
+def _assert_params(ours, ref):
+    for name, value in params(ref).items():
+        np.testing.assert_allclose(params(ours)[name], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize('n,opt_kind', [(1, 'momentum+decay'), (2, 'clip')])
+def test_chunks_match_standard_updater_on_the_global_batch(n, opt_kind):
+    """b=5 samples per loaded batch, m=2: chunks of 2, 2 and 1; a model that cannot hold
+    more than 2 samples at once trains exactly as StandardUpdater on all of them."""
+    b, k, m = 5, 2, 2
+    datasets = [dataset(b * k * UPDATES, seed=110 + r) for r in range(n)]
+    ours, ref = seeded(lambda: CappedMLP(cap=m), 1), seeded(lambda: CappedMLP(cap=10 ** 6), 1)
+    ours_obs = _run(ours, datasets, b, k, opt_kind, micro_batch_size=m)
+    ref_obs = _standard(ref, datasets, b, k, opt_kind)
+    _assert_params(ours, ref)
+    assert ours.largest == m
+    for key in ('main/loss', 'main/accuracy'):
+        np.testing.assert_allclose([o[key] for o in ours_obs],
+                                   [float(o[key].array) for o in ref_obs], rtol=1e-5,
+                                   err_msg=key)
+
+
+def test_without_chunks_the_capped_model_fails():
+    """The test above could fail: the cap is real (the worker's copy has it too, so its
+    exact result there means the worker ran chunks as well)."""
+    datasets = [dataset(20, seed=120)]
+    with pytest.raises(MemoryError, match='5 samples do not fit'):
+        _run(seeded(lambda: CappedMLP(cap=2)), datasets, 5, 1)
+
+
+def test_chunks_with_a_summed_loss_and_summed_replicas():
+    b, k, m = 5, 2, 3
+    datasets = [dataset(b * k * UPDATES, seed=130 + r) for r in range(2)]
+    ours, ref = seeded(SumLoss, 2), seeded(SumLoss, 2)
+    ours_obs = _run(ours, datasets, b, k, micro_batch_size=m, loss_reduction='sum',
+                    replica_reduction='sum')
+    ref_obs = _standard(ref, datasets, b, k)
+    _assert_params(ours, ref)
+    np.testing.assert_allclose([o['main/loss'] for o in ours_obs],
+                               [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
+
+
+def test_chunks_in_pipelined_mode_match_whole_batches():
+    b, k = 6, 2
+    datasets = [dataset(b * k * 3, seed=140)]
+    chunked, whole = seeded(lambda: CappedMLP(cap=4), 3), seeded(lambda: CappedMLP(cap=99), 3)
+    _run(chunked, datasets, b, k, updates=3, pipelined=True, micro_batch_size=4)
+    _run(whole, datasets, b, k, updates=3, pipelined=True)
+    _assert_params(chunked, whole)
+
+
+def _opaque_converter(batch, device=None):
+    x, t = chainer.dataset.concat_examples(batch, device)
+    return x, t, 'not per sample'
+
+
+def test_a_batch_that_cannot_be_split_says_why():
+    model = CappedMLP(cap=99)
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(8, seed=0), 4)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], micro_batch_size=2,
+                                          converter=_opaque_converter)
+    try:
+        with pytest.raises(TypeError, match=r'micro_batch_size cannot split this batch of 4 '
+                                            r'samples: the converter returned element 2 as '
+                                            r'str of length 14'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('value,error,shown', [
+    (0, ValueError, r'\(0 given\)'), (-3, ValueError, r'\(-3 given\)'),
+    (2.5, TypeError, r'\(2.5 of type float given\)'),
+    (True, TypeError, r'\(True of type bool given\)'),
+    ('16', TypeError, r"\('16' of type str given\)")])
+def test_bad_micro_batch_size_is_refused_at_construction(value, error, shown):
+    model = CappedMLP(cap=99)
+    it = chainer.iterators.SerialIterator(dataset(8, seed=0), 4)
+    with pytest.raises(error, match=r'micro_batch_size must be None or an int >= 1 '
+                                    + shown + '; pass e.g. micro_batch_size=16'):
+        ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model), devices=['@numpy'],
+                                    micro_batch_size=value)
