@@ -1,5 +1,7 @@
 """Splitting a loaded micro-batch into chunks of at most ``micro_batch_size`` samples.
 
+With ``micro_batch_size='auto'`` the size starts at the whole batch and is halved each
+time a window runs out of memory (see :meth:`mgpu_updater._replica.Replica.run_window`).
 The split works on what the converter returned: an array (or list) with one entry per
 sample, or a tuple or dict of them, each cut along its first axis. A chunk is a smaller
 micro-batch of the same samples, so the gradient it adds (scaled by its own sample count,
@@ -7,7 +9,13 @@ see :class:`mgpu_updater._replica.Scaling`) keeps the update exact.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, NamedTuple, Optional, Tuple
+
+
+class Chunking(NamedTuple):
+    """How a replica splits its loaded micro-batches."""
+    size: Optional[int] = None   # most samples per forward/backward (None: whole batch)
+    auto: bool = False           # halve ``size`` and redo the window on out-of-memory
 
 
 def split(arrays: Any, size: int, chunk: Optional[int]) -> Iterator[Tuple[int, Any]]:

@@ -6,6 +6,7 @@ scaled by (accumulation, ``loss_reduction``, ``replica_reduction``) is decided h
 """
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -13,7 +14,7 @@ import numpy
 
 import chainer
 
-from ._chunks import split
+from ._chunks import Chunking, split
 from .prefetch import Batch, EpochInfo, Loader, Stopwatch
 
 
@@ -26,6 +27,7 @@ class WindowResult(NamedTuple):
     times: Dict[str, float]              # seconds: 'data', 'compute'
     epochs: List[EpochInfo]              # epoch bookkeeping after each micro-batch
     summed: Tuple[str, ...] = ()         # keys whose values add up (the loss under 'sum')
+    micro_batch_size: Optional[int] = None   # most samples one forward held (None: empty)
 
 
 class Scaling(NamedTuple):
@@ -102,8 +104,9 @@ class Replica:
 
     Args:
         name: how errors name this replica (``'replica 1 (@numpy)'``).
-        micro_batch_size: run each loaded micro-batch as chunks of at most this many
-            samples (None: whole).
+        chunking: run each loaded micro-batch as chunks of at most ``chunking.size``
+            samples (None: whole); with ``chunking.auto``, halve that size and redo the
+            window whenever it runs out of memory (:meth:`run_window`).
         keep_graphs: keep, when ``chainer.config.keep_graph_on_report`` is on, the
             Variables (with their graphs) that the window's first micro-batch reported,
             in :attr:`graph_roots` (the master does, for ``DumpGraph``).
@@ -112,7 +115,7 @@ class Replica:
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
                  name: str = 'replica 0', keep_graphs: bool = False,
-                 micro_batch_size: Optional[int] = None) -> None:
+                 chunking: Chunking = Chunking()) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -120,7 +123,7 @@ class Replica:
         self.scaling = scaling
         self.name = name
         self.keep_graphs = keep_graphs
-        self.micro_batch_size = micro_batch_size
+        self.chunking = chunking
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
@@ -129,9 +132,14 @@ class Replica:
     def run_window(self, loss_scale: Optional[float]) -> WindowResult:
         """Run up to ``accumulate_steps`` micro-batches, accumulating gradients.
 
-        With ``micro_batch_size`` m, each loaded micro-batch runs as chunks of at most m
-        samples; a chunk counts as a micro-batch of its own size below, so the update
-        stays the same over the same samples.
+        With a chunk size m, each loaded micro-batch runs as chunks of at most m samples;
+        a chunk counts as a micro-batch of its own size below, so the update stays the
+        same over the same samples. With ``chunking.auto``, an out-of-memory error
+        (``MemoryError``, which CuPy's ``OutOfMemoryError`` is) in forward or backward
+        discards the window's gradients and reports, frees memory, halves m (starting
+        from the whole batch) and redoes the window from the same loaded micro-batches;
+        m is kept for the windows after. One sample that does not fit is an error.
+
         The gradient is scaled as :class:`Scaling` says, here and nowhere else: each
         micro-batch back-propagates ``loss * scaling.micro_batch(b)`` (times the
         optimizer's own loss scale), and a short window's gradient is multiplied by
@@ -141,6 +149,21 @@ class Replica:
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
         watch = Stopwatch()
+        window = _Window(self.loader, self.accumulate_steps)
+        while True:
+            try:
+                return self._attempt(window, loss_scale, watch)
+            except MemoryError as exc:
+                if not self.chunking.auto:
+                    raise
+                self.chunking = self._halved(window, exc)
+            # out of the except block: the failed attempt's arrays are unreachable now
+            self.model.cleargrads()
+            self.graph_roots = {}
+            _free_memory(self.model)
+
+    def _attempt(self, window: '_Window', loss_scale: Optional[float],
+                 watch: Stopwatch) -> WindowResult:
         self.model.cleargrads()
         self.graph_roots = {}
         keep_graphs = self.keep_graphs and bool(chainer.config.keep_graph_on_report)
@@ -150,13 +173,13 @@ class Replica:
         weights: Dict[str, float] = {}
         summed: Dict[str, None] = {}
         epochs: List[EpochInfo] = []
-        for _ in range(self.accumulate_steps):
+        for i in range(self.accumulate_steps):
             with watch('data'):
-                batch: Optional[Batch] = self.loader.get()
+                batch = window.get(i)
             if batch is None:        # iterator exhausted: the window holds what it got
                 break
             with watch('compute'):
-                for size, arrays in split(batch.arrays, batch.size, self.micro_batch_size):
+                for size, arrays in split(batch.arrays, batch.size, self.chunking.size):
                     observation: Dict[str, Any] = {}
                     with self.reporter.scope(observation):
                         loss = self._forward(arrays)
@@ -192,7 +215,17 @@ class Replica:
             loss_sum=_host(loss_sum) if count else 0.0,
             sums={k: _host(v) for k, v in sums.items()},
             weights=weights, times=dict(watch.times), epochs=epochs,
-            summed=tuple(summed))
+            summed=tuple(summed),
+            micro_batch_size=window.chunk_size(self.chunking.size) if count else None)
+
+    def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:
+        current = window.chunk_size(self.chunking.size)
+        if current is None or current <= 1:
+            raise MemoryError(
+                f'{self.name}: one sample alone does not fit in memory (out of memory in '
+                f'forward or backward with micro_batch_size=1: {exc}); use a smaller model '
+                'or input, float16, or a device with more memory') from exc
+        return self.chunking._replace(size=current // 2)
 
     def _forward(self, arrays: Any) -> chainer.Variable:
         try:
@@ -231,6 +264,41 @@ _LOSS_FUNC_FIX = (
 def _describe(func: Any) -> str:
     text = getattr(func, '__qualname__', None) or type(func).__name__
     return text if len(text) <= 80 else text[:77] + '...'
+
+
+class _Window:
+    """The micro-batches of one window, loaded once: a redone window reuses them."""
+
+    def __init__(self, loader: Loader, steps: int) -> None:
+        self.loader = loader
+        self.batches: List[Batch] = []
+        self.exhausted = False
+
+    def get(self, i: int) -> Optional[Batch]:
+        if i < len(self.batches):
+            return self.batches[i]
+        if self.exhausted:
+            return None
+        batch = self.loader.get()
+        if batch is None:
+            self.exhausted = True
+        else:
+            self.batches.append(batch)
+        return batch
+
+    def chunk_size(self, size: Optional[int]) -> Optional[int]:
+        """The most samples one forward held: ``size``, or the largest batch."""
+        largest = max((b.size for b in self.batches), default=None)
+        if size is None or largest is None:
+            return largest
+        return min(size, largest)
+
+
+def _free_memory(model: chainer.Link) -> None:
+    """Give back what a failed attempt held: garbage, and CuPy's cached blocks."""
+    gc.collect()
+    if model.xp is not numpy:
+        model.xp.get_default_memory_pool().free_all_blocks()
 
 
 def combine(results: List[WindowResult]) -> Dict[str, Any]:

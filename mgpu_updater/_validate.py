@@ -237,16 +237,18 @@ def replica_reduction(value: Any) -> str:
 
 
 def micro_batch_size(value: Any) -> Any:
-    """None, or the most samples one forward/backward may hold (an int >= 1)."""
-    if value is None:
-        return None
+    """None, ``'auto'``, or the most samples one forward/backward may hold (an int >= 1)."""
+    if value is None or (isinstance(value, str) and value == 'auto'):
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f'micro_batch_size must be None or an int >= 1 ({value!r} of type '
-                        f'{type(value).__name__} given); pass e.g. micro_batch_size=16 to '
-                        'run each loaded batch in chunks of at most 16 samples')
+        raise TypeError(f"micro_batch_size must be None, 'auto' or an int >= 1 ({value!r} "
+                        f'of type {type(value).__name__} given); pass e.g. '
+                        "micro_batch_size=16 to run each loaded batch in chunks of at most "
+                        "16 samples, or 'auto' to find the size that fits")
     if value < 1:
-        raise ValueError(f'micro_batch_size must be None or an int >= 1 ({value!r} given); '
-                         'pass e.g. micro_batch_size=16, or None to run whole batches')
+        raise ValueError(f"micro_batch_size must be None, 'auto' or an int >= 1 ({value!r} "
+                         "given); pass e.g. micro_batch_size=16, 'auto' to find the size "
+                         'that fits, or None to run whole batches')
     return int(value)
 
 

@@ -36,7 +36,7 @@ class WorkerInit(NamedTuple):
     scaling: Any                # _replica.Scaling: this replica's gradient factors
     comm_name: str
     comm_handle: Any
-    micro_batch_size: Optional[int] = None   # chunks of a loaded micro-batch (None: whole)
+    chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
 
 
 def _parent_sentinel() -> Optional[int]:
@@ -136,7 +136,7 @@ def _build(init: 'WorkerInit') -> Any:
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
                       name=f'replica {init.rank} ({init.device})',
-                      micro_batch_size=init.micro_batch_size)
+                      chunking=init.chunking)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     if hasattr(comm, 'init'):   # NCCL: every rank joins while the master waits for 'ready'
         comm.init()

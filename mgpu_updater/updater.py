@@ -6,11 +6,14 @@ import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+import numpy
+
 import chainer
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from . import _loss_binding, _validate
+from ._chunks import Chunking
 from ._flat import ModelLayouts
 from ._group import Group, LocalGroup, Pending, SoloGroup, payload_factory
 from ._replica import (Replica, Scaling, WindowResult, combine, observers, total_loss,
@@ -72,11 +75,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             gradient is that of its window as one batch (its ``accumulate_steps``
             micro-batches), and those are summed, exactly as ``ParallelUpdater`` and
             ``MultiprocessParallelUpdater`` do (N times the default for equal shares).
-        micro_batch_size: None (default), or an int m: every loaded micro-batch of ``b``
-            samples runs as ``ceil(b / m)`` chunks of at most m samples, gradients
-            accumulated, so a batch that does not fit in memory at once still gives the
-            same update over the same samples (BatchNormalization then normalises over
-            each chunk).
+        micro_batch_size: None (default), an int m, or ``'auto'``. With m every loaded
+            micro-batch of ``b`` samples runs as ``ceil(b / m)`` chunks of at most m
+            samples, gradients accumulated, so a batch that does not fit in memory at
+            once still gives the same update over the same samples (BatchNormalization
+            then normalises over each chunk). ``'auto'`` starts with whole batches; a
+            replica that runs out of memory in forward or backward (``MemoryError``,
+            CuPy's ``OutOfMemoryError``) halves its size and redoes its window from the
+            same samples, and keeps that size. Reported as ``main/micro_batch_size`` (the
+            smallest over the replicas) and saved in snapshots.
         prefetch: micro-batches loaded ahead per replica (0 turns it off).
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
@@ -109,7 +116,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  auto_new_epoch: bool = True,
                  loss_reduction: str = 'mean',
                  replica_reduction: str = 'mean',
-                 micro_batch_size: Optional[int] = None) -> None:
+                 micro_batch_size: Union[None, int, str] = None) -> None:
         self._finalized = False
         self._group: Group = Group()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -118,6 +125,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.loss_reduction = _validate.loss_reduction(loss_reduction)
         self.replica_reduction = _validate.replica_reduction(replica_reduction)
         self.micro_batch_size = _validate.micro_batch_size(micro_batch_size)
+        #: every replica's chunk size as of the last update (0: the whole batch), in
+        #: replica order (MPI: rank order); what 'auto' found, saved in snapshots
+        self.micro_batch_sizes: List[int] = []
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
         if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)):
@@ -211,7 +221,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
                                 self._scaling(self._iterators['main']),
                                 name=f'replica 0 ({self.device_labels[0]})', keep_graphs=True,
-                                micro_batch_size=self.micro_batch_size)
+                                chunking=self._chunking(self._own_index()))
         self._group = SoloGroup(model)
         if self._communicator is not None:
             from ._mpi import MpiGroup
@@ -235,7 +245,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     bind_loss_to_model=self._bound_loss, converter=self.converter,
                     iterator=it, prefetch=self.prefetch,
                     accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
-                    micro_batch_size=self.micro_batch_size,
+                    chunking=self._chunking(rank),
                     comm_name=comm.backend_for(self._devices)))
             self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
                                      master_device, self.device_labels, payloads,
@@ -246,6 +256,18 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         window = self.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
         return Scaling(self.loss_reduction, self.replica_reduction,
                        update_norm=self._weight_norm, window_norm=float(window))
+
+    def _own_index(self) -> int:
+        return 0 if self._communicator is None else self._communicator.rank
+
+    def _chunking(self, index: int) -> Chunking:
+        """How replica ``index`` splits its batches: the size given, or under 'auto' the
+        size it found before (a resumed run starts there; the whole batch at first)."""
+        if self.micro_batch_size != 'auto':
+            return Chunking(self.micro_batch_size)
+        found = (self.micro_batch_sizes[index]
+                 if index < len(self.micro_batch_sizes) else 0)
+        return Chunking(int(found) or None, auto=True)
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
@@ -320,6 +342,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
         observation = combine(results)
+        if self.micro_batch_size == 'auto':
+            sizes = [r.micro_batch_size or 0 for r in results]
+            self.micro_batch_sizes = sizes
+            if any(sizes):
+                observation['main/micro_batch_size'] = min(s for s in sizes if s)
         for key, root in self._replica.graph_roots.items():
             if key in observation:
                 observation[key] = with_graph(root, observation[key])
@@ -344,6 +371,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         n_devices = serializer('n_devices', self.n_devices)
         steps = serializer('accumulate_steps', self.accumulate_steps)
         self._skipped = serializer('skipped_updates', self._skipped)
+        if self.micro_batch_size == 'auto':
+            self._serialize_micro_batch_sizes(serializer, saving=isinstance(
+                serializer, chainer.serializer.Serializer))
         saving = isinstance(serializer, chainer.serializer.Serializer)
         self._serialize_pending(serializer['pending'], saving)
         if not saving and (int(n_devices) != self.n_devices
@@ -358,6 +388,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._save_iterators(serializer)
         else:
             self._load_iterators(serializer)
+
+    def _serialize_micro_batch_sizes(self, serializer: Any, saving: bool) -> None:
+        """What 'auto' found, so that a resumed run starts at the sizes that fit."""
+        sizes = numpy.asarray(self.micro_batch_sizes or [0] * self.n_devices, numpy.int64)
+        try:
+            sizes = serializer('micro_batch_sizes', sizes if saving else None)
+        except KeyError:   # a snapshot taken without 'auto': start from whole batches
+            return
+        if not saving:
+            self.micro_batch_sizes = [int(v) for v in numpy.asarray(sizes).ravel()]
 
     def _serialize_pending(self, serializer: Any, saving: bool) -> None:
         """The pipelined mode's gradient in flight is state too: save and restore it."""

@@ -6,6 +6,8 @@ as word2vec's hierarchical softmax has.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 import chainer
@@ -106,20 +108,53 @@ def seeded(cls, seed=0):
 
 class CappedMLP(chainer.Chain):
     """Raises MemoryError when one forward holds more than ``cap`` samples, as a device
-    that runs out of memory would; records the largest forward it ran."""
+    that runs out of memory would: in forward, or with ``in_backward`` in the middle of
+    backward (after the last layer's parameters already got their gradients).
+    ``worker_cap`` is the cap in any other process than the one that built the model
+    (replicas that settle at different sizes). Records the sizes it was given."""
 
-    def __init__(self, cap):
+    def __init__(self, cap, worker_cap=None, in_backward=False):
         super().__init__()
         self.cap = cap
-        self.largest = 0
+        self.worker_cap = cap if worker_cap is None else worker_cap
+        self.in_backward = in_backward
+        self.master_pid = os.getpid()
+        self.tried = []
         with self.init_scope():
             self.net = MLP()
 
+    @property
+    def largest(self):
+        return max((n for n in self.tried if n <= self.current_cap), default=0)
+
+    @property
+    def current_cap(self):
+        return self.cap if os.getpid() == self.master_pid else self.worker_cap
+
     def forward(self, x, t):
-        if len(x) > self.cap:
-            raise MemoryError(f'{len(x)} samples do not fit (cap {self.cap})')
-        self.largest = max(self.largest, len(x))
-        y = self.net(x)
+        self.tried.append(len(x))
+        if not self.in_backward and len(x) > self.current_cap:
+            raise MemoryError(f'{len(x)} samples do not fit (cap {self.current_cap})')
+        h = self.net.l1(x)
+        if self.in_backward:
+            h, = _FailInBackward(self.current_cap).apply((h,))
+        y = self.net.l2(F.relu(h))
         loss = F.softmax_cross_entropy(y, t)
         chainer.report({'loss': loss, 'accuracy': F.accuracy(y, t)}, self)
         return loss
+
+
+class _FailInBackward(chainer.FunctionNode):
+    """Identity whose backward runs out of memory above ``cap`` samples."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def forward(self, inputs):
+        return inputs[0],
+
+    def backward(self, indexes, grad_outputs):
+        if len(grad_outputs[0]) > self.cap:
+            raise MemoryError(f'{len(grad_outputs[0])} samples do not fit in backward '
+                              f'(cap {self.cap})')
+        return grad_outputs

@@ -8,7 +8,7 @@ import pytest
 import chainer
 from chainer.training.updaters import StandardUpdater
 
-from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 
 from _dropin_models import CappedMLP, SumLoss, seeded
 from _models import dataset, params, run_updates, setup_optimizer
@@ -115,11 +115,107 @@ def test_a_batch_that_cannot_be_split_says_why():
     (0, ValueError, r'\(0 given\)'), (-3, ValueError, r'\(-3 given\)'),
     (2.5, TypeError, r'\(2.5 of type float given\)'),
     (True, TypeError, r'\(True of type bool given\)'),
-    ('16', TypeError, r"\('16' of type str given\)")])
+    ('16', TypeError, r"\('16' of type str given\)"),
+    ('Auto', TypeError, r"\('Auto' of type str given\)")])
 def test_bad_micro_batch_size_is_refused_at_construction(value, error, shown):
     model = CappedMLP(cap=99)
     it = chainer.iterators.SerialIterator(dataset(8, seed=0), 4)
-    with pytest.raises(error, match=r'micro_batch_size must be None or an int >= 1 '
+    with pytest.raises(error, match=r"micro_batch_size must be None, 'auto' or an int >= 1 "
                                     + shown + '; pass e.g. micro_batch_size=16'):
         ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model), devices=['@numpy'],
                                     micro_batch_size=value)
+
+
+# ---------------------------------------------------------------------- 'auto'
+def _updater(model, datasets, b, k, opt_kind='momentum+decay', **kwargs):
+    opt = setup_optimizer(opt_kind, model)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    return ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * len(datasets),
+                                       accumulate_steps=k, **kwargs)
+
+
+@pytest.mark.parametrize('n,in_backward', [(1, False), (2, True)])
+def test_auto_finds_the_size_that_fits_and_stays_exact(n, in_backward):
+    """b=8, a cap of 3 samples: 8 fails, 4 fails, 2 fits. The failed attempts' partial
+    gradients (in backward, the last layer's are already there) are thrown away."""
+    b, k = 8, 2
+    datasets = [dataset(b * k * UPDATES, seed=150 + r) for r in range(n)]
+    ours = seeded(lambda: CappedMLP(cap=3, in_backward=in_backward), 4)
+    ref = seeded(lambda: CappedMLP(cap=10 ** 6), 4)
+    ours_obs = _run(ours, datasets, b, k, micro_batch_size='auto')
+    ref_obs = _standard(ref, datasets, b, k)
+    _assert_params(ours, ref)
+    assert ours.tried[:3] == [8, 4, 2] and set(ours.tried[3:]) == {2}
+    assert [o['main/micro_batch_size'] for o in ours_obs] == [2] * UPDATES
+    for key in ('main/loss', 'main/accuracy'):
+        np.testing.assert_allclose([o[key] for o in ours_obs],
+                                   [float(o[key].array) for o in ref_obs], rtol=1e-5,
+                                   err_msg=key)
+
+
+def test_auto_replicas_settle_at_their_own_sizes_and_resume_there(tmp_path):
+    """The master fits 5 samples, the worker 2: sizes 4 and 2 (from 8); the reported size
+    is the smallest; a snapshot keeps both, and a resumed run starts at them."""
+    b, k = 8, 1
+    datasets = [dataset(b * k * 4, seed=160 + r) for r in range(2)]
+    model = seeded(lambda: CappedMLP(cap=5, worker_cap=2), 5)
+    updater = _updater(model, datasets, b, k, micro_batch_size='auto')
+    try:
+        obs = run_updates(updater, model, 2)
+        assert updater.micro_batch_sizes == [4, 2]
+        assert [o['main/micro_batch_size'] for o in obs] == [2, 2]
+        chainer.serializers.save_npz(str(tmp_path / 'snap.npz'), updater)
+        after_two = params(model)
+        expected = run_updates(updater, model, 2)
+        expected_params = params(model)
+    finally:
+        updater.finalize()
+
+    resumed_model = seeded(lambda: CappedMLP(cap=5, worker_cap=2), 5)
+    resumed = _updater(resumed_model, datasets, b, k, micro_batch_size='auto')
+    try:
+        chainer.serializers.load_npz(str(tmp_path / 'snap.npz'), resumed)
+        for name, value in after_two.items():
+            np.testing.assert_array_equal(params(resumed_model)[name], value)
+        assert resumed.micro_batch_sizes == [4, 2]
+        got = run_updates(resumed, resumed_model, 2)
+        assert resumed_model.tried and set(resumed_model.tried) == {4}   # no failure
+        assert resumed.micro_batch_sizes == [4, 2]
+    finally:
+        resumed.finalize()
+    assert [o['main/loss'] for o in got] == [o['main/loss'] for o in expected]
+    for name, value in expected_params.items():
+        np.testing.assert_allclose(params(resumed_model)[name], value, rtol=1e-6)
+
+
+def test_auto_when_one_sample_does_not_fit_says_so():
+    model = seeded(lambda: CappedMLP(cap=0), 6)
+    updater = _updater(model, [dataset(8, seed=0)], 4, 1, micro_batch_size='auto')
+    try:
+        with pytest.raises(MemoryError, match=r'replica 0 \(@numpy\): one sample alone does '
+                                              r'not fit in memory'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    assert model.tried == [4, 2, 1]
+
+
+def test_auto_in_a_worker_when_one_sample_does_not_fit_says_so():
+    model = seeded(lambda: CappedMLP(cap=99, worker_cap=0), 6)
+    updater = _updater(model, [dataset(8, seed=r) for r in range(2)], 4, 1,
+                       micro_batch_size='auto')
+    try:
+        with pytest.raises(WorkerError, match=r'(?s)replica 1 .*MemoryError: replica 1 '
+                                              r"\(@numpy\): one sample alone does not fit"):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+def test_auto_with_pipelined_mode_matches_whole_batches():
+    b, k = 6, 2
+    datasets = [dataset(b * k * 3, seed=170)]
+    auto, whole = seeded(lambda: CappedMLP(cap=3), 7), seeded(lambda: CappedMLP(cap=99), 7)
+    _run(auto, datasets, b, k, updates=3, pipelined=True, micro_batch_size='auto')
+    _run(whole, datasets, b, k, updates=3, pipelined=True)
+    _assert_params(auto, whole)
