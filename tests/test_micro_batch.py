@@ -219,3 +219,26 @@ def test_auto_with_pipelined_mode_matches_whole_batches():
     _run(auto, datasets, b, k, updates=3, pipelined=True, micro_batch_size='auto')
     _run(whole, datasets, b, k, updates=3, pipelined=True)
     _assert_params(auto, whole)
+
+
+def test_auto_with_loss_scaling_matches_standard_updater():
+    b, k, n = 8, 1, 2
+    datasets = [dataset(b * k * UPDATES, seed=180 + r) for r in range(n)]
+    ours = seeded(lambda: CappedMLP(cap=3, in_backward=True), 8)
+    ref = seeded(lambda: CappedMLP(cap=10 ** 6), 8)
+    opt, ref_opt = setup_optimizer('sgd', ours), setup_optimizer('sgd', ref)
+    opt.loss_scaling(scale=64.0)
+    ref_opt.loss_scaling(scale=64.0)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * n,
+                                          accumulate_steps=k, micro_batch_size='auto')
+    try:
+        run_updates(updater, ours, UPDATES)
+    finally:
+        updater.finalize()
+    for u in range(UPDATES):
+        batch = [s for d in datasets for s in d[u * b:(u + 1) * b]]
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        run_updates(StandardUpdater(it, ref_opt), ref, 1)
+    _assert_params(ours, ref)
+    assert updater.micro_batch_sizes == [2, 2]
