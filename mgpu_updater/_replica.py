@@ -149,7 +149,7 @@ class Replica:
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
         watch = Stopwatch()
-        window = _Window(self.loader, self.accumulate_steps)
+        window = _Window(self.loader)
         while True:
             try:
                 return self._attempt(window, loss_scale, watch)
@@ -269,7 +269,7 @@ def _describe(func: Any) -> str:
 class _Window:
     """The micro-batches of one window, loaded once: a redone window reuses them."""
 
-    def __init__(self, loader: Loader, steps: int) -> None:
+    def __init__(self, loader: Loader) -> None:
         self.loader = loader
         self.batches: List[Batch] = []
         self.exhausted = False

@@ -125,8 +125,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.loss_reduction = _validate.loss_reduction(loss_reduction)
         self.replica_reduction = _validate.replica_reduction(replica_reduction)
         self.micro_batch_size = _validate.micro_batch_size(micro_batch_size)
-        #: every replica's chunk size as of the last update (0: the whole batch), in
-        #: replica order (MPI: rank order); what 'auto' found, saved in snapshots
+        #: under micro_batch_size='auto': every replica's chunk size as of the last
+        #: update (0: the whole batch), in replica order (MPI: rank order); saved in
+        #: snapshots
         self.micro_batch_sizes: List[int] = []
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))

@@ -12,7 +12,6 @@ import numpy as np
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 
 from _models import MLP
 
