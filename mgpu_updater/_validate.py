@@ -4,13 +4,14 @@ Every message names the argument, echoes the value and says what to do.
 """
 from __future__ import annotations
 
-import io
 import numbers
-import pickle
+import types
 from typing import Any, Dict, List, Sequence, Tuple
 
 import chainer
 from chainer.dataset import iterator as iterator_module
+
+from . import _payload
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -155,6 +156,27 @@ def callable_or_none(name: str, value: Any) -> Any:
     return value
 
 
+def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,
+                   worker_iterators: Sequence[Any]) -> None:
+    """Refuse, at construction, what cannot travel to the worker processes.
+
+    Pickled as the payload will be (:mod:`mgpu_updater._payload`), so lambdas, closures and
+    what ``__main__`` defines pass; open files, locks, sockets, threads and generators
+    do not. ``loss_func`` is None when it is re-bound to each replica's model.
+    """
+    picklable('the model', model, 'Create such attributes lazily (e.g. open files in '
+              'forward, not in __init__) or drop them before building the updater.')
+    if loss_func is not None:
+        picklable('loss_func', loss_func, 'Open files, locks or sockets inside the '
+                  'function or a method of the model, not in the variables it captures.')
+    picklable('converter', converter, 'Open files, locks or sockets inside the call, not '
+              'in the variables or attributes the converter holds.')
+    for i, it in enumerate(worker_iterators, start=1):
+        picklable(f'iterators[{i}]', it, 'Its dataset must be picklable (e.g. arrays or a '
+                  'TupleDataset), not a generator or an open file; open files lazily in '
+                  '__getitem__.')
+
+
 def picklable(name: str, value: Any, hint: str) -> None:
     """Refuse what cannot travel to a worker process, naming it (and the attribute)."""
     try:
@@ -167,23 +189,41 @@ def picklable(name: str, value: Any, hint: str) -> None:
 
 
 def _dump(value: Any) -> None:
-    pickle.dump(value, _Null(), protocol=pickle.HIGHEST_PROTOCOL)
+    """Pickle ``value`` exactly as the worker payload is pickled (never mutating it)."""
+    _payload.check(value)
 
 
 def _culprit(path: str, value: Any, depth: int = 4) -> str:
-    """The deepest attribute (``path.attr.attr``) that does not pickle, or ''."""
+    """The deepest attribute (``path.attr.attr``) that does not pickle, or ''.
+
+    Looks into instance attributes, the variables a function captures and the object a
+    method is bound to.
+    """
     if depth == 0:
         return ''
-    items = getattr(value, '__dict__', None)
-    if not isinstance(items, dict):
-        return ''
-    for key, item in items.items():
+    for key, item in _parts(value).items():
         try:
             _dump(item)
         except Exception:  # noqa: BLE001 - this one fails: look inside
             sub = f'{path}.{key}'
             return _culprit(sub, item, depth - 1) or f'{sub} ({_show(item)})'
     return ''
+
+
+def _parts(value: Any) -> Dict[str, Any]:
+    if isinstance(value, types.MethodType):
+        return {'__self__': value.__self__}
+    if isinstance(value, types.FunctionType):
+        cells = zip(value.__code__.co_freevars, value.__closure__ or ())
+        out = {}
+        for name, cell in cells:
+            try:
+                out[name] = cell.cell_contents
+            except ValueError:   # an empty cell
+                pass
+        return out
+    items = getattr(value, '__dict__', None)
+    return items if isinstance(items, dict) else {}
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -194,14 +234,6 @@ def _show(value: Any, limit: int = 80) -> str:
     if type(value).__name__ not in text:
         text += f' of type {type(value).__name__}'
     return text
-
-
-class _Null(io.RawIOBase):
-    def write(self, b: Any) -> int:
-        return memoryview(b).nbytes
-
-    def writable(self) -> bool:
-        return True
 
 
 def non_finite_policy(value: Any) -> str:
@@ -253,5 +285,5 @@ def micro_batch_size(value: Any) -> Any:
 
 
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
-           'callable_or_none', 'picklable', 'non_finite_policy', 'loss_reduction',
-           'replica_reduction', 'micro_batch_size']
+           'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
+           'loss_reduction', 'replica_reduction', 'micro_batch_size']

@@ -161,17 +161,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
             self._bound_loss = _loss_binding.find(loss_func, model)
-            _validate.picklable('the model', model, 'Make it picklable (no lambdas or open '
-                                'files as attributes) so it can be copied to the workers.')
-            if loss_func is not None and self._bound_loss is None:
-                _validate.picklable('loss_func', loss_func, 'Use a module-level function or '
-                                    'a method of the model instead of a lambda or closure.')
-            _validate.picklable('converter', converter, 'Use a module-level function '
-                                'instead of a lambda or closure.')
-            for i, it in enumerate(self._worker_iterators, start=1):
-                _validate.picklable(f'iterators[{i}]', it, 'Its dataset must be picklable '
-                                    '(e.g. arrays or a TupleDataset), not a generator or an '
-                                    'open file; open files lazily in __getitem__.')
+            _validate.worker_payload(model, None if self._bound_loss else loss_func,
+                                     converter, self._worker_iterators)
         super().__init__(its[0], optimizer, converter=converter, device=self._devices[0],
                          loss_func=loss_func, auto_new_epoch=auto_new_epoch)
         self._replica: Optional[Replica] = None
