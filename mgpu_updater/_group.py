@@ -15,12 +15,12 @@ Both sides of the local protocol live here: :func:`replica_step` is what a worke
 """
 from __future__ import annotations
 
-import pickle
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
+from . import _payload
 from . import comm as comm_module
 from ._flat import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
                     set_persistent_scalars, state_arrays)
@@ -101,8 +101,9 @@ class LocalGroup(Group):
             shm = getattr(self.comm, 'segment_names', [])
             if hasattr(self.comm, 'check_peer_alive'):   # NCCL: watch the workers in waits
                 self.comm.check_peer_alive = self.pool.check_alive
-            self.pool.start({r: p(handle) for r, p in payloads.items()}, shm, start_timeout,
-                            before_ready=getattr(self.comm, 'init', None))
+            from ._worker import main as worker_main
+            self.pool.start(worker_main, {r: p(handle) for r, p in payloads.items()}, shm,
+                            start_timeout, before_ready=getattr(self.comm, 'init', None))
         except BaseException:
             self.close(abort=True)
             raise
@@ -203,10 +204,9 @@ def _ensure_grads(model: chainer.Link) -> None:
 
 
 def payload_factory(init_kwargs: Dict[str, Any]) -> Callable[[Any], bytes]:
-    """Pickle a WorkerInit once the communicator handle is known."""
+    """Pickle a WorkerInit once the communicator handle is known (see ``_payload``)."""
     from ._worker import WorkerInit
 
     def make(handle: Any) -> bytes:
-        return pickle.dumps(WorkerInit(comm_handle=handle, **init_kwargs),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        return _payload.dumps(WorkerInit(comm_handle=handle, **init_kwargs))
     return make

@@ -4,13 +4,36 @@ Workers start with ``spawn`` (default) or ``forkserver``, so a master that alrea
 initialised CUDA is fine. Every wait watches the workers' process sentinels, so a worker
 that dies (SIGKILL, OOM killer) becomes a :class:`WorkerError` at once, and shutdown
 escalates ask -> terminate -> kill, each step bounded, and always reaps.
+
+Start-up runs in three steps, so that no write can block on a process that is gone:
+
+1. Each worker starts with a small argument list (its pipe, the master's pid, the names
+   of the shared-memory segments). Python writes those arguments into a pipe whose read
+   end the master itself holds until the write is done (``popen_spawn_posix.py``), so a
+   large argument hangs the master for good when the worker dies before reading it.
+2. The worker says ``('hello',)`` once Python's start-up, which imports the main module
+   again, is over. A worker that dies before that died importing the main module: the
+   script most likely trains at module level without ``if __name__ == '__main__':``.
+3. The master sends the payload (model, data shard, ...) over the worker's own pipe from
+   a thread, watching the worker's sentinel, and waits for ``('ready',)``.
+
+Workers are not daemonic, so their iterators may start processes of their own
+(``MultiprocessIterator``). Each worker leads its own process group; on shutdown the
+master kills what is left of each group, so no grandchild outlives a worker, also one
+that was SIGKILLed. A worker whose master dies kills its own group (see ``_worker``).
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util   # its atexit hook (join non-daemonic children) must run after ours
+import os
 import signal
+import sys
+import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .errors import WorkerError
@@ -18,6 +41,10 @@ from .errors import WorkerError
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after ('stop',)
 TERMINATE_TIMEOUT = 2.0  # after SIGTERM
 KILL_TIMEOUT = 2.0       # after SIGKILL
+MAIN_GUARD_EXIT = 78     # exit code of a worker that re-ran the script's training (EX_CONFIG)
+
+GUARD_HINT = ("the script needs `if __name__ == '__main__':` around the code that builds and "
+              'runs the updater: every worker process imports the main module again')
 
 
 def _describe_exit(code: Optional[int]) -> str:
@@ -31,14 +58,53 @@ def _describe_exit(code: Optional[int]) -> str:
     return f'exited with code {code}'
 
 
+def _main_module() -> str:
+    main = sys.modules.get('__main__')
+    path = getattr(main, '__file__', None)
+    return repr(path) if path else 'the main module'
+
+
+def refuse_while_bootstrapping() -> None:
+    """In a worker still importing the main module, stop at once: the script has no guard.
+
+    Python marks a process that is still unpickling its start-up data, the main module
+    included, with ``_inheriting`` (``multiprocessing/spawn.py`` ``_main``; its own
+    ``_check_not_importing_main`` reads the same flag). The exit code tells the master why.
+    """
+    if getattr(multiprocessing.current_process(), '_inheriting', False):
+        sys.stderr.write(f'mgpu_updater: this worker process re-ran the training code while '
+                         f'importing {_main_module()}; {GUARD_HINT}.\n')
+        sys.stderr.flush()
+        raise SystemExit(MAIN_GUARD_EXIT)
+
+
+_live: 'weakref.WeakSet[WorkerPool]' = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """At interpreter exit, stop the workers of pools never closed (no ``finalize()``).
+
+    Registered after ``multiprocessing.util``'s hook, so it runs before that hook joins
+    non-daemonic children, which would otherwise wait for the workers forever.
+    """
+    for pool in list(_live):
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
 class WorkerPool:
     """The worker processes of one updater: ranks 1..N-1."""
 
     def __init__(self, devices: Sequence[Any], start_method: str) -> None:
         self._devices = list(devices)          # labels, index = rank
+        self._start_method = start_method
         self._ctx = multiprocessing.get_context(start_method)
         self._procs: Dict[int, Any] = {}
         self._conns: Dict[int, Any] = {}
+        self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._closed = False
 
     @property
@@ -48,27 +114,72 @@ class WorkerPool:
     def pids(self) -> List[int]:
         return [p.pid for p in self._procs.values()]
 
-    def start(self, payloads: Dict[int, bytes], shm_names: List[str],
-              timeout: float, before_ready: Optional[Callable[[], None]] = None) -> None:
+    def start(self, target: Callable[..., None], payloads: Dict[int, bytes],
+              shm_names: List[str], timeout: float,
+              before_ready: Optional[Callable[[], None]] = None) -> None:
         """Start one process per payload and wait (bounded) until each says it is ready.
 
-        ``before_ready`` runs after the processes started and before the wait: the NCCL
-        communicator's initialisation, which needs every rank at once.
+        ``target(conn, master_pid, shm_names)`` is the worker's entry point: it says
+        ``('hello',)``, receives its payload with ``conn.recv_bytes()``, then says
+        ``('ready',)``. ``timeout`` bounds the whole start. ``before_ready`` runs after
+        the payloads are sent and before the wait for ready: the NCCL communicator's
+        initialisation, which needs every rank at once.
         """
-        import os
-        from . import _worker
-        for rank, payload in sorted(payloads.items()):
+        refuse_while_bootstrapping()
+        deadline = time.monotonic() + timeout
+        _live.add(self)
+        for rank in sorted(payloads):
             parent, child = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(
-                target=_worker.main, args=(child, os.getpid(), payload, shm_names),
-                name=f'mgpu-worker-{rank}', daemon=True)
+            proc = self._ctx.Process(target=target, args=(child, os.getpid(), list(shm_names)),
+                                     name=f'mgpu-worker-{rank}', daemon=False)
             proc.start()
             child.close()
             self._procs[rank] = proc
             self._conns[rank] = parent
+            self._exits[rank] = _exit_handle(proc)
+        self._collect('hello', deadline, timeout, 'start', on_dead=self._raise_not_started)
+        self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
-        self.gather('ready', timeout=timeout, what='start')
+        self._collect('ready', deadline, timeout, 'start', on_dead=self._raise_dead)
+
+    def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
+                       timeout: float) -> None:
+        """Write each payload from its own thread, watching the workers' sentinels."""
+        failed: Dict[int, BaseException] = {}
+
+        def send(rank: int) -> None:
+            try:
+                self._conns[rank].send_bytes(payloads[rank])
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failed[rank] = exc
+
+        threads = {rank: threading.Thread(target=send, args=(rank,), daemon=True,
+                                          name=f'mgpu-send-{rank}') for rank in payloads}
+        for thread in threads.values():
+            thread.start()
+        while threads:
+            for rank, thread in list(threads.items()):
+                if not thread.is_alive():
+                    del threads[rank]
+                    if rank in failed:
+                        if self._procs[rank].exitcode is not None or isinstance(
+                                failed[rank], (BrokenPipeError, ConnectionResetError)):
+                            self._raise_dead(rank)
+                        raise WorkerError(f'could not send the start-up payload: '
+                                          f'{type(failed[rank]).__name__}: {failed[rank]}',
+                                          replica=rank, device=str(self._devices[rank]))
+            if not threads:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = sorted(threads)
+                raise WorkerError(f'did not take its start-up payload within {timeout:.0f} s '
+                                  f'(replicas {late})', replica=late[0],
+                                  device=str(self._devices[late[0]]))
+            sentinels = {self._exits[r]: r for r in threads}
+            for obj in multiprocessing.connection.wait(list(sentinels), min(left, 0.05)):
+                self._raise_dead(sentinels[obj])
 
     def check_alive(self) -> None:
         """Raise :class:`WorkerError` if a worker has died (never blocks)."""
@@ -94,9 +205,13 @@ class WorkerPool:
 
         A worker that reports an error or dies raises :class:`WorkerError` at once.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._collect(kind, deadline, timeout, what, on_dead=self._raise_dead)
+
+    def _collect(self, kind: str, deadline: Optional[float], timeout: Optional[float],
+                 what: str, on_dead: Callable[[int], None]) -> Dict[int, Any]:
         waiting = set(self.ranks)
         out: Dict[int, Any] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
         while waiting:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -106,7 +221,7 @@ class WorkerPool:
                     f'(still waiting for replicas {late})',
                     replica=late[0], device=str(self._devices[late[0]]))
             conns = {self._conns[r]: r for r in waiting}
-            sentinels = {self._procs[r].sentinel: r for r in waiting}
+            sentinels = {self._exits[r]: r for r in waiting}
             ready = multiprocessing.connection.wait(list(conns) + list(sentinels), timeout=left)
             for obj in ready:
                 if obj in conns:
@@ -114,7 +229,7 @@ class WorkerPool:
                     try:
                         msg = obj.recv()
                     except (EOFError, OSError):
-                        self._raise_dead(rank)
+                        on_dead(rank)
                     if msg[0] == 'error':
                         raise WorkerError(
                             f'failed during {what}', replica=rank,
@@ -128,7 +243,7 @@ class WorkerPool:
                 rank = sentinels.get(obj)
                 # a worker may send an error just before dying: read that first
                 if rank in waiting and not self._conns[rank].poll(0):
-                    self._raise_dead(rank)
+                    on_dead(rank)
         return out
 
     def _raise_dead(self, rank: int) -> None:
@@ -139,36 +254,92 @@ class WorkerPool:
                           replica=rank, device=str(self._devices[rank]),
                           exitcode=proc.exitcode)
 
+    def _raise_not_started(self, rank: int) -> None:
+        """A worker died before its first message: while importing the main module."""
+        proc = self._procs[rank]
+        proc.join(0.5)
+        if proc.exitcode == MAIN_GUARD_EXIT:
+            what = (f'the worker process (pid {proc.pid}) re-ran the training code while '
+                    f'importing {_main_module()} and stopped')
+        else:
+            what = (f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
+                    f'before it started, while importing {_main_module()} or mgpu_updater '
+                    '(its error is on its stderr); if the script trains at module level, '
+                    'this is why')
+        raise WorkerError(f'{what}: {GUARD_HINT} (start method {self._start_method!r})',
+                          replica=rank, device=str(self._devices[rank]),
+                          exitcode=proc.exitcode)
+
     def close(self) -> None:
-        """Stop every worker: ask, then terminate, then kill; each wait bounded. Twice is fine."""
+        """Stop every worker: ask, then terminate, then kill; each wait bounded. Then kill
+        what is left of each worker's process group (its iterator's processes). Twice is
+        fine."""
         if self._closed:
             return
         self._closed = True
+        _live.discard(self)
         for rank, conn in self._conns.items():
             try:
                 conn.send(('stop',))
             except Exception:  # noqa: BLE001 - dead already; reaped below
                 pass
-        procs = list(self._procs.values())
+        ranks = self.ranks
         for step, wait in (('ask', ASK_TIMEOUT), ('terminate', TERMINATE_TIMEOUT),
                            ('kill', KILL_TIMEOUT)):
-            if step == 'terminate':
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()
-            elif step == 'kill':
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-            deadline = time.monotonic() + wait
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            if not any(p.is_alive() for p in procs):
+            if step != 'ask':
+                for r in ranks:
+                    if not self._exited(r):
+                        getattr(self._procs[r], step)()
+            if not self._wait_exit(ranks, time.monotonic() + wait):
                 break
+        # Not reaped yet (a zombie keeps its pid), so each group id is still that worker's.
+        for r in ranks:
+            _kill_group(self._procs[r].pid)
+        for r in ranks:
+            self._procs[r].join(KILL_TIMEOUT)
         for conn in self._conns.values():
             conn.close()
-        for p in procs:
-            if not p.is_alive():
-                p.close()
+        for r in ranks:
+            if self._procs[r].exitcode is not None:
+                self._procs[r].close()
+            if isinstance(self._exits[r], int):
+                os.close(self._exits[r])
         self._procs.clear()
         self._conns.clear()
+        self._exits.clear()
+
+    def _exited(self, rank: int) -> bool:
+        """Whether that worker has exited, without reaping it."""
+        return bool(multiprocessing.connection.wait([self._exits[rank]], 0))
+
+    def _wait_exit(self, ranks: List[int], deadline: float) -> List[int]:
+        """Wait until every worker exited or the deadline; returns those still running."""
+        running = [r for r in ranks if not self._exited(r)]
+        while running:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            multiprocessing.connection.wait([self._exits[r] for r in running], left)
+            running = [r for r in running if not self._exited(r)]
+        return running
+
+
+def _exit_handle(proc: Any) -> Any:
+    """Something ``multiprocessing.connection.wait`` sees ready once ``proc`` exited.
+
+    A pidfd (Linux 5.3+) where possible: the process sentinel is the read end of a pipe
+    whose write end the worker holds, and so do the processes it forks (the pool of a
+    ``MultiprocessIterator``), which would hide the worker's death while they live.
+    """
+    try:
+        return os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):   # not Linux, an old kernel, or already reaped
+        return proc.sentinel
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the process group a worker leads (see ``_worker.main``); gone is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

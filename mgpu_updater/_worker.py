@@ -4,10 +4,11 @@ Runs in a process started with ``spawn`` (or ``forkserver``), so it imports ever
 afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe:
 
 master -> worker                          worker -> master
+                                          ('hello',) first, once Python's start-up is over
+payload bytes (a pickled WorkerInit)      ('ready',) once, after start-up
 ('step', loss_scale, scalars, parity)     ('done', WindowResult)
 ('state',)                                ('state', iterator state dict)
 ('stop',)                                 (exits)
-                                          ('ready',) once, after start-up
                                           ('error', traceback) on any exception
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-PARENT_POLL = 0.2   # seconds between checks that the master is alive
+PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
 
 class WorkerInit(NamedTuple):
@@ -39,23 +40,40 @@ class WorkerInit(NamedTuple):
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
 
 
-def _parent_sentinel() -> Optional[int]:
-    """A handle that becomes ready when the master is gone, if multiprocessing gives one.
+def _parent_handles(parent_pid: int) -> List[Any]:
+    """Handles that become ready when the master is gone.
 
-    With both ``spawn`` and ``forkserver`` it is the read end of the start-up pipe whose
-    write end the master keeps open for the child's lifetime. (Under ``forkserver`` the
-    parent process is the fork server, not the master, so ``os.getppid()`` says nothing.)
+    The parent's sentinel, when multiprocessing gives one: with both ``spawn`` and
+    ``forkserver`` it is the read end of the start-up pipe whose write end the master keeps
+    open for the child's lifetime. (Under ``forkserver`` the parent process is the fork
+    server, not the master, so ``os.getppid()`` says nothing.) But the processes the master
+    forks (its own ``MultiprocessIterator`` pool) hold that write end too, so a pidfd of
+    the master (Linux 5.3+) is watched as well: it is ready the moment the master exits.
     """
     import multiprocessing
+    handles: List[Any] = []
     parent = multiprocessing.parent_process()
-    return None if parent is None else parent.sentinel
+    if parent is not None:
+        handles.append(parent.sentinel)
+    try:
+        handles.append(os.pidfd_open(parent_pid))
+    except ProcessLookupError:
+        handles.append(_ALREADY_GONE)
+    except (AttributeError, OSError):   # not Linux or an old kernel: the sentinel alone
+        pass
+    return handles
 
 
-def _parent_gone(sentinel: Optional[int], first_ppid: int, timeout: float = 0.0) -> bool:
-    if sentinel is not None:
+_ALREADY_GONE = -1
+
+
+def _parent_gone(handles: List[Any], first_ppid: int, timeout: float = 0.0) -> bool:
+    if _ALREADY_GONE in handles:
+        return True
+    if handles:
         import multiprocessing.connection
         try:
-            return bool(multiprocessing.connection.wait([sentinel], timeout))
+            return bool(multiprocessing.connection.wait(handles, timeout))
         except OSError:
             return True
     if timeout:
@@ -66,26 +84,49 @@ def _parent_gone(sentinel: Optional[int], first_ppid: int, timeout: float = 0.0)
 def _watch_parent(parent_pid: int, on_orphan: Callable[[], None]) -> Callable[[], bool]:
     """Exit at once when the master disappears (SIGKILL, OOM), cleaning up first.
 
-    ``parent_pid`` is the master's pid (for messages); the watch itself waits on the
-    parent's sentinel, or polls ``os.getppid()`` when there is none. Returns a function
-    that says, without blocking, whether the master is gone.
+    ``parent_pid`` is the master's pid; the watch waits on it and on the parent's
+    sentinel, or polls ``os.getppid()`` when there is neither. After ``on_orphan`` the
+    worker kills its own process group: itself and every process its iterator started.
+    Returns a function that says, without blocking, whether the master is gone.
     """
-    sentinel = _parent_sentinel()
+    handles = _parent_handles(parent_pid)
     first_ppid = os.getppid()
 
     def loop() -> None:
-        while not _parent_gone(sentinel, first_ppid, PARENT_POLL):
+        while not _parent_gone(handles, first_ppid, PARENT_POLL):
             pass
         try:
             on_orphan()
         finally:
+            _kill_own_group()
             os._exit(3)
     threading.Thread(target=loop, name=f'mgpu-watch-{parent_pid}', daemon=True).start()
-    return lambda: _parent_gone(sentinel, first_ppid)
+    return lambda: _parent_gone(handles, first_ppid)
 
 
-def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> None:
-    # Ctrl-C reaches the whole process group: the master decides, not the workers.
+def _lead_process_group() -> None:
+    """Lead a process group of our own, which our iterator's processes join, so that the
+    master can kill them all even after we were SIGKILLed (``_lifecycle``). Ctrl-C no
+    longer reaches the workers: the master, in the terminal's group, decides."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:   # e.g. already a session leader: the group kill is skipped
+        pass
+
+
+def _kill_own_group() -> None:
+    if os.getpgrp() == os.getpid():   # never the master's group
+        os.killpg(0, signal.SIGKILL)
+
+
+def main(conn: Any, parent_pid: int, shm_names: List[str]) -> None:
+    """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
+
+    The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
+    the ``('hello',)``, never as a process argument (see ``_lifecycle``).
+    """
+    _lead_process_group()
+    # Should a SIGINT reach us anyway (sent to our group): the master decides, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def orphaned() -> None:
@@ -94,17 +135,21 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
             unlink_quietly(name)
 
     master_gone = _watch_parent(parent_pid, orphaned)
-    replica = comm = None
+    replica = comm = init = None
     try:
+        conn.send(('hello',))
+        payload = conn.recv_bytes()
         from . import _compat
         _compat.apply()
         import pickle
-        init: WorkerInit = pickle.loads(payload)
+        init = pickle.loads(payload)
+        del payload
         replica, comm, layouts = _build(init)
         conn.send(('ready',))
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
         _wait_stop(conn)
+        _finalize_iterator(init)
         if master_gone():
             orphaned()
         return
@@ -113,10 +158,21 @@ def main(conn: Any, parent_pid: int, payload: bytes, shm_names: List[str]) -> No
     finally:
         if replica is not None:
             replica.loader.close()
+        _finalize_iterator(init)
         if comm is not None:
             comm.finalize()
         if master_gone():   # the pipe closed because the master died: clean up for it
             orphaned()
+
+
+def _finalize_iterator(init: Optional['WorkerInit']) -> None:
+    """Stop the iterator's own processes and threads (``MultiprocessIterator``)."""
+    if init is None:
+        return
+    try:
+        init.iterator.finalize()
+    except Exception:  # noqa: BLE001 - exiting anyway; the master kills our group
+        pass
 
 
 def _build(init: 'WorkerInit') -> Any:
