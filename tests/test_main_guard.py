@@ -1,0 +1,59 @@
+"""A script without ``if __name__ == '__main__':`` gets a WorkerError that says so, fast.
+
+Every worker process imports the main module again (``spawn``, ``forkserver``), so such
+a script trains again in each worker. Python used to write the whole payload (model and
+data shard) as the worker's start-up argument into a pipe nobody would read once the
+worker died, and the master hung for good above the pipe's 64 KiB. The payload now goes
+over the worker's own pipe after the worker said hello (``_lifecycle``).
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / 'tests' / 'scripts' / 'no_guard.py'
+HARD_TIMEOUT = 90.0   # the old code hung here for good: fail instead of stalling
+
+
+def run_script(n_samples, start_method='spawn'):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        proc = subprocess.run([sys.executable, str(SCRIPT), str(n_samples), start_method],
+                              capture_output=True, text=True, timeout=HARD_TIMEOUT,
+                              env=env, cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f'the master hung: no error within {HARD_TIMEOUT:.0f} s')
+    return proc
+
+
+@pytest.mark.parametrize('n_samples, min_bytes', [(4, 0), (2000, 1 << 20)])
+def test_no_main_guard_raises(n_samples, min_bytes):
+    """Small payload and one of 2 MB (30 times the pipe buffer)."""
+    proc = run_script(n_samples)
+    out = proc.stdout
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert int(re.search(r'PAYLOAD_BYTES (\d+)', out).group(1)) >= min_bytes
+    error = re.search(r'^ERROR (.*)$', out, re.M).group(1)
+    assert re.match(r"replica 1 on device '@numpy': the worker process \(pid \d+\) re-ran "
+                    r"the training code while importing '.*no_guard\.py' and stopped: the "
+                    r"script needs `if __name__ == '__main__':` around the code that builds "
+                    r'and runs the updater', error), error
+    # from update() to the error: the worker's start-up and its own import of the script
+    assert float(re.search(r'SECONDS_TO_ERROR ([\d.]+)', out).group(1)) < 30.0
+    # the worker said why on its stderr too
+    assert "re-ran the training code while importing '" in proc.stderr
+    assert 'NO ERROR' not in out
+
+
+@pytest.mark.slow
+def test_no_main_guard_forkserver():
+    """Under forkserver the fork server imports the script and dies; the error says why."""
+    proc = run_script(2000, 'forkserver')
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = re.search(r'^ERROR (.*)$', proc.stdout, re.M).group(1)
+    assert "the script needs `if __name__ == '__main__':`" in error
+    assert "(start method 'forkserver')" in error
