@@ -59,9 +59,12 @@ def _describe_exit(code: Optional[int]) -> str:
 
 
 def _main_module() -> str:
-    main = sys.modules.get('__main__')
-    path = getattr(main, '__file__', None)
-    return repr(path) if path else 'the main module'
+    """The main module's file, as the master runs it or a worker re-imports it."""
+    for name in ('__mp_main__', '__main__'):   # a worker imports it as __mp_main__
+        path = getattr(sys.modules.get(name), '__file__', None)
+        if path:
+            return repr(path)
+    return 'the main module'
 
 
 def refuse_while_bootstrapping() -> None:
