@@ -203,10 +203,16 @@ def _ensure_grads(model: chainer.Link) -> None:
                 param.grad = param.device.xp.zeros_like(param.array)
 
 
-def payload_factory(init_kwargs: Dict[str, Any]) -> Callable[[Any], bytes]:
-    """Pickle a WorkerInit once the communicator handle is known (see ``_payload``)."""
+def payload_factory(init_kwargs: Dict[str, Any],
+                    master_model: chainer.Link) -> Callable[[Any], bytes]:
+    """Pickle a WorkerInit once the communicator handle is known (see ``_payload``).
+
+    Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
+    refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
+    """
     from ._worker import WorkerInit
 
     def make(handle: Any) -> bytes:
-        return _payload.dumps(WorkerInit(comm_handle=handle, **init_kwargs))
+        replace = _payload.replica_links(master_model, init_kwargs['model'])
+        return _payload.dumps(WorkerInit(comm_handle=handle, **init_kwargs), replace)
     return make

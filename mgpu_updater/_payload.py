@@ -21,14 +21,31 @@ import copyreg
 import io
 import pickle
 import sys
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+import chainer
 import cloudpickle
+from chainer.device_resident import DeviceResident
 from chainer.iterators import MultiprocessIterator
 
 
+# chainer/device_resident.py:29: the base of every Link, and of its metaclass
+_LINK_METACLASS = type(DeviceResident)
+
+
 class _Pickler(cloudpickle.Pickler):
+    def __init__(self, file: Any, replace: Optional[Dict[int, Any]] = None) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._replace = replace or {}
+
     def reducer_override(self, obj: Any) -> Any:
+        if id(obj) in self._replace:
+            return _same, (self._replace[id(obj)],)
+        if obj is _LINK_METACLASS:
+            # Made by chainer.utils.enable_final (chainer/utils/meta.py:78), importable
+            # by no name: by value, a class in __main__ deriving from chainer.Link would
+            # get a copy of it in the worker, and a metaclass conflict.
+            return type, (DeviceResident,)
         if isinstance(obj, MultiprocessIterator):
             return _reduce_multiprocess_iterator(obj)
         if isinstance(obj, io.TextIOWrapper) and obj not in (sys.stdout, sys.stderr):
@@ -55,16 +72,41 @@ def _reduce_multiprocess_iterator(it: MultiprocessIterator) -> Tuple[Any, ...]:
     return copyreg.__newobj__, (type(it),), payload
 
 
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled for a worker process (which unpickles it with ``pickle.loads``)."""
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def replica_links(master: chainer.Link, replica: chainer.Link) -> Dict[int, Any]:
+    """``{id(master's link or parameter): the replica's}``, for :func:`dumps`'s ``replace``.
+
+    A ``loss_func`` may hold the master's model without being its bound method: a closure
+    (``model.get_loss_func()`` in Chainer's VAE example captures the model), the model
+    itself, one of its links, a ``functools.partial``. Pickled in one payload with the
+    replica's model and these replacements, it holds the worker's replica, whose gradients
+    are the ones reduced, instead of a copy of its own that nothing updates.
+    """
+    out: Dict[int, Any] = {}
+    for mine, theirs in ((master.namedlinks(), replica.namedlinks()),
+                         (master.namedparams(), replica.namedparams())):
+        theirs = dict(theirs)
+        out.update({id(obj): theirs[name] for name, obj in mine if name in theirs})
+    return out
+
+
+def dumps(obj: Any, replace: Optional[Dict[int, Any]] = None) -> bytes:
+    """``obj`` pickled for a worker process (which unpickles it with ``pickle.loads``).
+
+    Every object whose ``id`` is a key of ``replace`` is pickled as that key's value
+    (the same object wherever it is referenced).
+    """
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(buffer, replace).dump(obj)
     return buffer.getvalue()
 
 
 def check(obj: Any) -> None:
     """Pickle ``obj`` as :func:`dumps` would, keeping nothing; raises what pickling raises."""
-    _Pickler(_Null(), protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(_Null()).dump(obj)
 
 
 class _Null(io.RawIOBase):

@@ -238,7 +238,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     iterator=it, prefetch=self.prefetch,
                     accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
                     chunking=self._chunking(rank),
-                    comm_name=comm.backend_for(self._devices)))
+                    comm_name=comm.backend_for(self._devices)), model)
             self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
                                      master_device, self.device_labels, payloads,
                                      self.start_method, self.start_timeout)
