@@ -122,7 +122,8 @@ class WorkerPool:
               before_ready: Optional[Callable[[], None]] = None) -> None:
         """Start one process per payload and wait (bounded) until each says it is ready.
 
-        ``target(conn, master_pid, shm_names)`` is the worker's entry point: it says
+        ``target(conn, master_pid, shm_names, default_start_method)`` is the worker's
+        entry point: it says
         ``('hello',)``, receives its payload with ``conn.recv_bytes()``, then says
         ``('ready',)``. ``timeout`` bounds the whole start. ``before_ready`` runs after
         the payloads are sent and before the wait for ready: the NCCL communicator's
@@ -131,9 +132,14 @@ class WorkerPool:
         refuse_while_bootstrapping()
         deadline = time.monotonic() + timeout
         _live.add(self)
+        # What the user's own processes (a MultiprocessIterator's pool) use in the master,
+        # None for the platform's default: the same in the workers, where Python would
+        # otherwise make it the workers' own start method.
+        default_method = multiprocessing.get_start_method(allow_none=True)
         for rank in sorted(payloads):
             parent, child = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(target=target, args=(child, os.getpid(), list(shm_names)),
+            args = (child, os.getpid(), list(shm_names), default_method)
+            proc = self._ctx.Process(target=target, args=args,
                                      name=f'mgpu-worker-{rank}', daemon=False)
             proc.start()
             child.close()

@@ -119,13 +119,18 @@ def _kill_own_group() -> None:
         os.killpg(0, signal.SIGKILL)
 
 
-def main(conn: Any, parent_pid: int, shm_names: List[str]) -> None:
+def main(conn: Any, parent_pid: int, shm_names: List[str],
+         default_start_method: Optional[str] = None) -> None:
     """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
 
     The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
     the ``('hello',)``, never as a process argument (see ``_lifecycle``).
+    ``default_start_method`` is the master's default (None: the platform's), for the
+    processes the user's iterator starts here.
     """
+    import multiprocessing
     _lead_process_group()
+    multiprocessing.set_start_method(default_start_method, force=True)
     # Should a SIGINT reach us anyway (sent to our group): the master decides, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

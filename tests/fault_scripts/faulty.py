@@ -133,15 +133,24 @@ class Converter:
 
 
 def build(n_replicas=2, fault=None, accumulate_steps=2, batch_size=4, n=64, delay=0.0,
-          prefetch=2, **kwargs):
-    """An updater over ``n_replicas`` CPU replicas with ``fault`` planted everywhere."""
+          prefetch=2, iterator='serial', **kwargs):
+    """An updater over ``n_replicas`` CPU replicas with ``fault`` planted everywhere.
+
+    ``iterator='multiprocess'``: every replica reads through a ``MultiprocessIterator``
+    with two processes of its own (the workers' grandchildren).
+    """
     from mgpu_updater import ParallelAccumulatingUpdater
     fault = fault or Fault()
     model = Net(fault, delay)
     optimizer = chainer.optimizers.SGD(lr=0.1)
     optimizer.setup(model)
-    iterators = [chainer.iterators.SerialIterator(Dataset(n, fault, seed=r), batch_size)
-                 for r in range(n_replicas)]
+    if iterator == 'multiprocess':
+        def make(dataset):
+            return chainer.iterators.MultiprocessIterator(dataset, batch_size, n_processes=2)
+    else:
+        def make(dataset):
+            return chainer.iterators.SerialIterator(dataset, batch_size)
+    iterators = [make(Dataset(n, fault, seed=r)) for r in range(n_replicas)]
     return ParallelAccumulatingUpdater(
         iterators, optimizer, devices=['@numpy'] * n_replicas,
         accumulate_steps=accumulate_steps, converter=Converter(fault), prefetch=prefetch,

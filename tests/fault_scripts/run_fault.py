@@ -77,7 +77,7 @@ def _worker_fault(args, created, stamp):
     site, action, at = WORKER_FAULTS[args.scenario]
     fault = faulty.Fault(site, action, replica=args.replica, at=at, stamp=stamp)
     updater = faulty.build(args.replicas, fault, prefetch=args.prefetch,
-                           start_method=args.start_method)
+                           start_method=args.start_method, iterator=args.iterator)
     out = {'scenario': args.scenario, 'replica_expected': args.replica}
     pids, segments_seen = [], []
     error = None
@@ -110,8 +110,10 @@ def _worker_fault(args, created, stamp):
         out['remote_traceback'] = tb
         out['traceback_has_fault'] = 'FaultInjected' in tb and TRACEBACK_MARK[site] in tb
         out['is_worker_error'] = isinstance(error, WorkerError)
-    # after the error, before finalize: the failed update already stopped everything
-    out['active_children_after_error'] = [p.pid for p in multiprocessing.active_children()]
+    # after the error, before finalize: the failed update already stopped every worker
+    # (the master's own MultiprocessIterator pool stops in finalize, as with Chainer's)
+    out['active_children_after_error'] = [p.pid for p in multiprocessing.active_children()
+                                          if p.name.startswith('mgpu-worker-')]
     finalize_times = []
     for _ in range(2):
         t0 = time.perf_counter()
@@ -143,7 +145,7 @@ def _is_reaped(pid):
 def serve(args, created):
     import faulty
     updater = faulty.build(args.replicas, delay=args.delay, prefetch=args.prefetch,
-                           start_method=args.start_method)
+                           start_method=args.start_method, iterator=args.iterator)
     out = {'scenario': 'serve'}
     pids = []
     try:
@@ -181,6 +183,7 @@ def main():
     parser.add_argument('--max-seconds', type=float, default=60.0)
     parser.add_argument('--start-method', default='spawn')
     parser.add_argument('--prefetch', type=int, default=2)
+    parser.add_argument('--iterator', choices=['serial', 'multiprocess'], default='serial')
     args = parser.parse_args()
     created = spy_segments()
     if args.scenario == 'serve':
