@@ -41,6 +41,11 @@ FAST = {
     'master_sigterm': ('master_sigterm',),
     'master_sigkill': ('master_sigkill',),
     'master_sigkill_forkserver': ('master_sigkill', '--start-method', 'forkserver'),
+    # every replica reads through a MultiprocessIterator with 2 processes of its own
+    'raise_forward_mpit': ('raise_forward', '--iterator', 'multiprocess'),
+    'kill_worker_mpit': ('kill_worker', '--iterator', 'multiprocess'),
+    'master_sigint_mpit': ('master_sigint', '--iterator', 'multiprocess'),
+    'master_sigkill_mpit': ('master_sigkill', '--iterator', 'multiprocess'),
 }
 
 
@@ -147,6 +152,22 @@ def test_master_killed_forkserver(scenarios):
     report = scenarios.report('master_sigkill_forkserver')
     assert_clean(report)
     assert report['time_to_error'] < 5.0
+
+
+# ------------------------------------------------------------------ MultiprocessIterator
+@pytest.mark.parametrize('scenario', ['raise_forward_mpit', 'kill_worker_mpit',
+                                      'master_sigint_mpit', 'master_sigkill_mpit'])
+def test_faults_with_multiprocess_iterators(scenarios, scenario):
+    """The workers' iterators run processes of their own (the workers' children): a
+    worker that raises or is SIGKILLed, a master interrupted or SIGKILLed, and still the
+    harness (a subreaper) finds no process and no segment left."""
+    report = scenarios.report(scenario)
+    assert_clean(report)
+    if scenario.startswith('master_'):
+        assert report['time_to_error'] < 5.0
+    else:
+        assert report['result']['is_worker_error']
+        assert report['result']['updates_done'] == 2
 
 
 # ------------------------------------------------------------------ 20 times each
