@@ -61,10 +61,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         devices: device specifiers, master first: GPU ids, ``'@cupy:N'``, or ``'@numpy'``
             / ``-1`` (may repeat) for CPU replicas; a dict with a ``'main'`` key works too.
         accumulate_steps: micro-batches per device per update (int >= 1).
-        converter, loss_func: as for ``StandardUpdater``. Both must be picklable when
-            there are workers. A ``loss_func`` that is the model, one of its links, a
-            method of either, or a closure / ``functools.partial`` over them computes in
-            each worker with that worker's replica (re-bound by link path).
+        converter, loss_func: as for ``StandardUpdater``. With workers they travel
+            with cloudpickle (lambdas, closures, what ``__main__`` defines); open files,
+            locks, sockets and threads cannot. A ``loss_func`` that is the model, one of
+            its links, a method of either, or a closure / ``functools.partial`` over them
+            computes in each worker with that worker's replica (re-bound by link path).
         loss_reduction: what ``loss_func`` returns over its batch: ``'mean'`` (default,
             Chainer's losses) or ``'sum'`` (e.g. ``F.black_out``, a hierarchical softmax,
             a loss accumulated over a tree). Either way the update equals
