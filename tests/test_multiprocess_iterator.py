@@ -256,3 +256,22 @@ def test_no_iterator_process_outlives_a_stop_or_a_killed_master(tmp_path, how):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
+
+
+def test_a_script_that_never_finalizes_still_exits():
+    """Workers are not daemonic now (so that they may start processes), and Python joins
+    non-daemonic children at exit: the pools left open are closed before that."""
+    script = ROOT / 'tests' / 'scripts' / 'no_finalize.py'
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / 'tests')]))
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=90, env=env, cwd=str(ROOT))
+    except subprocess.TimeoutExpired:
+        pytest.fail('the script never exited: the workers held it up')
+    print('script run and exit:', round(time.monotonic() - t0, 2), 's')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    workers = json.loads(proc.stdout.split('WORKERS ', 1)[1].splitlines()[0])
+    grandchildren = json.loads(proc.stdout.split('GRANDCHILDREN ', 1)[1].splitlines()[0])
+    assert len(grandchildren) == 2
+    assert _wait_gone(workers + grandchildren, 5.0) == []
