@@ -7,7 +7,8 @@ cannot. So lambdas and closures (``loss_func=model.get_loss_func()``), converter
 ``TransformDataset`` with a nested transform, and classes or functions defined in
 ``__main__`` (also inside ``if __name__ == '__main__':`` or a ``main()``) all reach the
 worker. What truly cannot travel (open files, locks, sockets, threads, generators) still
-fails (cloudpickle would copy a text file opened for reading: refused here too), and :mod:`mgpu_updater._validate` names the attribute at fault.
+fails, and :mod:`mgpu_updater._validate` names the attribute at fault. (cloudpickle would
+copy a text file opened for reading into the payload: refused here, as pickle does.)
 
 Pickling never changes the user's objects. ``MultiprocessIterator.__getstate__`` does
 (Chainer 7.8.1 ``chainer/iterators/multiprocess_iterator.py:266-288``: its ``serialize``
