@@ -255,10 +255,10 @@ class Replica:
 
 
 _LOSS_FUNC_FIX = (
-    'A loss_func that is the model, one of its links, a method of either, or a closure or '
-    'functools.partial over them is re-bound to each replica; one that reaches the model '
-    'another way (an object holding it, a global variable) computes with its own copy in '
-    'the worker. Pass one of the forms above, or a function of the model\'s outputs')
+    'Whatever the loss_func holds that is the model or one of its links (itself, a '
+    'method, a closure, a partial, an attribute) means the replica in each worker; one '
+    'that reaches the model another way (a global variable) computes with its own copy in '
+    'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
 
 
 def _describe(func: Any) -> str:

@@ -69,8 +69,8 @@ def loss_of(model, x, t):
 
 
 class HoldsAModel:
-    """A callable object that holds a model: not re-bound, so in a worker it computes with
-    its own copy of the model (the guard's case)."""
+    """A callable object that holds a model (it travels with the payload, which maps the
+    model to each worker's replica)."""
 
     def __init__(self, model):
         self.model = model
@@ -157,3 +157,25 @@ class _FailInBackward(chainer.FunctionNode):
             raise MemoryError(f'{len(grad_outputs[0])} samples do not fit in backward '
                               f'(cap {self.cap})')
         return grad_outputs
+
+
+# A model reached through a module global: a worker imports this module and gets a model of
+# its own there, never its replica (the guard's case; on the master it is the model).
+GLOBAL_MODEL = None
+
+
+def global_loss(x, t):
+    return F.softmax_cross_entropy(GLOBAL_MODEL.net(x), t)
+
+
+def global_reporting_loss(x, t):
+    return GLOBAL_MODEL(x, t)
+
+
+def _global_model_for_workers():
+    global GLOBAL_MODEL
+    if GLOBAL_MODEL is None:
+        GLOBAL_MODEL = SelfLoss()
+
+
+_global_model_for_workers()

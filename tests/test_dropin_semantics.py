@@ -19,6 +19,7 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 from mgpu_updater import _loss_binding, updater as updater_module
 
+import _dropin_models
 from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
                             seeded)
 from _models import dataset, params, setup_optimizer
@@ -183,18 +184,34 @@ def test_closure_over_the_model_trains_as_standard_updater(closure_payloads):
                                [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
 
 
-def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros():
+def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros(
+        monkeypatch):
+    """The loss reaches the model through a module global: in a worker, another model."""
     model = SelfLoss()
+    monkeypatch.setattr(_dropin_models, 'GLOBAL_MODEL', model)
     with pytest.raises(WorkerError, match=r'(?s)replica 1 .*no parameter of its model got '
-                                          r'a gradient.*loss_func \(HoldsAModel\)'):
-        _ours(model, HoldsAModel, _datasets())
+                                          r'a gradient.*loss_func \(global_loss\)'):
+        _ours(model, lambda m: _dropin_models.global_loss, _datasets())
 
 
-def test_worker_whose_loss_func_reports_through_another_model_says_so():
+def test_worker_whose_loss_func_reports_through_another_model_says_so(monkeypatch):
     model = SelfLoss()
+    monkeypatch.setattr(_dropin_models, 'GLOBAL_MODEL', model)
     with pytest.raises(WorkerError, match=r'(?s)replica 1 .*reported through a link that '
                                           r'is not part of this replica'):
-        _ours(model, HoldsAReportingModel, _datasets())
+        _ours(model, lambda m: _dropin_models.global_reporting_loss, _datasets())
+
+
+@pytest.mark.parametrize('holder', [HoldsAModel, HoldsAReportingModel])
+def test_callable_object_holding_the_model_trains_as_standard_updater(holder):
+    """The payload maps the model to the replica wherever it is held (here an attribute of
+    a callable object), so nothing computes on a copy, and its reports have an observer."""
+    datasets = _datasets()
+    ours, ref = seeded(SelfLoss), seeded(SelfLoss)
+    _ours(ours, holder, datasets)
+    _reference(ref, holder, datasets)
+    for name, value in params(ref).items():
+        np.testing.assert_allclose(params(ours)[name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_master_whose_loss_func_misses_its_model_raises():
