@@ -119,7 +119,7 @@ class WorkerPool:
 
     def start(self, target: Callable[..., None], payloads: Dict[int, bytes],
               shm_names: List[str], timeout: float,
-              before_ready: Optional[Callable[[], None]] = None) -> None:
+              before_ready: Optional[Callable[[], None]] = None) -> Dict[int, Any]:
         """Start one process per payload and wait (bounded) until each says it is ready.
 
         ``target(conn, master_pid, shm_names, default_start_method)`` is the worker's
@@ -127,7 +127,7 @@ class WorkerPool:
         ``('hello',)``, receives its payload with ``conn.recv_bytes()``, then says
         ``('ready',)``. ``timeout`` bounds the whole start. ``before_ready`` runs after
         the payloads are sent and before the wait for ready: the NCCL communicator's
-        initialisation, which needs every rank at once.
+        initialisation, which needs every rank at once. Returns what each ready said.
         """
         refuse_while_bootstrapping()
         deadline = time.monotonic() + timeout
@@ -150,7 +150,7 @@ class WorkerPool:
         self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
-        self._collect('ready', deadline, timeout, 'start', on_dead=self._raise_dead)
+        return self._collect('ready', deadline, timeout, 'start', on_dead=self._raise_dead)
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
                        timeout: float) -> None:

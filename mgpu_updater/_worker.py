@@ -149,6 +149,9 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         import pickle
         init = pickle.loads(payload)
         del payload
+        if not isinstance(init, WorkerInit):   # stopped before its payload came: no error
+            init = None
+            return
         replica, comm, layouts = _build(init)
         conn.send(('ready',))
     except BaseException:  # noqa: BLE001 - reported to the master

@@ -1,0 +1,94 @@
+"""WorkerPool's start-up and shutdown, with small stand-in entry points (no model, no data).
+
+``WorkerPool.start`` takes the worker's entry point, so these tests give it one that dies,
+stalls or behaves, and check the master's side: which error, how fast, nothing left.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from mgpu_updater import WorkerError
+from mgpu_updater import _worker
+from mgpu_updater._lifecycle import MAIN_GUARD_EXIT, WorkerPool
+
+DEVICES = ['@numpy', '@numpy', '@numpy']
+
+
+def _rank():
+    return int(multiprocessing.current_process().name.rsplit('-', 1)[1])
+
+
+def first_dies_before_hello(conn, parent_pid, shm_names, default_method):
+    """Replica 1 exits at once, as a worker re-running an unguarded script does; the
+    others run the real entry point and wait for their payload."""
+    if _rank() == 1:
+        os._exit(MAIN_GUARD_EXIT)
+    _worker.main(conn, parent_pid, shm_names, default_method)
+
+
+def never_says_hello(conn, parent_pid, shm_names, default_method):
+    time.sleep(60)
+
+
+def echo_payload(conn, parent_pid, shm_names, default_method):
+    """Says hello, takes its payload, answers ready with the payload's size."""
+    conn.send(('hello',))
+    payload = conn.recv_bytes()
+    conn.send(('ready', len(payload)))
+    conn.recv()   # ('stop',)
+
+
+def _close_timed(pool):
+    t0 = time.monotonic()
+    pool.close()
+    return time.monotonic() - t0
+
+
+def test_a_worker_dead_before_hello_is_a_guard_error_and_the_others_stop_at_once():
+    pool = WorkerPool(DEVICES, 'spawn')
+    with pytest.raises(WorkerError, match=r"replica 1 on device '@numpy': the worker process "
+                                          r'\(pid \d+\) re-ran the training code while '
+                                          r"importing .*the script needs `if __name__ == "
+                                          r"'__main__':`") as info:
+        pool.start(first_dies_before_hello, {1: b'x', 2: b'x'}, [], timeout=60)
+    assert info.value.exitcode == MAIN_GUARD_EXIT
+    pids = pool.pids()
+    # replica 2 waits for its payload: the stop it gets instead ends it without an error,
+    # within the polite step (no SIGTERM after 3 s)
+    assert _close_timed(pool) < 2.5
+    assert multiprocessing.active_children() == []
+    assert not any(_running(p) for p in pids)
+
+
+def _running(pid):
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_that_never_starts_times_out():
+    pool = WorkerPool(DEVICES[:2], 'spawn')
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r'no answer within 3 s during start \(still '
+                                          r'waiting for replicas \[1\]\)'):
+        pool.start(never_says_hello, {1: b''}, [], timeout=3.0)
+    assert time.monotonic() - t0 < 6.0
+    assert _close_timed(pool) < 8.0          # ask, then SIGTERM
+    assert multiprocessing.active_children() == []
+
+
+def test_payloads_far_above_the_pipe_buffer_arrive_whole():
+    payloads = {1: os.urandom(8 << 20), 2: b'small'}
+    pool = WorkerPool(DEVICES, 'spawn')
+    try:
+        ready = pool.start(echo_payload, payloads, [], timeout=60)
+    finally:
+        pool.close()
+    assert ready == {1: 8 << 20, 2: 5}
+    assert multiprocessing.active_children() == []
