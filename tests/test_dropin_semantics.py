@@ -167,7 +167,10 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
     its = [chainer.iterators.SerialIterator(d, B) for d in _datasets()]
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
                                           loss_func=model.get_loss_func())
-    updater._start()
+    try:
+        updater._start()
+    finally:
+        updater.finalize()   # the master's prefetch thread
     init = pickle.loads(captured[1](None))
     cells = [c.cell_contents for c in init.loss_func.__closure__]
     assert any(c is init.model for c in cells), cells
