@@ -58,5 +58,5 @@ trainer.extend(extensions.LogReport())
 trainer.extend(extensions.PlotReport(['main/loss', 'validation/main/loss'], 'epoch',
                                      file_name='loss.png'))
 trainer.extend(extensions.PrintReport(['epoch', 'main/loss', 'validation/main/loss']))
-trainer.extend(extensions.ProgressBar())
+trainer.extend(extensions.ProgressBar(update_interval=2))
 trainer.run()

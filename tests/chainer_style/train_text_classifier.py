@@ -179,7 +179,7 @@ def main():
                                          file_name='loss.png'))
 
     # Print a progress bar to stdout
-    trainer.extend(extensions.ProgressBar())
+    trainer.extend(extensions.ProgressBar(update_interval=2))
 
     if args.resume:
         chainer.serializers.load_npz(args.resume, trainer)

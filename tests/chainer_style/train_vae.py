@@ -94,7 +94,7 @@ def main():
     trainer.extend(extensions.PrintReport(
         ['epoch', 'main/loss', 'validation/main/loss',
          'main/rec_loss', 'validation/main/rec_loss', 'elapsed_time']))
-    trainer.extend(extensions.ProgressBar())
+    trainer.extend(extensions.ProgressBar(update_interval=2))
 
     if args.resume:
         chainer.serializers.load_npz(args.resume, trainer)
