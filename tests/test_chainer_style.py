@@ -180,7 +180,7 @@ COMPARED = [_param(spec.key) for spec in SCRIPT_SPECS if spec.reference]
 
 
 # What the first run's extensions wrote is kept apart, so that the resumed run must write
-# its own.
+# its own plot.
 FIRST_RUN_SUFFIX = '.first-run'
 PER_RUN_OUTPUTS = ('cg.dot', 'loss.png')
 
@@ -264,13 +264,15 @@ def runs(request, tmp_path_factory):
 
 
 # ------------------------------------------------------------------ checks
-def assert_outputs(spec: Script, out: Path, run: Run, suffix: str = '') -> None:
+def assert_outputs(spec: Script, out: Path, run: Run, suffix: str = '',
+                   graph: bool = True) -> None:
     """What the Trainer's extensions leave behind, as under StandardUpdater."""
-    graph = (out / ('cg.dot' + suffix)).read_text()
-    for name in spec.functions:
-        assert f'label="{name}"' in graph, f'{name} not in the dumped graph'
-    # the graph is that of one micro-batch computed on the master
-    assert f'label="{spec.micro_batch_label}"' in graph, graph[:2000]
+    if graph:
+        dot = (out / ('cg.dot' + suffix)).read_text()
+        for name in spec.functions:
+            assert f'label="{name}"' in dot, f'{name} not in the dumped graph'
+        # the graph is that of one micro-batch computed on the master
+        assert f'label="{spec.micro_batch_label}"' in dot, dot[:2000]
     png = (out / ('loss.png' + suffix)).read_bytes()
     assert png.startswith(b'\x89PNG'), 'PlotReport wrote no PNG'
     assert 'main/loss' in run.stdout and 'validation/main/loss' in run.stdout  # PrintReport
@@ -295,7 +297,8 @@ def test_script_trains_with_the_usual_extensions_and_resumes(spec, runs):
     assert [(e['epoch'], e['iteration']) for e in log] == [(1, n), (2, 2 * n)]
     assert log[0] == trained.first_log[0]     # the first epoch came back from the snapshot
     assert (out / 'snapshot_epoch_2').exists()
-    assert_outputs(spec, out, trained.resumed)
+    # DumpGraph saves that it has dumped: a resumed run does not dump again (Chainer 7.8.1)
+    assert_outputs(spec, out, trained.resumed, graph=False)
 
 
 @pytest.mark.parametrize('spec', COMPARED)
@@ -341,9 +344,9 @@ def test_script_without_main_guard_fails_fast_saying_why(tmp_path):
     assert not run.timed_out, 'the script hung:\n' + run.describe()
     assert run.returncode != 0, run.describe()
     assert run.seconds < NO_GUARD_LIMIT, run.describe()
-    # the master's error, not the child's own RuntimeError (which shows the idiom too)
-    raised = re.search(r'^\S*WorkerError: .*', run.stderr, re.MULTILINE | re.DOTALL)
+    # the master's own error (the last one it raised), naming the fix; Python's message in
+    # the child shows the idiom too, so that one does not count
+    raised = [m.start() for m in re.finditer(r'^\S*WorkerError: ', run.stderr, re.MULTILINE)]
     assert raised, run.describe()
-    assert "__name__ == '__main__'" in raised.group(0), run.describe()
-    assert 'guard' in raised.group(0).lower(), run.describe()
+    assert "__name__ == '__main__'" in run.stderr[raised[-1]:], run.describe()
     assert run.leftover == [], run.describe()

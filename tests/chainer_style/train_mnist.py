@@ -29,13 +29,13 @@ ACCUMULATE = 2
 # Network definition
 class MLP(chainer.Chain):
 
-    def __init__(self, n_units, n_out):
+    def __init__(self, n_units, n_out, n_in=None):
         super(MLP, self).__init__()
         with self.init_scope():
-            # the size of the inputs to each layer will be inferred
-            self.l1 = L.Linear(None, n_units)
-            self.l2 = L.Linear(None, n_units)
-            self.l3 = L.Linear(None, n_out)
+            # the size of the inputs to each layer will be inferred unless n_in is given
+            self.l1 = L.Linear(n_in, n_units)
+            self.l2 = L.Linear(None if n_in is None else n_units, n_units)
+            self.l3 = L.Linear(None if n_in is None else n_units, n_out)
 
     def forward(self, x):
         h1 = F.relu(self.l1(x))

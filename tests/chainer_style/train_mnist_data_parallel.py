@@ -43,7 +43,9 @@ def main():
     args = parser.parse_args()
 
     numpy.random.seed(args.seed)
-    model = L.Classifier(train_mnist.MLP(args.unit, 10))
+    # Sizes given: ParallelUpdater copies the model for each device before the first
+    # forward pass, so with lazy sizes every device would draw its own first weights.
+    model = L.Classifier(train_mnist.MLP(args.unit, 10, n_in=784))
     optimizer = chainer.optimizers.SGD(lr=0.05)
     optimizer.setup(model)
     optimizer.add_hook(chainer.optimizer_hooks.WeightDecay(1e-3))
