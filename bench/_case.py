@@ -14,6 +14,8 @@ Methods (all train the same model on the same data for the same global batch ``n
 - ``ours``: ``ParallelAccumulatingUpdater`` with ``n`` devices, ``k`` micro-batches of ``b``.
 - ``memory``: peak memory of one update as ``k`` micro-batches of ``b`` versus one batch of
   ``k*b`` (tracemalloc on CPU, CuPy's memory pool on GPU).
+- ``micro_batch`` (``bench/micro_batch.py``): ours with ``micro_batch_size`` set, samples/s
+  and the peak memory of one update.
 """
 import gc
 import json
@@ -140,17 +142,22 @@ def run_multiprocess(case, common, dataset, kind):
     return {'samples_per_s': rates}
 
 
-def run_ours(case, common, dataset, kind):
+def _our_updater(model, dataset, kind, n, batch_size, **kwargs):
+    """``ParallelAccumulatingUpdater`` for ``model`` on ``n`` devices, each reading its own
+    shuffled shard of ``dataset`` in micro-batches of ``batch_size``."""
     from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
-    n, k, b = case['n'], case['k'], common['micro_batch']
-    model = _common.make_model(common['model'])
     optimizer = _common.make_optimizer(model)
-    iterators = shard_iterators(dataset, n=n, batch_size=b,
+    iterators = shard_iterators(dataset, n=n, batch_size=batch_size,
                                 iterator_class=chainer.iterators.SerialIterator,
                                 seed=0, shuffle=True)
     devices = [_common.device_spec(kind, i) for i in range(n)]
-    updater = ParallelAccumulatingUpdater(iterators, optimizer, devices=devices,
-                                          accumulate_steps=k, report_times=True)
+    return ParallelAccumulatingUpdater(iterators, optimizer, devices=devices, **kwargs)
+
+
+def run_ours(case, common, dataset, kind):
+    n, k, b = case['n'], case['k'], common['micro_batch']
+    model = _common.make_model(common['model'])
+    updater = _our_updater(model, dataset, kind, n, b, accumulate_steps=k, report_times=True)
     timed = []
     try:
         step = _observed_step(updater, model)
@@ -171,18 +178,27 @@ def run_ours(case, common, dataset, kind):
 # Memory
 # ---------------------------------------------------------------------------------------------
 
+def pool_footprint(fn):
+    """(bytes CuPy's memory pool holds before ``fn``, after ``fn``): with the cached blocks
+    freed first, the pool keeps every block ``fn`` needed at its peak, so the second is
+    that peak."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    gc.collect()
+    _common.synchronize('gpu')
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    fn()
+    _common.synchronize('gpu')
+    return before, pool.total_bytes()
+
+
 def _peak_bytes(fn, kind):
     """Peak bytes allocated on top of what was live when ``fn`` started."""
-    gc.collect()
     if kind == 'gpu':
-        import cupy
-        pool = cupy.get_default_memory_pool()
-        _common.synchronize(kind)
-        pool.free_all_blocks()
-        before = pool.total_bytes()
-        fn()
-        _common.synchronize(kind)
-        return pool.total_bytes() - before  # the pool keeps every block it needed at the peak
+        before, after = pool_footprint(fn)
+        return after - before
+    gc.collect()
     tracemalloc.start()
     try:
         fn()
@@ -254,6 +270,26 @@ def _ours_peak_bytes(common, dataset, kind, k):
         updater.finalize()
 
 
+def run_micro_batch(case, common, dataset, kind):
+    """``ParallelAccumulatingUpdater`` on ``n`` devices, a global batch of ``G`` (``G/n``
+    loaded per device), each loaded batch run as chunks of ``micro_batch_size`` (None:
+    whole): samples/s, then the peak memory of one more update (tracemalloc on CPU, which
+    sees the master's replica only; CuPy's pool on GPU)."""
+    n, global_batch = case['n'], common['global_batch']
+    model = _common.make_model(case['model'])
+    updater = _our_updater(model, dataset, kind, n, global_batch // n, report_times=False,
+                           micro_batch_size=case['micro_batch_size'])
+    try:
+        rates = _run_timed(_observed_step(updater, model), global_batch, common,
+                           lambda: _common.synchronize(kind))
+        peak = _peak_bytes(updater.update, kind)
+    finally:
+        updater.finalize()
+    return {'samples_per_s': rates, 'peak_bytes': peak,
+            'gradient_bytes': sum(p.array.nbytes for p in model.params()),
+            'measured_with': 'tracemalloc' if kind == 'cpu' else 'cupy memory pool'}
+
+
 RUNNERS = {
     'standard': run_standard,
     'standard_1t': run_standard,  # the orchestrator runs it with one BLAS thread
@@ -262,6 +298,7 @@ RUNNERS = {
     'multiprocess': run_multiprocess,
     'ours': run_ours,
     'memory': run_memory,
+    'micro_batch': run_micro_batch,  # bench/micro_batch.py
 }
 
 
