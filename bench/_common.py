@@ -272,6 +272,19 @@ def current_thread_env():
     return {name: os.environ.get(name) for name in THREAD_VARS}
 
 
+def write_results(out_dir, stem, result, markdown, plot):
+    """Write ``stem``.png (by ``plot(result, path)``, False without matplotlib), ``stem``.md
+    (by ``markdown(result)``, also printed) and ``stem``.json to ``out_dir``."""
+    out_dir = Path(out_dir)
+    if not plot(result, out_dir / (stem + '.png')):
+        result['notes'].append('matplotlib is not installed: no {}.png'.format(stem))
+    md = markdown(result)
+    (out_dir / (stem + '.md')).write_text(md)
+    with open(out_dir / (stem + '.json'), 'w') as f:
+        json.dump(result, f, indent=1)
+    print(md)
+
+
 def emit(record, stream=None):
     """Write one JSON record as one line (the case runners' protocol to the orchestrator)."""
     stream = stream or sys.stdout

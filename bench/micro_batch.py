@@ -28,7 +28,6 @@ Writes ``micro_batch.md`` (the table, also printed), ``micro_batch.json`` and
 ``micro_batch.png`` to ``--out`` (default ``bench/results``).
 """
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -54,15 +53,15 @@ PROFILES = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument('--quick', action='store_true', help='fewer sizes, one pass (~3 min)')
-    mode.add_argument('--smoke', action='store_true', help='CNN, G=16, 1 replica (tests)')
-    p.add_argument('--out', default=str(HERE / 'results'), help='output folder')
     p.add_argument('--models', help='comma-separated subset of ' + ','.join(_common.MODELS))
     p.add_argument('--devices', help='replica counts, comma-separated (default 1,2)')
     p.add_argument('--sizes', help="micro_batch_size values, comma-separated; 'none' is the "
                                    'whole batch, always added (default none,128,64,32,16,8)')
     p.add_argument('--global-batch', type=int, help='samples per update (default 256)')
+    p.add_argument('--out', default=str(HERE / 'results'), help='output folder')
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument('--quick', action='store_true', help='fewer sizes, one pass (~3 min)')
+    mode.add_argument('--smoke', action='store_true', help='CNN, G=16, 1 replica (tests)')
     p.add_argument('--warmup', type=int, help='warm-up updates per case')
     p.add_argument('--rounds', type=int, help='timed rounds per case and pass')
     p.add_argument('--updates', type=int, help='updates per timed round')
@@ -302,12 +301,12 @@ def main(argv=None):
         notes.append('The machine was shared (1-minute load average {} at the start, {} at the '
                      'end, on {} cores): other work slows every case and widens the spread.'
                      .format(machine['loadavg_start'], machine['loadavg_end'], cores))
+    command = ' '.join(['python', 'bench/micro_batch.py'] + [
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     result = {
         'schema': SCHEMA,
         'config': {
-            'command': 'python bench/micro_batch.py ' + ' '.join(
-                shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-            'profile': args.profile, 'models': args.models,
+            'command': command, 'profile': args.profile, 'models': args.models,
             'model_sources': {m: _common.model_source(m) for m in args.models},
             'devices': args.devices, 'micro_batch_sizes': args.sizes,
             'global_batch': args.global_batch, 'device_kind': kind, 'warmup': args.warmup,
@@ -324,13 +323,8 @@ def main(argv=None):
         'notes': notes,
         'wall_s': time.perf_counter() - start,
     }
-    if not plot(result, out_dir / 'micro_batch.png'):
-        result['notes'].append('matplotlib is not installed: no micro_batch.png')
-    md = markdown(result, out_dir)
-    (out_dir / 'micro_batch.md').write_text(md)
-    with open(out_dir / 'micro_batch.json', 'w') as f:
-        json.dump(result, f, indent=1)
-    print(md)
+    _common.write_results(out_dir, 'micro_batch', result,
+                          lambda r: markdown(r, out_dir), plot)
     return 1 if errors else 0
 
 

@@ -453,13 +453,7 @@ def main(argv=None):
         'out_dir': str(out_dir),
         'wall_s': time.perf_counter() - start,
     }
-    if not _report.plot(result, out_dir / 'scaling.png'):
-        result['notes'].append('matplotlib is not installed: no scaling.png')
-    md = _report.markdown(result)
-    (out_dir / 'scaling.md').write_text(md)
-    with open(out_dir / 'scaling.json', 'w') as f:
-        json.dump(result, f, indent=1)
-    print(md)
+    _common.write_results(out_dir, 'scaling', result, _report.markdown, _report.plot)
     return 1 if errors else 0
 
 
