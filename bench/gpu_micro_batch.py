@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 from pathlib import Path
@@ -67,6 +68,7 @@ class CudaPool:
     @contextlib.contextmanager
     def capped(self, limit: int):
         with self.cupy.cuda.Device(0):   # set_limit applies to the current device
+            gc.collect()                 # the previous run's arrays go back to the pool
             self.pool.free_all_blocks()
             self.pool.set_limit(size=int(limit))
             try:
@@ -133,6 +135,7 @@ def train(memory: Any, dataset: Any, model_name: str, batch: int, updates: int,
           micro_batch_size: Any) -> Run:
     """``updates`` updates of one replica from seed 0 over ``dataset`` in order."""
     model = memory.model(model_name)
+    model.to_device(memory.device)
     optimizer = _common.make_optimizer(model)
     iterator = chainer.iterators.SerialIterator(dataset, batch, shuffle=False)
     updater = ParallelAccumulatingUpdater([iterator], optimizer, devices=[memory.device],
