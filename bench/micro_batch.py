@@ -257,7 +257,10 @@ def plot(result, path):
             ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3,
                         label='{} N={}'.format(model, n))
         ax.set_xscale('log', base=2)
-        ax.set_xlabel('samples per forward (micro_batch_size, or the whole loaded batch)')
+        ticks = sorted({r['samples_per_forward'] for r in rows})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.set_xlabel('samples per forward (micro_batch_size or the whole loaded batch)')
         ax.set_title(title, fontsize=10)
         ax.axhline(1.0, color='grey', lw=0.8)
         ax.grid(alpha=0.3)
