@@ -223,6 +223,16 @@ def markdown(result, out_dir):
         '"Without gradients" subtracts the parameters\' gradient buffers (the same for every '
         'size), leaving activations and temporaries.',
     ]
+    controls = [r for r in result['rows'] if r['micro_batch_size'] is not WHOLE
+                and r['chunks_per_replica'] == 1 and r['speed_ratio']]
+    if controls:
+        many = len(controls) > 1
+        parts += ['', 'Noise floor: {} {} the very same work as the whole batch (one chunk '
+                  'per loaded batch), so {} speed ratio shows what this run cannot resolve: '
+                  '{}.'.format(', '.join('{} N={} micro_batch_size={}'.format(
+                      r['model'], r['n'], r['micro_batch_size']) for r in controls),
+                      'run' if many else 'runs', 'their' if many else 'its',
+                      ', '.join(_ratio(r['speed_ratio']) for r in controls))]
     if (Path(out_dir) / 'micro_batch.png').exists():
         parts += ['', '![speed and memory against the micro-batch size](micro_batch.png)']
     notes = list(result['notes'])
@@ -242,7 +252,10 @@ def plot(result, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in result['rows'] if r['speed_ratio'] is not None]
+    # a size that splits nothing (micro_batch_size >= the loaded batch) is the whole batch
+    # again at the same x: the Markdown gives it as the noise floor
+    rows = [r for r in result['rows'] if r['speed_ratio'] is not None
+            and (r['micro_batch_size'] is WHOLE or r['chunks_per_replica'] > 1)]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     panels = (('speed_ratio', 'samples/s vs whole batch'),
               ('peak_ratio', 'peak memory of one update vs whole batch'))

@@ -163,6 +163,16 @@ def test_ratios_are_taken_within_each_pass_against_its_whole_batch():
     assert eight['samples_per_s']['min'] == 50.0 and len(eight['rounds']) == 6
     assert same['samples_per_forward'] == 128 and same['chunks_per_replica'] == 1
     assert same['peak_ratio']['median'] == 1.0
+    result = {'config': {'command': 'c', 'device_kind': 'cpu', 'global_batch': 256,
+                         'devices': [1, 2],
+                         'passes': 2, 'warmup': 1, 'rounds': 3, 'updates_per_round': 1,
+                         'measured_with': 'tracemalloc', 'models': ['cnn']},
+              'machine': {'cpu_model': 'x', 'cores_usable': 2, 'platform': 'y'},
+              'versions': {'python': '3', 'numpy': '1', 'chainer': '7', 'blas': {}},
+              'rows': rows, 'notes': [], 'errors': []}
+    assert ('Noise floor: cnn N=2 micro_batch_size=128 runs the very same work as the whole '
+            'batch (one chunk per loaded batch), so its speed ratio shows what this run cannot '
+            'resolve: 1.00 (1.00-1.00).') in micro_batch.markdown(result, 'nowhere')
     table = micro_batch.table(rows)
     assert '| cnn | 1 | 8 | 8 | 70 (50-90) | 0.48 (0.40-0.56) | 0.0 | 0.27 (0.27-0.27) ' \
            '| 0.20 (0.20-0.20) |' in table
