@@ -9,41 +9,37 @@ this host (:class:`LocalGroup`: shared memory or NCCL), or in other MPI ranks (s
     results = group.finish(own)       # model grads := sum over replicas,
                                       # float persistents := mean over replicas
 
-The pipelined mode calls ``finish_async`` instead: it returns at once with a
-:class:`Pending` gradient whose reduction overlaps the next update's compute.
-Both sides of the local protocol live here: :func:`replica_step` is what a worker runs.
+The pipelined mode calls ``finish_async`` instead: it returns with a :class:`Pending`
+gradient that the updater applies one update later. The local protocol itself (messages,
+the order of the collectives, the master's and the worker's halves) lives in
+:mod:`mgpu_updater._protocol`.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
 from . import _payload
 from . import comm as comm_module
-from ._flat import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
-                    set_persistent_scalars, state_arrays)
+from ._flat import ModelLayouts, grad_arrays
 from ._lifecycle import WorkerPool
-from ._replica import Replica, WindowResult
+from ._protocol import StateRequest, master_begin, master_finish
+from ._replica import WindowResult
 
 
 class Pending:
-    """A summed gradient on its way (pipelined mode): ``wait()`` then ``apply(model)``."""
+    """A summed gradient kept for later (pipelined mode): ``wait()`` then ``apply(model)``.
 
-    def __init__(self, source: Callable[[], Dict[str, Any]],
-                 thread: Optional[threading.Thread] = None) -> None:
+    Every collective was issued, in order, before this object exists (see
+    :mod:`mgpu_updater._protocol`); ``source`` reads the result where it lies.
+    """
+
+    def __init__(self, source: Callable[[], Dict[str, Any]]) -> None:
         self._source = source
-        self._thread = thread
-        self._error: Optional[BaseException] = None
 
     def wait(self) -> Dict[str, Any]:
-        """The summed gradients by parameter name (after the reduction finished)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
+        """The summed gradients by parameter name."""
         return self._source()
 
     def apply(self, model: chainer.Link) -> None:
@@ -87,7 +83,12 @@ class SoloGroup(Group):
 
 
 class LocalGroup(Group):
-    """Worker processes on this host, one per extra device."""
+    """Worker processes on this host, one per extra device.
+
+    Each update runs the master's half of :mod:`mgpu_updater._protocol`: :meth:`begin` is
+    :func:`~mgpu_updater._protocol.master_begin`, :meth:`finish` and :meth:`finish_async`
+    are :func:`~mgpu_updater._protocol.master_finish`, all on the calling thread.
+    """
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
                  master_device: Any, devices: List[Any], payloads: Dict[int, Any],
@@ -107,45 +108,23 @@ class LocalGroup(Group):
         except BaseException:
             self.close(abort=True)
             raise
-        self._stat = list(layouts.stat.buffer_names().values())
-        self._bcast = list(layouts.param.buffer_names().values())
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
-        self.layouts.param.pack(state_arrays(self.model), self.comm.buffer)
-        for name in self._bcast:
-            self.comm.bcast(name)
-        self.pool.send(('step', loss_scale, persistent_scalars(self.model), parity))
-
-    def _gather(self, own: WindowResult, grads: Any) -> List[WindowResult]:
-        model, layouts, comm = self.model, self.layouts, self.comm
-        grads.pack(grad_arrays(model), comm.buffer)
-        layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / self.size)
-        others = self.pool.gather('done')
-        for name in self._stat:
-            comm.reduce(name)
-        layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
-        return [own] + [others[r] for r in sorted(others)]
+        master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity)
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
-        grads = self.layouts.grad
-        results = self._gather(own, grads)
-        for name in grads.buffer_names().values():
-            self.comm.reduce(name)
+        others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                               self.size)
         _ensure_grads(self.model)
-        grads.unpack(self.comm.buffer, grad_arrays(self.model))
-        return results
+        self.layouts.grad.unpack(self.comm.buffer, grad_arrays(self.model))
+        return [own] + others
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], Pending]:
+        """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
+        the updater applies it, one update later (the next update uses the other set)."""
+        others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                               self.size)
         grads = self.layouts.grad_set(parity)
-        results = self._gather(own, grads)
-        pending: Pending
-
-        def reduce() -> None:
-            try:
-                for name in grads.buffer_names().values():
-                    self.comm.reduce(name)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
-                pending._error = exc
 
         def source() -> Dict[str, Any]:
             out: Dict[str, Any] = {}
@@ -155,13 +134,10 @@ class LocalGroup(Group):
                     out[e.name] = flat[e.offset:e.offset + e.size].reshape(e.shape)
             return out
 
-        thread = threading.Thread(target=reduce, name='mgpu-reduce', daemon=True)
-        pending = Pending(source, thread)
-        thread.start()
-        return results, pending
+        return [own] + others, Pending(source)
 
     def states(self) -> Dict[int, Dict[str, Any]]:
-        self.pool.send(('state',))
+        self.pool.send(StateRequest())
         return self.pool.gather('state', timeout=60.0, what='snapshot')
 
     def pids(self) -> List[int]:
@@ -175,24 +151,6 @@ class LocalGroup(Group):
                 self.comm.abort()
             else:
                 self.comm.finalize()
-
-
-def replica_step(msg: tuple, replica: Replica, comm: Any, layouts: ModelLayouts,
-                 size: int) -> WindowResult:
-    """A worker's side of one update (see :meth:`LocalGroup.begin` and ``finish``)."""
-    _, loss_scale, scalars, parity = msg
-    model = replica.model
-    for name in layouts.param.buffer_names().values():
-        comm.bcast(name)
-    layouts.param.unpack(comm.buffer, state_arrays(model))
-    set_persistent_scalars(model, scalars)
-    result = replica.run_window(loss_scale)
-    grads = layouts.grad_set(parity)
-    grads.pack(grad_arrays(model), comm.buffer)
-    layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
-    for name in list(grads.buffer_names().values()) + list(layouts.stat.buffer_names().values()):
-        comm.reduce(name)
-    return result
 
 
 def _ensure_grads(model: chainer.Link) -> None:

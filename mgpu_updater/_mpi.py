@@ -4,9 +4,13 @@ Every rank runs its own :class:`~mgpu_updater.ParallelAccumulatingUpdater` on on
 and its own shard of the data. Per update:
 
 1. every rank runs ``accumulate_steps`` micro-batches, with no communication;
-2. :meth:`MpiGroup.finish` sums the gradients over the ranks (one allreduce per dtype),
-   averages the float persistents (BatchNorm statistics, one allreduce), and gathers every
-   rank's small :class:`~mgpu_updater._replica.WindowResult` (counts, losses, reports);
+2. :meth:`MpiGroup.finish` averages the float persistents (BatchNorm statistics, one
+   allreduce per dtype) and sums the gradients over the ranks (one allreduce per dtype), in
+   the order :func:`mgpu_updater._protocol.collective_order` declares (``across_hosts``),
+   then gathers every rank's small :class:`~mgpu_updater._replica.WindowResult` (counts,
+   losses, reports) together with the collectives it issued: every rank checks that all
+   issued the same sequence, and raises
+   :class:`~mgpu_updater.comm.base.CollectiveOrderError` alike if not (no extra message);
 3. every rank's optimizer then steps on the same summed gradient.
 
 No parameters travel after the start: the same gradient through the same optimizer gives
@@ -34,7 +38,9 @@ import chainer
 
 from ._flat import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
 from ._group import Group, _ensure_grads
+from ._protocol import before_window, collective_order, issue, pack_window
 from ._replica import WindowResult
+from .comm.base import check_same_order
 from .comm.mpi import MpiCommunicator
 
 
@@ -63,8 +69,7 @@ class MpiGroup(Group):
         except BaseException:
             self.comm.abort()
             raise
-        self._reduced = (list(self.layouts.grad.buffer_names().values())
-                         + list(self.layouts.stat.buffer_names().values()))
+        self._order = collective_order(self.layouts, across_hosts=True)
 
     def _agree(self, local_weight: float) -> List[float]:
         """Check that every rank has the same model layout; return every rank's weight.
@@ -83,8 +88,7 @@ class MpiGroup(Group):
         """Parameters and array persistents from rank 0 to every rank (once)."""
         arrays = state_arrays(self.model)
         self.layouts.param.pack(arrays, self.comm.buffer)
-        for name in self.layouts.param.buffer_names().values():
-            self.comm.bcast(name)
+        issue(self.comm, before_window(collective_order(self.layouts)))   # the local bcasts
         self.layouts.param.unpack(self.comm.buffer, arrays)
 
     # ------------------------------------------------------------------ each update
@@ -94,14 +98,17 @@ class MpiGroup(Group):
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         model, layouts, comm = self.model, self.layouts, self.comm
-        layouts.grad.pack(grad_arrays(model), comm.buffer)
-        layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / self.size)
-        for name in self._reduced:
-            comm.allreduce(name)
+        comm.begin_update()
+        pack_window(comm, layouts, model, None, self.size)
+        issue(comm, self._order)
+        comm.end_update()
+        gathered = comm.allgather_obj((own, comm.issued()))
+        check_same_order({rank: issued for rank, (_, issued) in enumerate(gathered)},
+                         comm.updates)
         _ensure_grads(model)
         layouts.grad.unpack(comm.buffer, grad_arrays(model))
         layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
-        results = comm.allgather_obj(own)
+        results = [result for result, _ in gathered]
         results[self.rank] = own
         self._check_epochs(results)
         return results

@@ -20,6 +20,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
+from ._protocol import Done, State, StateRequest, Step, Stop, worker_step
+
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
 
@@ -208,20 +210,20 @@ def _build(init: 'WorkerInit') -> Any:
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any) -> None:
-    from ._group import replica_step
+    """Answer the master's messages (see :mod:`mgpu_updater._protocol`) until Stop."""
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return                       # the master is gone
         kind = msg[0]
-        if kind == 'stop':
+        if kind == Stop.KIND:
             return
         try:
-            if kind == 'step':
-                conn.send(('done', replica_step(msg, replica, comm, layouts, init.size)))
-            elif kind == 'state':
-                conn.send(('state', replica.loader.state()))
+            if kind == Step.KIND:
+                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size)))
+            elif kind == StateRequest.KIND:
+                conn.send(State(replica.loader.state()))
             else:
                 raise ValueError(f'unknown command {kind!r}')
         except BaseException:  # noqa: BLE001 - reported to the master

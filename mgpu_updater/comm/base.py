@@ -14,16 +14,77 @@ CPU backend) rely on the caller's control channel: a worker finishes ``reduce`` 
 tells the master it is done, the master calls ``reduce`` only after every worker said so,
 and the master fills a ``bcast`` buffer before it tells the workers to start. Collective
 backends (NCCL, MPI) synchronise inside the verb and work under the same contract.
+
+Issue-order contract (NCCL's): collectives pair up by the order in which each rank issues
+them, so every rank issues the same verbs on the same buffers in the same order, each rank
+from one thread. :meth:`Communicator.begin_update` and :meth:`~Communicator.end_update`
+bracket the collectives of one update, the unit in which backends that can check the order
+compare it (the shared-memory backend does, on every update); a mismatch raises
+:class:`CollectiveOrderError` naming both ranks' sequences.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy
 
 BufferSpec = Dict[str, Tuple[str, int]]
 """Buffer name -> (dtype string, element count)."""
+
+Issued = Tuple[str, str]
+"""One collective as a rank issued it: (verb, buffer name), e.g. ``('reduce', 'grad/<f4')``."""
+
+
+class CollectiveOrderError(RuntimeError):
+    """Two ranks issued different collectives (verb or buffer) at the same position.
+
+    NCCL would pair the two (mixing buffers: wrong sums) or wait forever; this error is the
+    check that catches it first, with both ranks' sequences of the update in the message.
+    """
+
+    def __init__(self, rank_a: int, issued_a: Sequence[Issued], rank_b: int,
+                 issued_b: Sequence[Issued], update: Optional[int] = None,
+                 detail: str = '') -> None:
+        self.sequences = {rank_a: list(issued_a), rank_b: list(issued_b)}
+        self.update = update
+        where = '' if update is None else f' in update {update}'
+        if not detail:
+            detail = _first_difference(rank_a, issued_a, rank_b, issued_b)
+        super().__init__(
+            f'rank {rank_a} and rank {rank_b} issued different collectives{where}: {detail}. '
+            f'rank {rank_a} issued {_show(issued_a)}; rank {rank_b} issued {_show(issued_b)}. '
+            'Collectives pair up by issue order (NCCL would mix these buffers or hang): every '
+            'rank must issue the same verbs on the same buffers in the same order, the order '
+            'that mgpu_updater._protocol.collective_order declares')
+
+
+def _show(issued: Sequence[Issued]) -> str:
+    return '[' + ', '.join(repr(tuple(c)) for c in issued) + ']'
+
+
+def _first_difference(rank_a: int, issued_a: Sequence[Issued], rank_b: int,
+                      issued_b: Sequence[Issued]) -> str:
+    for i, (a, b) in enumerate(zip(issued_a, issued_b)):
+        if tuple(a) != tuple(b):
+            return (f'collective #{i} is {tuple(a)!r} on rank {rank_a} but {tuple(b)!r} on '
+                    f'rank {rank_b}')
+    short, rank, n = ((issued_b, rank_b, len(issued_a)) if len(issued_b) < len(issued_a)
+                      else (issued_a, rank_a, len(issued_b)))
+    return f'rank {rank} issued {len(short)} collective(s) where the other issued {n}'
+
+
+def check_same_order(sequences: Mapping[int, Sequence[Issued]],
+                     update: Optional[int] = None) -> None:
+    """Raise :class:`CollectiveOrderError` unless every rank issued what the lowest rank did.
+
+    ``sequences`` maps rank -> that rank's collectives of one update, in issue order.
+    """
+    ranks = sorted(sequences)
+    first = [tuple(c) for c in sequences[ranks[0]]]
+    for rank in ranks[1:]:
+        if [tuple(c) for c in sequences[rank]] != first:
+            raise CollectiveOrderError(ranks[0], first, rank, sequences[rank], update)
 
 
 class Communicator(abc.ABC):
@@ -65,6 +126,15 @@ class Communicator(abc.ABC):
         """Every rank ends with the sum; by default a reduce then a bcast."""
         self.reduce(name)
         self.bcast(name)
+
+    def begin_update(self) -> None:
+        """The collectives issued from now on, until :meth:`end_update`, are one update's:
+        the unit in which the issue order is compared across ranks. Default: nothing."""
+
+    def end_update(self) -> None:
+        """This rank issued every collective of the update. Backends that check the issue
+        order compare the ranks' sequences here (on rank 0, which under the ordering
+        contract is the last to issue) or earlier. Default: nothing."""
 
     def abort(self) -> None:
         """Give up at once because a peer died; must never block. Default: finalize."""

@@ -17,7 +17,9 @@ and every byte goes through it:
 Sync points: every verb is a blocking collective. Every rank calls the same verbs on the
 same buffer names in the same order (the updater does); the host returns when this rank's
 part is done (for NCCL: when the collective was enqueued on the current stream, which the
-next kernel on that stream waits for).
+next kernel on that stream waits for). Each verb is recorded: :meth:`MpiCommunicator.issued`
+is this rank's sequence since :meth:`~MpiCommunicator.begin_update`, which the MPI group
+compares across the ranks every update (riding on the allgather it does anyway).
 
 The ChainerMN communicator belongs to the caller: :meth:`MpiCommunicator.finalize` releases
 this object's buffers and leaves that communicator (and its NCCL communicator) open.
@@ -35,7 +37,7 @@ import numpy
 
 import chainer
 
-from .base import BufferSpec, Communicator, check_spec
+from .base import BufferSpec, Communicator, Issued, check_spec
 
 __all__ = ['MpiCommunicator']
 
@@ -78,6 +80,8 @@ class MpiCommunicator(Communicator):
             self._nccl = communicator.nccl_comm
         self._buffers: Dict[str, Any] = {}
         self._host: Dict[str, numpy.ndarray] = {}
+        self._issued: List[Issued] = []
+        self.updates = 0   # begin_update calls so far
         with chainer.using_device(self.device):
             for key, (dtype, count) in self._spec.items():
                 self._buffers[key] = xp.zeros(count, dtype=dtype)
@@ -124,9 +128,25 @@ class MpiCommunicator(Communicator):
         return (buf.data.ptr, buf.size, getattr(nccl, nccl_type_name(buf.dtype)),
                 cupy.cuda.get_current_stream().ptr)
 
+    # ------------------------------------------------------------------ the issue order
+    def begin_update(self) -> None:
+        self._check_open()
+        self._issued = []
+        self.updates += 1
+
+    def issued(self) -> List[Issued]:
+        """The collectives this rank issued since :meth:`begin_update`, in order."""
+        return list(self._issued)
+
+    def _record(self, verb: str, name: str) -> None:
+        self._check_open()
+        if name not in self._buffers:
+            raise KeyError(f'no buffer named {name!r}; the spec has {sorted(self._buffers)}')
+        self._issued.append((verb, name))
+
     # ------------------------------------------------------------------ verbs
     def reduce(self, name: str, root: int = 0) -> None:
-        self._check_open()
+        self._record('reduce', name)
         if self._nccl is not None:
             from cupy.cuda import nccl
             ptr, n, dtype, stream = self._nccl_args(name)
@@ -143,7 +163,7 @@ class MpiCommunicator(Communicator):
             self.mpi_comm.Reduce(array, None, op=MPI.SUM, root=root)
 
     def bcast(self, name: str, root: int = 0) -> None:
-        self._check_open()
+        self._record('bcast', name)
         if self._nccl is not None:   # bytes: exact, any dtype (bool persistents too)
             import cupy
             from cupy.cuda import nccl
@@ -159,7 +179,7 @@ class MpiCommunicator(Communicator):
             self._unstage(name, host)
 
     def allreduce(self, name: str) -> None:
-        self._check_open()
+        self._record('allreduce', name)
         if self._nccl is not None:
             from cupy.cuda import nccl
             ptr, n, dtype, stream = self._nccl_args(name)

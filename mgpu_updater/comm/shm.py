@@ -7,17 +7,33 @@ ranks: the control channel orders them (see :mod:`mgpu_updater.comm.base`).
 
 Segment names are random (128 bits) and the master alone owns them: it unlinks them in
 :meth:`finalize`; a worker that sees the master die unlinks them too.
+
+The issue order is enforced as NCCL would need it, although shared memory itself does not
+care: one more segment, the *ledger*, holds every rank's collectives of the current update
+(:meth:`~ShmCommunicator.begin_update` starts one). Each verb records itself there, then
+compares with what the control channel guarantees is already recorded: a non-root ``bcast``
+with the root's collective at the same position, a root ``reduce`` with every other rank's;
+:meth:`~ShmCommunicator.end_update` on rank 0 compares the whole update. A difference raises
+:class:`~mgpu_updater.comm.base.CollectiveOrderError` naming both sequences: every test that
+runs replicas on this backend checks the order of every update.
 """
 from __future__ import annotations
 
 import secrets
 import sys
 from multiprocessing import shared_memory
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
-from .base import BufferSpec, Communicator, check_spec
+from .base import BufferSpec, CollectiveOrderError, Communicator, Issued, check_spec
+
+Handle = Tuple[int, BufferSpec, Dict[str, str], str]
+"""(size, spec, buffer name -> segment name, ledger segment name): what a worker attaches."""
+
+_VERBS = ('bcast', 'reduce', 'allreduce')   # recorded as index + 1; 0 is "nothing"
+_LEDGER_SLOTS = 64   # each rank's latest collectives of an update (a ring beyond that)
+_UPDATE, _COUNT, _FIRST = 0, 1, 2   # columns of a ledger row: update number, count, ring
 
 
 def _open(name: str, size: int = 0, create: bool = False) -> shared_memory.SharedMemory:
@@ -42,16 +58,22 @@ class ShmCommunicator(Communicator):
     name = 'shm'
 
     def __init__(self, rank: int, size: int, spec: BufferSpec,
-                 segments: Dict[str, shared_memory.SharedMemory], owner: bool) -> None:
+                 segments: Dict[str, shared_memory.SharedMemory],
+                 ledger: shared_memory.SharedMemory, owner: bool) -> None:
         super().__init__(rank, size)
         self._spec = spec
         self._segments = segments
+        self._ledger_segment = ledger
         self._owner = owner
         self._slots: Dict[str, List[numpy.ndarray]] = {}
         for key, (dtype, count) in spec.items():
             n = 1 if self.is_bcast(key) else size
             whole = numpy.ndarray((n, count), dtype=dtype, buffer=segments[key].buf)
             self._slots[key] = [whole[i] for i in range(n)]
+        self._names = sorted(spec)   # a buffer is recorded as its index here
+        self._codes = {key: i for i, key in enumerate(self._names)}
+        self._ledger: Optional[numpy.ndarray] = numpy.ndarray(
+            _ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)
 
     @staticmethod
     def is_bcast(key: str) -> bool:
@@ -60,40 +82,45 @@ class ShmCommunicator(Communicator):
     @classmethod
     def create(cls, size: int, spec: BufferSpec) -> 'ShmCommunicator':
         spec = check_spec(spec)
-        segments = {}
+        segments: Dict[str, shared_memory.SharedMemory] = {}
         try:
             for key, (dtype, count) in spec.items():
                 n = 1 if cls.is_bcast(key) else size
                 nbytes = n * count * numpy.dtype(dtype).itemsize
                 segments[key] = _open('mgpu_' + secrets.token_hex(16), nbytes, create=True)
+            ledger = _open('mgpu_' + secrets.token_hex(16),
+                           int(numpy.prod(_ledger_shape(size))) * 8, create=True)
         except BaseException:
             for seg in segments.values():
                 seg.close()
                 seg.unlink()
             raise
-        return cls(0, size, spec, segments, owner=True)
+        numpy.ndarray(_ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)[...] = 0
+        return cls(0, size, spec, segments, ledger, owner=True)
 
     @property
-    def handle(self) -> Tuple[int, BufferSpec, Dict[str, str]]:
+    def handle(self) -> Handle:
         """What a worker needs to attach (picklable)."""
-        return (self.size, self._spec, {k: s.name for k, s in self._segments.items()})
+        return (self.size, self._spec, {k: s.name for k, s in self._segments.items()},
+                self._ledger_segment.name)
 
     @property
     def segment_names(self) -> List[str]:
-        return [s.name for s in self._segments.values()]
+        return [s.name for s in self._segments.values()] + [self._ledger_segment.name]
 
     @classmethod
-    def attach(cls, handle: Tuple[int, BufferSpec, Dict[str, str]], rank: int) -> 'ShmCommunicator':
-        size, spec, names = handle
-        segments = {}
+    def attach(cls, handle: Handle, rank: int) -> 'ShmCommunicator':
+        size, spec, names, ledger_name = handle
+        segments: Dict[str, shared_memory.SharedMemory] = {}
         try:
             for key, name in names.items():
                 segments[key] = _open(name)
+            ledger = _open(ledger_name)
         except BaseException:
             for seg in segments.values():
                 seg.close()
             raise
-        return cls(rank, size, spec, segments, owner=False)
+        return cls(rank, size, spec, segments, ledger, owner=False)
 
     def buffer(self, name: str) -> numpy.ndarray:
         self._check_open()
@@ -101,7 +128,7 @@ class ShmCommunicator(Communicator):
         return slots[0] if len(slots) == 1 else slots[self.rank]
 
     def reduce(self, name: str, root: int = 0) -> None:
-        self._check_open()
+        self._issue('reduce', name, root)
         if self.rank != root:
             return
         slots = self._slots[name]
@@ -111,14 +138,100 @@ class ShmCommunicator(Communicator):
                 numpy.add(dst, src, out=dst)
 
     def bcast(self, name: str, root: int = 0) -> None:
-        self._check_open()   # one shared slot: the root's write is everybody's read
+        self._issue('bcast', name, root)   # one shared slot: the root's write is everybody's read
 
+    # ------------------------------------------------------------------ the issue order
+    def begin_update(self) -> None:
+        self._check_open()
+        row = self._row(self.rank)
+        row[_COUNT] = 0
+        row[_UPDATE] += 1
+
+    def end_update(self) -> None:
+        """On rank 0: every other rank issued exactly what rank 0 did in this update."""
+        self._check_open()
+        if self.rank != 0:
+            return
+        mine = self._row(0)
+        for rank in range(1, self.size):
+            theirs = self._row(rank)
+            self._compare_update(rank)
+            if theirs[_COUNT] != mine[_COUNT] or not numpy.array_equal(
+                    self._window(theirs), self._window(mine)):
+                raise self._mismatch(rank)
+
+    def issued(self, rank: Optional[int] = None) -> List[Issued]:
+        """What ``rank`` (default: this one) issued in its current update, as recorded
+        (its latest collectives only, when it issued more than the ledger holds)."""
+        row = self._row(self.rank if rank is None else rank)
+        out = []
+        for code in self._window(row):
+            verb, index = divmod(int(code), len(self._names) + 1)
+            out.append((_VERBS[verb - 1], self._names[index - 1]))
+        return out
+
+    def _issue(self, verb: str, name: str, root: int) -> None:
+        """Record this collective; compare with what the control channel guarantees the
+        peers recorded already (the root's ``bcast``; every non-root's ``reduce``)."""
+        self._check_open()
+        if name not in self._codes:
+            raise KeyError(f'no buffer named {name!r}; the spec has {self._names}')
+        if not 0 <= root < self.size:
+            raise ValueError(f'root {root} is not a rank in [0, {self.size})')
+        row = self._row(self.rank)
+        i = int(row[_COUNT])
+        row[_FIRST + i % _LEDGER_SLOTS] = (
+            (_VERBS.index(verb) + 1) * (len(self._names) + 1) + self._codes[name] + 1)
+        row[_COUNT] = i + 1
+        if verb == 'bcast' and self.rank != root:
+            peers: Sequence[int] = [root]
+        elif verb == 'reduce' and self.rank == root:
+            peers = [r for r in range(self.size) if r != root]
+        else:
+            return
+        for rank in peers:
+            self._compare_update(rank)
+            theirs = self._row(rank)
+            n = int(theirs[_COUNT])
+            if n <= i or (n - i <= _LEDGER_SLOTS
+                          and theirs[_FIRST + i % _LEDGER_SLOTS] != row[_FIRST + i % _LEDGER_SLOTS]):
+                raise self._mismatch(rank)
+
+    def _row(self, rank: int) -> numpy.ndarray:
+        self._check_open()
+        return self._ledger[rank]  # type: ignore[index]  # None only once finalized
+
+    @staticmethod
+    def _window(row: numpy.ndarray) -> numpy.ndarray:
+        n = int(row[_COUNT])
+        ring = row[_FIRST:]
+        if n <= _LEDGER_SLOTS:
+            return ring[:n]
+        start = n % _LEDGER_SLOTS
+        return numpy.concatenate([ring[start:], ring[:start]])
+
+    def _compare_update(self, rank: int) -> None:
+        mine, theirs = self._row(self.rank), self._row(rank)
+        if mine[_UPDATE] != theirs[_UPDATE]:
+            raise CollectiveOrderError(
+                self.rank, self.issued(), rank, self.issued(rank), int(mine[_UPDATE]),
+                detail=f'rank {self.rank} is in its update {int(mine[_UPDATE])} but rank '
+                       f'{rank} in its update {int(theirs[_UPDATE])} (every rank calls '
+                       'begin_update once per update)')
+
+    def _mismatch(self, rank: int) -> CollectiveOrderError:
+        low, high = sorted((self.rank, rank))
+        return CollectiveOrderError(low, self.issued(low), high, self.issued(high),
+                                    int(self._row(self.rank)[_UPDATE]))
+
+    # ------------------------------------------------------------------ shutdown
     def finalize(self) -> None:
         if self._finalized:
             return
         self._finalized = True
         self._slots = {}
-        for seg in self._segments.values():
+        self._ledger = None
+        for seg in list(self._segments.values()) + [self._ledger_segment]:
             try:
                 seg.close()
             except BufferError:  # a view is still alive somewhere; the unlink still works
@@ -129,6 +242,10 @@ class ShmCommunicator(Communicator):
                 except FileNotFoundError:
                     pass
         self._segments = {}
+
+
+def _ledger_shape(size: int) -> Tuple[int, int]:
+    return (size, _FIRST + _LEDGER_SLOTS)
 
 
 def unlink_quietly(name: str) -> None:

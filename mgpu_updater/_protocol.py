@@ -1,0 +1,235 @@
+"""The local per-update protocol in one place: the messages, the collective order, both halves.
+
+The invariant: one order of collectives
+---------------------------------------
+Collectives pair up by the order in which each rank issues them (NCCL's rule; MPI's too).
+So in every update, every rank issues exactly the list that :func:`collective_order`
+declares, in that order, from one thread (the main one), and nothing else:
+
+1. ``bcast`` of each ``param`` buffer: parameters and array persistents, from the master;
+2. the update's window runs (no collective);
+3. ``reduce`` of each ``stat`` buffer: float persistents (BatchNorm statistics), averaged;
+4. ``reduce`` of each buffer of the update's gradient set: ``grad``, or in pipelined mode
+   ``grad0`` and ``grad1`` alternating with the update's parity.
+
+Within a step, buffers go in sorted name order (one buffer per dtype). Across hosts
+(:mod:`mgpu_updater._mpi`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
+step 1 (parameters travel once, at start). The gradient comes last so that it is the one
+collective that may still be running when the next update's compute starts (NCCL's stream
+gives that overlap; no thread issues collectives).
+
+Both halves below iterate that one list: the master's (:func:`master_begin`,
+:func:`master_finish`, driven by :class:`mgpu_updater._group.LocalGroup`) and the worker's
+(:func:`worker_step`, driven by :mod:`mgpu_updater._worker`). The shared-memory backend
+checks the order of every update on every rank (:mod:`mgpu_updater.comm.shm`), and the MPI
+group compares the ranks' sequences every update; a mismatch raises
+:class:`~mgpu_updater.comm.base.CollectiveOrderError` naming both sequences.
+
+One update, side by side::
+
+    master (rank 0)                              worker (rank r)
+    begin_update; pack param; bcast param/*
+    send Step(loss_scale, scalars, parity)  -->  begin_update; bcast param/*; unpack param
+    run its own window                           run its window
+    pack grad, stat                              pack grad, stat
+                                                 reduce stat/*, grad/*; end_update
+    wait for every Done                     <--  send Done(result)
+    reduce stat/*, grad/*; end_update
+    unpack stat (and grad, or keep it pending)
+
+The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
+worker -> master: :class:`Ready`, :class:`Done`, :class:`State`, :class:`Failed`) are named
+tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Tuple
+
+from ._flat import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
+                    set_persistent_scalars, state_arrays)
+from ._replica import Replica, WindowResult
+
+
+# ------------------------------------------------------------------------------ messages
+class _Kind:
+    """Mixin: the message's class fixes its first field, ``kind`` (``KIND``)."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+
+    def __new__(cls, *fields: Any) -> Any:
+        return super().__new__(cls, cls.KIND, *fields)  # type: ignore[call-arg]
+
+    def __getnewargs__(self) -> Tuple[Any, ...]:   # pickle: rebuild through __new__
+        return tuple(self)[1:]  # type: ignore[arg-type]
+
+
+class _StepFields(NamedTuple):
+    kind: str
+    loss_scale: Optional[float]      # the optimizer's loss scale (mixed precision)
+    scalars: Dict[str, Any]          # the master's non-array persistents (BatchNorm's N)
+    parity: Optional[int]            # the gradient set: None, or 0/1 in pipelined mode
+
+
+class Step(_Kind, _StepFields):
+    """master -> worker: run one update (``Step(loss_scale, scalars, parity)``)."""
+    KIND = 'step'
+
+
+class _NoFields(NamedTuple):
+    kind: str
+
+
+class StateRequest(_Kind, _NoFields):
+    """master -> worker: send your iterator's state (for a snapshot)."""
+    KIND = 'state'
+
+
+class Stop(_Kind, _NoFields):
+    """master -> worker: exit."""
+    KIND = 'stop'
+
+
+class Ready(_Kind, _NoFields):
+    """worker -> master, once: started, communicator joined."""
+    KIND = 'ready'
+
+
+class _DoneFields(NamedTuple):
+    kind: str
+    result: WindowResult
+
+
+class Done(_Kind, _DoneFields):
+    """worker -> master: this update's window and reductions are done."""
+    KIND = 'done'
+
+
+class _StateFields(NamedTuple):
+    kind: str
+    state: Dict[str, Any]
+
+
+class State(_Kind, _StateFields):
+    """worker -> master: the iterator state asked for by :class:`StateRequest`."""
+    KIND = 'state'
+
+
+class _FailedFields(NamedTuple):
+    kind: str
+    traceback: str
+
+
+class Failed(_Kind, _FailedFields):
+    """worker -> master: an exception, with its formatted traceback."""
+    KIND = 'error'
+
+
+# ------------------------------------------------------------------------------ the order
+class Collective(NamedTuple):
+    """One collective of the protocol: a communicator verb on a named buffer."""
+    verb: str       # 'bcast', 'reduce' or 'allreduce'
+    buffer: str     # e.g. 'grad0/<f4'
+
+
+def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
+                     across_hosts: bool = False) -> Tuple[Collective, ...]:
+    """THE collectives of one update, in the order every rank issues them.
+
+    ``parity`` picks the gradient set (``None``: ``grad``; 0 or 1: pipelined mode's
+    ``grad0``/``grad1``). ``across_hosts``: the MPI group's form, every rank ends with the
+    sums (``allreduce``) and no parameters travel (they stay equal by construction).
+    """
+    reduce = 'allreduce' if across_hosts else 'reduce'
+    order = [] if across_hosts else [
+        Collective('bcast', name) for name in sorted(layouts.param.buffer_names().values())]
+    order += [Collective(reduce, name) for name in sorted(layouts.stat.buffer_names().values())]
+    order += [Collective(reduce, name)
+              for name in sorted(layouts.grad_set(parity).buffer_names().values())]
+    return tuple(order)
+
+
+def before_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
+    """The collectives issued before the window: the leading broadcasts."""
+    n = 0
+    while n < len(order) and order[n].verb == 'bcast':
+        n += 1
+    return order[:n]
+
+
+def after_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
+    """The collectives issued after the window: everything after the leading broadcasts."""
+    return order[len(before_window(order)):]
+
+
+def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
+    """Issue ``collectives`` on ``comm``, in order, from this thread."""
+    for verb, name in collectives:
+        if verb == 'bcast':
+            comm.bcast(name)
+        elif verb == 'reduce':
+            comm.reduce(name)
+        elif verb == 'allreduce':
+            comm.allreduce(name)
+        else:
+            raise ValueError(f'unknown collective verb {verb!r} for buffer {name!r}')
+
+
+def pack_window(comm: Any, layouts: ModelLayouts, model: Any, parity: Optional[int],
+                size: int) -> None:
+    """Copy this replica's gradients and its float persistents (weighted ``1/size``, so
+    that the sum is the mean) into the buffers that the reductions sum."""
+    layouts.grad_set(parity).pack(grad_arrays(model), comm.buffer)
+    layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
+
+
+# ------------------------------------------------------------------------------ the master
+class Workers(Protocol):
+    """What the master's half needs of the worker pool."""
+
+    def send(self, msg: tuple) -> None: ...
+
+    def gather(self, kind: str) -> Dict[int, Any]: ...
+
+
+def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
+                 loss_scale: Optional[float], parity: Optional[int]) -> None:
+    """The master's half, before its window: parameters out, then the workers start."""
+    order = collective_order(layouts, parity)
+    comm.begin_update()
+    layouts.param.pack(state_arrays(model), comm.buffer)
+    issue(comm, before_window(order))
+    workers.send(Step(loss_scale, persistent_scalars(model), parity))
+
+
+def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
+                  parity: Optional[int], size: int) -> List[WindowResult]:
+    """The master's half, after its window: wait for every worker's :class:`Done`, then
+    issue the reductions and take the averaged statistics. The summed gradient is in the
+    master's slot of ``layouts.grad_set(parity)``; the caller unpacks it (now or later).
+    Returns the workers' window results in rank order."""
+    order = collective_order(layouts, parity)
+    pack_window(comm, layouts, model, parity, size)
+    others = workers.gather('done')
+    issue(comm, after_window(order))
+    comm.end_update()
+    layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+    return [others[rank] for rank in sorted(others)]
+
+
+# ------------------------------------------------------------------------------ the worker
+def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
+                size: int) -> WindowResult:
+    """The worker's half of one update: parameters in, the window, reductions issued.
+    The caller then sends :class:`Done` with the result."""
+    model = replica.model
+    order = collective_order(layouts, step.parity)
+    comm.begin_update()
+    issue(comm, before_window(order))
+    layouts.param.unpack(comm.buffer, state_arrays(model))
+    set_persistent_scalars(model, step.scalars)
+    result = replica.run_window(step.loss_scale)
+    pack_window(comm, layouts, model, step.parity, size)
+    issue(comm, after_window(order))
+    comm.end_update()
+    return result
