@@ -137,6 +137,20 @@ def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
         assert out['drift_raises'] and 'rank(s) [1] differ from rank 0' in out['drift_raises'], rank
 
 
+def test_ranks_issuing_collectives_in_different_orders_raise_on_every_rank(checks):
+    # Same-sized buffers: MPI pairs rank 0's statistics with rank 1's gradients silently.
+    for rank, out in enumerate(checks['order_mismatch']):
+        message = out['raised']
+        assert message is not None, f'rank {rank} did not raise'
+        assert 'rank 0 and rank 1 issued different collectives in update 1' in message
+        assert ("rank 0 issued [('allreduce', 'stat/<f4'), ('allreduce', 'grad/<f4')]"
+                in message)
+        assert ("rank 1 issued [('allreduce', 'grad/<f4'), ('allreduce', 'stat/<f4')]"
+                in message)
+        assert out['update'] == 1
+        assert out['model_untouched'], rank   # raised before the mixed sums were unpacked
+
+
 # ------------------------------------------------------------------------ the Trainer
 def test_resume_from_per_rank_snapshots_continues_identically(tmp_path):
     result, _ = launch('trainer.py', 'resume', str(tmp_path))

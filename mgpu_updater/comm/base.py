@@ -40,20 +40,23 @@ class CollectiveOrderError(RuntimeError):
     """Two ranks issued different collectives (verb or buffer) at the same position.
 
     NCCL would pair the two (mixing buffers: wrong sums) or wait forever; this error is the
-    check that catches it first, with both ranks' sequences of the update in the message.
+    check that catches it first, with both ranks' sequences of the update in the message
+    (``first``: the position of their first entries, when only the latest were kept).
     """
 
     def __init__(self, rank_a: int, issued_a: Sequence[Issued], rank_b: int,
                  issued_b: Sequence[Issued], update: Optional[int] = None,
-                 detail: str = '') -> None:
+                 detail: str = '', first: int = 0) -> None:
         self.sequences = {rank_a: list(issued_a), rank_b: list(issued_b)}
         self.update = update
         where = '' if update is None else f' in update {update}'
         if not detail:
-            detail = _first_difference(rank_a, issued_a, rank_b, issued_b)
+            detail = _first_difference(rank_a, issued_a, rank_b, issued_b, first)
+        since = f' (from collective #{first} on)' if first else ''
         super().__init__(
             f'rank {rank_a} and rank {rank_b} issued different collectives{where}: {detail}. '
-            f'rank {rank_a} issued {_show(issued_a)}; rank {rank_b} issued {_show(issued_b)}. '
+            f'rank {rank_a} issued{since} {_show(issued_a)}; rank {rank_b} issued{since} '
+            f'{_show(issued_b)}. '
             'Collectives pair up by issue order (NCCL would mix these buffers or hang): every '
             'rank must issue the same verbs on the same buffers in the same order, the order '
             'that mgpu_updater._protocol.collective_order declares')
@@ -64,14 +67,15 @@ def _show(issued: Sequence[Issued]) -> str:
 
 
 def _first_difference(rank_a: int, issued_a: Sequence[Issued], rank_b: int,
-                      issued_b: Sequence[Issued]) -> str:
+                      issued_b: Sequence[Issued], first: int = 0) -> str:
     for i, (a, b) in enumerate(zip(issued_a, issued_b)):
         if tuple(a) != tuple(b):
-            return (f'collective #{i} is {tuple(a)!r} on rank {rank_a} but {tuple(b)!r} on '
-                    f'rank {rank_b}')
+            return (f'collective #{first + i} is {tuple(a)!r} on rank {rank_a} but '
+                    f'{tuple(b)!r} on rank {rank_b}')
     short, rank, n = ((issued_b, rank_b, len(issued_a)) if len(issued_b) < len(issued_a)
                       else (issued_a, rank_a, len(issued_b)))
-    return f'rank {rank} issued {len(short)} collective(s) where the other issued {n}'
+    return (f'rank {rank} issued {first + len(short)} collective(s) where the other issued '
+            f'{first + n}')
 
 
 def check_same_order(sequences: Mapping[int, Sequence[Issued]],

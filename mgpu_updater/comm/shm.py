@@ -160,13 +160,17 @@ class ShmCommunicator(Communicator):
                     self._window(theirs), self._window(mine)):
                 raise self._mismatch(rank)
 
-    def issued(self, rank: Optional[int] = None) -> List[Issued]:
-        """What ``rank`` (default: this one) issued in its current update, as recorded
-        (its latest collectives only, when it issued more than the ledger holds)."""
+    def issued(self, rank: Optional[int] = None, first: Optional[int] = None) -> List[Issued]:
+        """What ``rank`` (default: this one) issued in its current update, from position
+        ``first`` on (default: the first the ledger still holds; it keeps the latest
+        ``64``)."""
         row = self._row(self.rank if rank is None else rank)
+        n = int(row[_COUNT])
+        start = max(0, n - _LEDGER_SLOTS)
+        first = start if first is None else max(first, start)
         out = []
-        for code in self._window(row):
-            verb, index = divmod(int(code), len(self._names) + 1)
+        for i in range(first, n):
+            verb, index = divmod(int(row[_FIRST + i % _LEDGER_SLOTS]), len(self._names) + 1)
             out.append((_VERBS[verb - 1], self._names[index - 1]))
         return out
 
@@ -213,16 +217,20 @@ class ShmCommunicator(Communicator):
     def _compare_update(self, rank: int) -> None:
         mine, theirs = self._row(self.rank), self._row(rank)
         if mine[_UPDATE] != theirs[_UPDATE]:
+            low, high = sorted((self.rank, rank))
             raise CollectiveOrderError(
-                self.rank, self.issued(), rank, self.issued(rank), int(mine[_UPDATE]),
-                detail=f'rank {self.rank} is in its update {int(mine[_UPDATE])} but rank '
-                       f'{rank} in its update {int(theirs[_UPDATE])} (every rank calls '
-                       'begin_update once per update)')
+                low, self.issued(low), high, self.issued(high), int(mine[_UPDATE]),
+                detail=f'rank {low} is in its update {int(self._row(low)[_UPDATE])} but rank '
+                       f'{high} in its update {int(self._row(high)[_UPDATE])} (every rank '
+                       'calls begin_update once per update)')
 
     def _mismatch(self, rank: int) -> CollectiveOrderError:
         low, high = sorted((self.rank, rank))
-        return CollectiveOrderError(low, self.issued(low), high, self.issued(high),
-                                    int(self._row(self.rank)[_UPDATE]))
+        n = max(int(self._row(low)[_COUNT]), int(self._row(high)[_COUNT]))
+        first = max(0, n - _LEDGER_SLOTS)   # the same positions of both, as far as kept
+        return CollectiveOrderError(low, self.issued(low, first), high,
+                                    self.issued(high, first),
+                                    int(self._row(self.rank)[_UPDATE]), first=first)
 
     # ------------------------------------------------------------------ shutdown
     def finalize(self) -> None:

@@ -12,7 +12,9 @@ what the test asserts on:
   rank's micro-batches would have made alone;
 - ``pipelined``: ``pipelined=True`` keeps the ranks bitwise identical;
 - ``model_mismatch``: different models on the ranks raise on every rank;
-- ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named.
+- ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named;
+- ``order_mismatch``: a rank that issues its allreduces in another order than the declared
+  one makes every rank raise CollectiveOrderError, naming both sequences.
 """
 import copy
 import json
@@ -25,10 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mgpu_updater  # noqa: E402,F401  (applies the compat shim before chainer)
 import chainer  # noqa: E402
+import chainer.functions as F  # noqa: E402
+import chainer.links as L  # noqa: E402
 import chainermn  # noqa: E402
 from chainer.training.updaters import StandardUpdater  # noqa: E402
 
 from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
+from mgpu_updater import _mpi  # noqa: E402
+from mgpu_updater.comm.base import CollectiveOrderError  # noqa: E402
 from mgpu_updater.comm.mpi import MpiCommunicator  # noqa: E402
 
 from _models import (classifier, dataset, params, persistents, run_updates,  # noqa: E402
@@ -231,6 +237,55 @@ def check_model_mismatch():
         updater.finalize()
 
 
+class BatchNormOnly(chainer.Chain):
+    """As many gradient values as float statistics (8 and 8 float32): allreduces issued in
+    a swapped order pass through MPI without an error, pairing one buffer with the other."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.bn = L.BatchNormalization(4)
+
+    def forward(self, x, t):
+        return F.mean_squared_error(self.bn(x), t)
+
+
+def check_order_mismatch():
+    """Rank 1 reduces the gradients before the statistics (the order bug of the local
+    workers): every rank raises after its update's collectives, naming both sequences."""
+    declared = _mpi.collective_order
+
+    def grads_first(layouts, parity=None, across_hosts=False):
+        order = declared(layouts, parity, across_hosts)
+        if not across_hosts:
+            return order
+        return (tuple(c for c in order if c.buffer.startswith('grad'))
+                + tuple(c for c in order if not c.buffer.startswith('grad')))
+
+    rng = np.random.RandomState(RANK)
+    data = chainer.datasets.TupleDataset(rng.randn(16, 4).astype(np.float32),
+                                         rng.randn(16, 4).astype(np.float32))
+    model = BatchNormOnly()
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(data, 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm)
+    before = params(model)
+    if RANK == 1:
+        _mpi.collective_order = grads_first
+    out = {}
+    try:
+        run_updates(updater, model, 1)
+        out['raised'] = None
+    except CollectiveOrderError as e:
+        out['raised'] = str(e)
+        out['update'] = e.update
+    finally:
+        _mpi.collective_order = declared
+        updater.finalize()
+    out['model_untouched'] = bitwise_equal([before, params(model)])
+    return gathered(out)
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -239,6 +294,7 @@ def main(out_path):
     result['debug_sync'] = check_debug_sync()
     result['pipelined'] = check_pipelined()
     result['model_mismatch'] = gathered(check_model_mismatch())
+    result['order_mismatch'] = check_order_mismatch()
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)
