@@ -99,12 +99,10 @@ class LocalGroup(Group):
         self.comm, handle = comm_module.create(backend, self.size, layouts.spec(), master_device)
         self.pool = WorkerPool(devices, start_method)
         try:
-            shm = getattr(self.comm, 'segment_names', [])
-            if hasattr(self.comm, 'check_peer_alive'):   # NCCL: watch the workers in waits
-                self.comm.check_peer_alive = self.pool.check_alive
+            self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
             from ._worker import main as worker_main
-            self.pool.start(worker_main, {r: p(handle) for r, p in payloads.items()}, shm,
-                            start_timeout, before_ready=getattr(self.comm, 'init', None))
+            self.pool.start(worker_main, {r: p(handle) for r, p in payloads.items()},
+                            self.comm.owned_segments, start_timeout, before_ready=self.comm.init)
         except BaseException:
             self.close(abort=True)
             raise

@@ -388,3 +388,41 @@ def test_mixed_dtypes_train_with_the_declared_order():
     finally:
         updater.finalize()
     assert updater.iteration == 3
+
+
+# ------------------------------------------------------------------------ what a group asks
+def test_every_backend_answers_what_the_group_asks_by_default():
+    from mgpu_updater.comm.base import Communicator
+
+    class Minimal(Communicator):
+        def buffer(self, name):
+            return np.zeros(1)
+
+        def reduce(self, name, root=0):
+            pass
+
+        def bcast(self, name, root=0):
+            pass
+
+    comm = Minimal(0, 1)
+    comm.init()
+    comm.begin_update()
+    comm.end_update()
+    assert comm.owned_segments == [] and comm.check_peer_alive is None
+
+    def check_alive():
+        raise RuntimeError('a peer died')
+    comm.watch_peers(check_alive)
+    assert comm.check_peer_alive is check_alive
+
+
+def test_shm_owns_its_buffers_and_its_ledger_and_finalize_removes_them():
+    root = ShmCommunicator.create(2, SPEC)
+    other = ShmCommunicator.attach(root.handle, 1)
+    names = root.owned_segments
+    assert len(set(names)) == len(SPEC) + 1 and other.owned_segments == names
+    assert all(os.path.exists(f'/dev/shm/{name}') for name in names)
+    other.finalize()
+    assert all(os.path.exists(f'/dev/shm/{name}') for name in names)   # the master's
+    root.finalize()
+    assert not any(os.path.exists(f'/dev/shm/{name}') for name in names)

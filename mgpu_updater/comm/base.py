@@ -25,7 +25,7 @@ compare it (the shared-memory backend does, on every update); a mismatch raises
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy
 
@@ -101,6 +101,8 @@ class Communicator(abc.ABC):
         self._rank = rank
         self._size = size
         self._finalized = False
+        #: called while the host waits on peers; raises when one died (see watch_peers)
+        self.check_peer_alive: Optional[Callable[[], None]] = None
 
     @property
     def rank(self) -> int:
@@ -130,6 +132,25 @@ class Communicator(abc.ABC):
         """Every rank ends with the sum; by default a reduce then a bcast."""
         self.reduce(name)
         self.bcast(name)
+
+    # -------------------------------------------------------------- what a group may ask
+    # Every backend answers these; the defaults fit a backend that needs none of them.
+
+    def init(self) -> None:
+        """Join the other ranks, for a backend with a rendezvous (NCCL). The master calls
+        it while it waits for the workers' start-up, each worker before it reports ready.
+        Default: nothing."""
+
+    @property
+    def owned_segments(self) -> List[str]:
+        """Names of the shared-memory segments the master owns; a worker that sees the
+        master die unlinks them. Default: none."""
+        return []
+
+    def watch_peers(self, check_alive: Callable[[], None]) -> None:
+        """``check_alive()`` raises when a peer process died; a backend whose host waits
+        can block (NCCL) calls it between polls. Default: kept as ``check_peer_alive``."""
+        self.check_peer_alive = check_alive
 
     def begin_update(self) -> None:
         """The collectives issued from now on, until :meth:`end_update`, are one update's:

@@ -105,7 +105,7 @@ class ShmCommunicator(Communicator):
                 self._ledger_segment.name)
 
     @property
-    def segment_names(self) -> List[str]:
+    def owned_segments(self) -> List[str]:
         return [s.name for s in self._segments.values()] + [self._ledger_segment.name]
 
     @classmethod
