@@ -21,7 +21,7 @@ import chainer.functions as F
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, _protocol
 from mgpu_updater._flat import (ModelLayouts, grad_arrays, persistent_arrays,
                                 set_persistent_scalars, state_arrays)
-from mgpu_updater._protocol import (Collective, Done, Failed, Ready, State, StateRequest, Step,
+from mgpu_updater._protocol import (Done, Failed, Ready, State, StateRequest, Step,
                                     Stop, collective_order, master_begin, master_finish,
                                     worker_step)
 from mgpu_updater._replica import Replica
@@ -271,7 +271,7 @@ def test_todays_worker_order_fails_the_check_naming_both_sequences(parity):
         _run_halves(todays_replica_step, parity)
     message = str(info.value)
     assert info.value.update == 1
-    assert f"rank 0 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4')]" in message
+    assert "rank 0 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4')]" in message
     assert (f"rank 1 issued [('bcast', 'param/<f4'), ('reduce', '{grad}'), "
             f"('reduce', 'stat/<f4')]") in message
 

@@ -184,8 +184,8 @@ class ShmCommunicator(Communicator):
             raise ValueError(f'root {root} is not a rank in [0, {self.size})')
         row = self._row(self.rank)
         i = int(row[_COUNT])
-        row[_FIRST + i % _LEDGER_SLOTS] = (
-            (_VERBS.index(verb) + 1) * (len(self._names) + 1) + self._codes[name] + 1)
+        slot = _FIRST + i % _LEDGER_SLOTS
+        row[slot] = (_VERBS.index(verb) + 1) * (len(self._names) + 1) + self._codes[name] + 1
         row[_COUNT] = i + 1
         if verb == 'bcast' and self.rank != root:
             peers: Sequence[int] = [root]
@@ -197,8 +197,7 @@ class ShmCommunicator(Communicator):
             self._compare_update(rank)
             theirs = self._row(rank)
             n = int(theirs[_COUNT])
-            if n <= i or (n - i <= _LEDGER_SLOTS
-                          and theirs[_FIRST + i % _LEDGER_SLOTS] != row[_FIRST + i % _LEDGER_SLOTS]):
+            if n <= i or (n - i <= _LEDGER_SLOTS and theirs[slot] != row[slot]):
                 raise self._mismatch(rank)
 
     def _row(self, rank: int) -> numpy.ndarray:
