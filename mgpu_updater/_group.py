@@ -24,7 +24,7 @@ from . import _payload
 from . import comm as comm_module
 from ._flat import ModelLayouts, grad_arrays
 from ._lifecycle import WorkerPool
-from ._protocol import StateRequest, master_begin, master_finish
+from ._protocol import StateRequest, broadcast_only, master_begin, master_finish
 from ._replica import WindowResult
 
 
@@ -96,7 +96,8 @@ class LocalGroup(Group):
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
-        self.comm, handle = comm_module.create(backend, self.size, layouts.spec(), master_device)
+        self.comm, handle = comm_module.create(backend, self.size, layouts.spec(), master_device,
+                                               broadcast=broadcast_only(layouts))
         self.pool = WorkerPool(devices, start_method)
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits

@@ -149,6 +149,14 @@ def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
     return tuple(order)
 
 
+def broadcast_only(layouts: ModelLayouts) -> List[str]:
+    """The buffers the declared order only ever broadcasts (the same in every mode): a
+    backend may give them one slot that every rank reads (the shared-memory one does)."""
+    order = collective_order(layouts)
+    return sorted({c.buffer for c in order if c.verb == 'bcast'}
+                  - {c.buffer for c in order if c.verb != 'bcast'})
+
+
 def before_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
     """The collectives issued before the window: the leading broadcasts."""
     n = 0

@@ -426,3 +426,33 @@ def test_shm_owns_its_buffers_and_its_ledger_and_finalize_removes_them():
     assert all(os.path.exists(f'/dev/shm/{name}') for name in names)   # the master's
     root.finalize()
     assert not any(os.path.exists(f'/dev/shm/{name}') for name in names)
+
+
+def test_shm_buffer_roles_come_from_the_declared_order_not_from_names():
+    layouts = ModelLayouts(classifier(batchnorm=True))
+    assert _protocol.broadcast_only(layouts) == ['param/<f4']
+    spec = {'weights': ('<f4', 3), 'sums': ('<f4', 3)}   # no 'param' prefix to guess from
+    root = ShmCommunicator.create(2, spec, broadcast=['weights'])
+    other = ShmCommunicator.attach(root.handle, 1)
+    try:
+        root.buffer('weights')[...] = [1, 2, 3]
+        root.buffer('sums')[...] = 4
+        other.buffer('sums')[...] = 5
+        root.bcast('weights')
+        root.bcast('sums')
+        other.bcast('weights')           # one shared slot: the root's values, no copy
+        np.testing.assert_array_equal(other.buffer('weights'), [1, 2, 3])
+        other.bcast('sums')              # a per-rank buffer may be broadcast too: a copy
+        np.testing.assert_array_equal(other.buffer('sums'), 4)
+        other.buffer('sums')[...] = 5
+        other.reduce('sums')
+        root.reduce('sums')
+        np.testing.assert_array_equal(root.buffer('sums'), 9)
+        with pytest.raises(ValueError, match="buffer 'weights' was created broadcast-only"):
+            root.reduce('weights')
+    finally:
+        other.finalize()
+        root.finalize()
+    with pytest.raises(ValueError, match=r"broadcast names buffers that the spec has not: "
+                       r"\['param/x'\]"):
+        ShmCommunicator.create(2, spec, broadcast=['param/x'])

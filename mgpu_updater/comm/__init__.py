@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Collection, Tuple
 
 from .base import BufferSpec, Communicator
 
@@ -19,11 +19,13 @@ def backend_for(devices: list) -> str:
     return 'shm' if devices[0].xp is numpy else 'nccl'
 
 
-def create(name: str, size: int, spec: BufferSpec, device: Any) -> Tuple[Communicator, Any]:
-    """Create the master's (rank 0) communicator; returns it and the workers' handle."""
+def create(name: str, size: int, spec: BufferSpec, device: Any,
+           broadcast: Collection[str] = ()) -> Tuple[Communicator, Any]:
+    """Create the master's (rank 0) communicator; returns it and the workers' handle.
+    ``broadcast``: the buffers that are only ever broadcast (shm shares one slot)."""
     if name == 'shm':
         from .shm import ShmCommunicator
-        comm = ShmCommunicator.create(size, spec)
+        comm = ShmCommunicator.create(size, spec, broadcast)
         return comm, comm.handle
     if name == 'nccl':
         from .nccl import NcclCommunicator

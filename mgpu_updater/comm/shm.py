@@ -1,9 +1,10 @@
 """Shared-memory CPU backend: the reference implementation of the interface.
 
-Every buffer name gets one shared segment. A ``reduce`` buffer holds one slot per rank
-(rank r writes slot r, the root sums the others into its own); a ``bcast`` buffer holds a
-single slot that the root writes and everybody reads. The verbs copy nothing on non-root
-ranks: the control channel orders them (see :mod:`mgpu_updater.comm.base`).
+Every buffer name gets one shared segment holding one slot per rank (rank r writes slot r;
+``reduce`` sums the others into the root's; ``bcast`` copies the root's into this rank's),
+except the buffers named *broadcast-only* at creation: a single slot that the root writes
+and everybody reads, so that their ``bcast`` copies nothing. The verbs copy nothing on
+non-root ranks but that: the control channel orders them (see :mod:`mgpu_updater.comm.base`).
 
 Segment names are random (128 bits) and the master alone owns them: it unlinks them in
 :meth:`finalize`; a worker that sees the master die unlinks them too.
@@ -22,14 +23,15 @@ from __future__ import annotations
 import secrets
 import sys
 from multiprocessing import shared_memory
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy
 
 from .base import BufferSpec, CollectiveOrderError, Communicator, Issued, check_spec
 
-Handle = Tuple[int, BufferSpec, Dict[str, str], str]
-"""(size, spec, buffer name -> segment name, ledger segment name): what a worker attaches."""
+Handle = Tuple[int, BufferSpec, Dict[str, str], str, List[str]]
+"""(size, spec, buffer name -> segment name, ledger segment name, broadcast-only buffer
+names): what a worker attaches."""
 
 _VERBS = ('bcast', 'reduce', 'allreduce')   # recorded as index + 1; 0 is "nothing"
 _LEDGER_SLOTS = 64   # each rank's latest collectives of an update (a ring beyond that)
@@ -51,23 +53,25 @@ class ShmCommunicator(Communicator):
     """CPU replicas on one host, through ``multiprocessing.shared_memory``.
 
     Create it in the master with :meth:`create`, send :attr:`handle` to each worker, and
-    attach there with :meth:`attach`. ``spec`` maps buffer names to (dtype, count); names
-    starting with ``'param'`` are broadcast buffers, every other name is a reduce buffer.
+    attach there with :meth:`attach`. ``spec`` maps buffer names to (dtype, count);
+    ``broadcast`` names the buffers that are only ever broadcast (one shared slot).
     """
 
     name = 'shm'
 
     def __init__(self, rank: int, size: int, spec: BufferSpec,
                  segments: Dict[str, shared_memory.SharedMemory],
-                 ledger: shared_memory.SharedMemory, owner: bool) -> None:
+                 ledger: shared_memory.SharedMemory, broadcast: FrozenSet[str],
+                 owner: bool) -> None:
         super().__init__(rank, size)
         self._spec = spec
         self._segments = segments
         self._ledger_segment = ledger
+        self._broadcast = broadcast
         self._owner = owner
         self._slots: Dict[str, List[numpy.ndarray]] = {}
         for key, (dtype, count) in spec.items():
-            n = 1 if self.is_bcast(key) else size
+            n = 1 if key in broadcast else size
             whole = numpy.ndarray((n, count), dtype=dtype, buffer=segments[key].buf)
             self._slots[key] = [whole[i] for i in range(n)]
         self._names = sorted(spec)   # a buffer is recorded as its index here
@@ -75,17 +79,19 @@ class ShmCommunicator(Communicator):
         self._ledger: Optional[numpy.ndarray] = numpy.ndarray(
             _ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)
 
-    @staticmethod
-    def is_bcast(key: str) -> bool:
-        return key.startswith('param')
-
     @classmethod
-    def create(cls, size: int, spec: BufferSpec) -> 'ShmCommunicator':
+    def create(cls, size: int, spec: BufferSpec,
+               broadcast: Collection[str] = ()) -> 'ShmCommunicator':
         spec = check_spec(spec)
+        unknown = sorted(set(broadcast) - set(spec))
+        if unknown:
+            raise ValueError(f'broadcast names buffers that the spec has not: {unknown}; '
+                             f'the spec has {sorted(spec)}')
+        only = frozenset(broadcast)
         segments: Dict[str, shared_memory.SharedMemory] = {}
         try:
             for key, (dtype, count) in spec.items():
-                n = 1 if cls.is_bcast(key) else size
+                n = 1 if key in only else size
                 nbytes = n * count * numpy.dtype(dtype).itemsize
                 segments[key] = _open('mgpu_' + secrets.token_hex(16), nbytes, create=True)
             ledger = _open('mgpu_' + secrets.token_hex(16),
@@ -96,13 +102,13 @@ class ShmCommunicator(Communicator):
                 seg.unlink()
             raise
         numpy.ndarray(_ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)[...] = 0
-        return cls(0, size, spec, segments, ledger, owner=True)
+        return cls(0, size, spec, segments, ledger, only, owner=True)
 
     @property
     def handle(self) -> Handle:
         """What a worker needs to attach (picklable)."""
         return (self.size, self._spec, {k: s.name for k, s in self._segments.items()},
-                self._ledger_segment.name)
+                self._ledger_segment.name, sorted(self._broadcast))
 
     @property
     def owned_segments(self) -> List[str]:
@@ -110,7 +116,7 @@ class ShmCommunicator(Communicator):
 
     @classmethod
     def attach(cls, handle: Handle, rank: int) -> 'ShmCommunicator':
-        size, spec, names, ledger_name = handle
+        size, spec, names, ledger_name, broadcast = handle
         segments: Dict[str, shared_memory.SharedMemory] = {}
         try:
             for key, name in names.items():
@@ -120,7 +126,7 @@ class ShmCommunicator(Communicator):
             for seg in segments.values():
                 seg.close()
             raise
-        return cls(rank, size, spec, segments, ledger, owner=False)
+        return cls(rank, size, spec, segments, ledger, frozenset(broadcast), owner=False)
 
     def buffer(self, name: str) -> numpy.ndarray:
         self._check_open()
@@ -128,6 +134,9 @@ class ShmCommunicator(Communicator):
         return slots[0] if len(slots) == 1 else slots[self.rank]
 
     def reduce(self, name: str, root: int = 0) -> None:
+        if name in self._broadcast:
+            raise ValueError(f'buffer {name!r} was created broadcast-only (one shared '
+                             'slot): it cannot be reduced')
         self._issue('reduce', name, root)
         if self.rank != root:
             return
@@ -138,7 +147,10 @@ class ShmCommunicator(Communicator):
                 numpy.add(dst, src, out=dst)
 
     def bcast(self, name: str, root: int = 0) -> None:
-        self._issue('bcast', name, root)   # one shared slot: the root's write is everybody's read
+        self._issue('bcast', name, root)
+        slots = self._slots[name]
+        if len(slots) > 1 and self.rank != root:   # else one shared slot: nothing to copy
+            slots[self.rank][...] = slots[root]
 
     # ------------------------------------------------------------------ the issue order
     def begin_update(self) -> None:
