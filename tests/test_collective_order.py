@@ -456,3 +456,28 @@ def test_shm_buffer_roles_come_from_the_declared_order_not_from_names():
     with pytest.raises(ValueError, match=r"broadcast names buffers that the spec has not: "
                        r"\['param/x'\]"):
         ShmCommunicator.create(2, spec, broadcast=['param/x'])
+
+
+def test_pipelined_master_issues_every_collective_from_its_own_thread(monkeypatch):
+    """No background thread issues a collective: a thread's verb could land between the
+    next update's and reorder this rank's sequence."""
+    import threading
+    threads = []
+    issue = ShmCommunicator._issue
+
+    def recording(self, verb, name, root):
+        threads.append((threading.current_thread().name, verb, name))
+        return issue(self, verb, name, root)
+    monkeypatch.setattr(ShmCommunicator, '_issue', recording)
+    model = classifier(seed=5, batchnorm=True)
+    updater = _updater(model, pipelined=True)
+    try:
+        for _ in range(3):
+            updater.update()
+    finally:
+        updater.finalize()
+    main = threading.current_thread().name
+    assert [t for t, _, _ in threads] == [main] * 9
+    assert [n for _, _, n in threads] == ['param/<f4', 'stat/<f4', 'grad0/<f4',
+                                          'param/<f4', 'stat/<f4', 'grad1/<f4',
+                                          'param/<f4', 'stat/<f4', 'grad0/<f4']
