@@ -76,8 +76,12 @@ class ShmCommunicator(Communicator):
             self._slots[key] = [whole[i] for i in range(n)]
         self._names = sorted(spec)   # a buffer is recorded as its index here
         self._codes = {key: i for i, key in enumerate(self._names)}
-        self._ledger: Optional[numpy.ndarray] = numpy.ndarray(
-            _ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)
+        # one row of int64 per rank, read and written as Python ints (cheaper than numpy's
+        # scalars: four or five ledger accesses per collective)
+        width = _FIRST + _LEDGER_SLOTS
+        self._ledger_view: Optional[memoryview] = ledger.buf.cast('q')
+        self._rows: List[memoryview] = [self._ledger_view[r * width:(r + 1) * width]
+                                        for r in range(size)]
 
     @classmethod
     def create(cls, size: int, spec: BufferSpec,
@@ -95,13 +99,13 @@ class ShmCommunicator(Communicator):
                 nbytes = n * count * numpy.dtype(dtype).itemsize
                 segments[key] = _open('mgpu_' + secrets.token_hex(16), nbytes, create=True)
             ledger = _open('mgpu_' + secrets.token_hex(16),
-                           int(numpy.prod(_ledger_shape(size))) * 8, create=True)
+                           size * (_FIRST + _LEDGER_SLOTS) * 8, create=True)
         except BaseException:
             for seg in segments.values():
                 seg.close()
                 seg.unlink()
             raise
-        numpy.ndarray(_ledger_shape(size), dtype=numpy.int64, buffer=ledger.buf)[...] = 0
+        ledger.buf[:] = bytes(len(ledger.buf))
         return cls(0, size, spec, segments, ledger, only, owner=True)
 
     @property
@@ -168,8 +172,7 @@ class ShmCommunicator(Communicator):
         for rank in range(1, self.size):
             theirs = self._row(rank)
             self._compare_update(rank)
-            if theirs[_COUNT] != mine[_COUNT] or not numpy.array_equal(
-                    self._window(theirs), self._window(mine)):
+            if theirs[_COUNT] != mine[_COUNT] or self._window(theirs) != self._window(mine):
                 raise self._mismatch(rank)
 
     def issued(self, rank: Optional[int] = None, first: Optional[int] = None) -> List[Issued]:
@@ -177,12 +180,12 @@ class ShmCommunicator(Communicator):
         ``first`` on (default: the first the ledger still holds; it keeps the latest
         ``64``)."""
         row = self._row(self.rank if rank is None else rank)
-        n = int(row[_COUNT])
+        n = row[_COUNT]
         start = max(0, n - _LEDGER_SLOTS)
         first = start if first is None else max(first, start)
         out = []
         for i in range(first, n):
-            verb, index = divmod(int(row[_FIRST + i % _LEDGER_SLOTS]), len(self._names) + 1)
+            verb, index = divmod(row[_FIRST + i % _LEDGER_SLOTS], len(self._names) + 1)
             out.append((_VERBS[verb - 1], self._names[index - 1]))
         return out
 
@@ -195,7 +198,7 @@ class ShmCommunicator(Communicator):
         if not 0 <= root < self.size:
             raise ValueError(f'root {root} is not a rank in [0, {self.size})')
         row = self._row(self.rank)
-        i = int(row[_COUNT])
+        i = row[_COUNT]
         slot = _FIRST + i % _LEDGER_SLOTS
         row[slot] = (_VERBS.index(verb) + 1) * (len(self._names) + 1) + self._codes[name] + 1
         row[_COUNT] = i + 1
@@ -208,22 +211,23 @@ class ShmCommunicator(Communicator):
         for rank in peers:
             self._compare_update(rank)
             theirs = self._row(rank)
-            n = int(theirs[_COUNT])
+            n = theirs[_COUNT]
             if n <= i or (n - i <= _LEDGER_SLOTS and theirs[slot] != row[slot]):
                 raise self._mismatch(rank)
 
-    def _row(self, rank: int) -> numpy.ndarray:
+    def _row(self, rank: int) -> memoryview:
         self._check_open()
-        return self._ledger[rank]  # type: ignore[index]  # None only once finalized
+        return self._rows[rank]
 
     @staticmethod
-    def _window(row: numpy.ndarray) -> numpy.ndarray:
-        n = int(row[_COUNT])
-        ring = row[_FIRST:]
+    def _window(row: memoryview) -> List[int]:
+        """The row's recorded collectives, oldest first (the latest 64 at most)."""
+        n = row[_COUNT]
+        ring = row[_FIRST:].tolist()
         if n <= _LEDGER_SLOTS:
             return ring[:n]
         start = n % _LEDGER_SLOTS
-        return numpy.concatenate([ring[start:], ring[:start]])
+        return ring[start:] + ring[:start]
 
     def _compare_update(self, rank: int) -> None:
         mine, theirs = self._row(self.rank), self._row(rank)
@@ -231,17 +235,17 @@ class ShmCommunicator(Communicator):
             low, high = sorted((self.rank, rank))
             raise CollectiveOrderError(
                 low, self.issued(low), high, self.issued(high), int(mine[_UPDATE]),
-                detail=f'rank {low} is in its update {int(self._row(low)[_UPDATE])} but rank '
-                       f'{high} in its update {int(self._row(high)[_UPDATE])} (every rank '
+                detail=f'rank {low} is in its update {self._row(low)[_UPDATE]} but rank '
+                       f'{high} in its update {self._row(high)[_UPDATE]} (every rank '
                        'calls begin_update once per update)')
 
     def _mismatch(self, rank: int) -> CollectiveOrderError:
         low, high = sorted((self.rank, rank))
-        n = max(int(self._row(low)[_COUNT]), int(self._row(high)[_COUNT]))
+        n = max(self._row(low)[_COUNT], self._row(high)[_COUNT])
         first = max(0, n - _LEDGER_SLOTS)   # the same positions of both, as far as kept
         return CollectiveOrderError(low, self.issued(low, first), high,
                                     self.issued(high, first),
-                                    int(self._row(self.rank)[_UPDATE]), first=first)
+                                    self._row(self.rank)[_UPDATE], first=first)
 
     # ------------------------------------------------------------------ shutdown
     def finalize(self) -> None:
@@ -249,7 +253,9 @@ class ShmCommunicator(Communicator):
             return
         self._finalized = True
         self._slots = {}
-        self._ledger = None
+        for view in self._rows + ([self._ledger_view] if self._ledger_view else []):
+            view.release()
+        self._rows, self._ledger_view = [], None
         for seg in list(self._segments.values()) + [self._ledger_segment]:
             try:
                 seg.close()
@@ -261,10 +267,6 @@ class ShmCommunicator(Communicator):
                 except FileNotFoundError:
                     pass
         self._segments = {}
-
-
-def _ledger_shape(size: int) -> Tuple[int, int]:
-    return (size, _FIRST + _LEDGER_SLOTS)
 
 
 def unlink_quietly(name: str) -> None:
