@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import secrets
 import sys
+import threading
 from multiprocessing import shared_memory
-from typing import Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy
 
@@ -269,13 +270,23 @@ class ShmCommunicator(Communicator):
         self._segments = {}
 
 
+_unlinked: Set[str] = set()      # names unlink_quietly already handled in this process
+_unlinked_lock = threading.Lock()
+
+
 def unlink_quietly(name: str) -> None:
     """Remove a segment by name, if it still exists; used by a worker whose master died.
 
     The name is also taken off the resource tracker the workers share with the master,
     so the tracker does not warn about (or unlink again) what was cleaned up here. The
-    segment is never opened: opening would register it with the tracker once more.
+    segment is never opened: opening would register it with the tracker once more. Once
+    per name and process: two threads of a worker may both see the master die, and a
+    second unregister makes the tracker print a KeyError.
     """
+    with _unlinked_lock:
+        if name in _unlinked:
+            return
+        _unlinked.add(name)
     try:
         from multiprocessing import resource_tracker
         resource_tracker.unregister('/' + name, 'shared_memory')
