@@ -279,20 +279,23 @@ def unlink_quietly(name: str) -> None:
 
     The name is also taken off the resource tracker the workers share with the master,
     so the tracker does not warn about (or unlink again) what was cleaned up here. The
-    segment is never opened: opening would register it with the tracker once more. Once
-    per name and process: two threads of a worker may both see the master die, and a
-    second unregister makes the tracker print a KeyError.
+    segment is never opened: opening would register it with the tracker once more.
+
+    Once per name and process, and a caller returns only when the name is done: two threads
+    of a worker may both see the master die (a second unregister makes the tracker print a
+    KeyError), and the first to finish exits the process (the other's name half done would
+    leak).
     """
     with _unlinked_lock:
         if name in _unlinked:
             return
+        try:
+            from multiprocessing import resource_tracker
+            resource_tracker.unregister('/' + name, 'shared_memory')
+        except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
+            pass
+        try:
+            shared_memory._posixshmem.shm_unlink('/' + name)  # type: ignore[attr-defined]
+        except FileNotFoundError:
+            pass
         _unlinked.add(name)
-    try:
-        from multiprocessing import resource_tracker
-        resource_tracker.unregister('/' + name, 'shared_memory')
-    except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
-        pass
-    try:
-        shared_memory._posixshmem.shm_unlink('/' + name)  # type: ignore[attr-defined]
-    except FileNotFoundError:
-        pass
