@@ -24,7 +24,7 @@ from mgpu_updater._flat import (ModelLayouts, grad_arrays, persistent_arrays,
 from mgpu_updater._protocol import (Done, Failed, Ready, State, StateRequest, Step,
                                     Stop, collective_order, master_begin, master_finish,
                                     worker_step)
-from mgpu_updater._replica import Replica
+from mgpu_updater._replica import Replica, Scaling
 from mgpu_updater.comm.base import CollectiveOrderError, check_same_order
 from mgpu_updater.comm.shm import ShmCommunicator
 from mgpu_updater.prefetch import make_loader
@@ -240,7 +240,8 @@ class InProcessWorker:
 def _replica(model, seed, b=4):
     it = chainer.iterators.SerialIterator(dataset(64, seed=seed), b, shuffle=False)
     loader = make_loader(it, chainer.dataset.concat_examples, chainer.get_device('@numpy'), 0)
-    return Replica(model, None, loader, accumulate_steps=2, weight_norm=16.0)
+    return Replica(model, None, loader, accumulate_steps=2,
+                   scaling=Scaling('mean', 'mean', update_norm=16.0, window_norm=8.0))
 
 
 def _run_halves(worker_half, parity, updates=2):
