@@ -92,10 +92,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             ``'skip'`` warns and skips that update. With dynamic loss scaling
             (``optimizer.loss_scaling()``) Chainer itself skips such steps and lowers the
             scale, so the policy does not apply.
-        pipelined: opt-in overlap (as ChainerMN's ``double_buffering``): the reduction of
-            update t runs in the background during the compute of update t+1, and its
-            gradient is applied one update late, so update t+1's gradient was computed
-            on parameters one step stale. The first update applies nothing. Reports stay
+        pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
+            t is reduced into a second set of buffers and applied one update late, so
+            update t+1's gradient was computed on parameters one step stale (no
+            overlap is realised yet: see README, "Pipelined update"). The first update applies nothing. Reports stay
             those of the window just computed.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
