@@ -3,7 +3,8 @@
 - :func:`import_cupy`, :func:`import_nccl`: import on first use; when missing, fail with
   what to install.
 - :func:`unavailable_reason`: why the GPU paths cannot run here (for test skips and
-  reports), or ``None`` when they can.
+  reports), or ``None`` when they can; :func:`chainer_cuda_unavailable`: Chainer's own
+  verdict on CUDA, part of it.
 - :func:`wait_event`: a bounded host wait on a CUDA event. It polls instead of blocking in
   the driver, so the caller can notice a dead peer or give up after a timeout.
 - :class:`PinnedStager`: host batches -> reused pinned buffers -> the device, on a side
@@ -33,9 +34,21 @@ def import_cupy() -> Any:
     return cupy
 
 
+# CuPy 14 changed NCCL's unique id from a tuple of ints to bytes; comm/nccl.py uses bytes.
+NCCL_MIN_CUPY = 14
+
+
 def import_nccl() -> Any:
-    """Return ``cupy.cuda.nccl`` once NCCL is loadable, or raise ImportError naming it."""
-    import_cupy()
+    """Return ``cupy.cuda.nccl`` once NCCL is loadable, or raise ImportError naming it.
+
+    Needs CuPy >= 14 (its ``NcclCommunicator`` takes the unique id as bytes).
+    """
+    cupy = import_cupy()
+    version = str(getattr(cupy, '__version__', '0'))
+    if _major(version) < NCCL_MIN_CUPY:
+        raise ImportError(
+            f'the nccl communicator needs CuPy >= {NCCL_MIN_CUPY}, found CuPy {version} '
+            f'(whose NCCL unique id is a tuple, not bytes); {INSTALL_HINT}')
     error: Optional[BaseException] = None
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')  # CuPy warns, then we raise the same news
@@ -51,9 +64,32 @@ def import_nccl() -> Any:
     return nccl
 
 
+def _major(version: str) -> int:
+    head = version.split('.')[0]
+    return int(head) if head.isdigit() else 0
+
+
+def chainer_cuda_unavailable() -> Optional[str]:
+    """Chainer's own CUDA verdict: None when ``chainer.backends.cuda.available``, else why
+    not, from the exception Chainer caught while importing CuPy and its CUDA libraries
+    (``_resolution_error``, ``chainer/backends/cuda.py:56-78``: e.g. cuBLAS not found).
+
+    Chainer also stores a failed cuDNN import there (``cuda.py:133-134``) while CUDA stays
+    available; that is not a reason, and is not reported.
+    """
+    from chainer.backends import cuda
+    if cuda.available:
+        return None
+    error = getattr(cuda, '_resolution_error', None)
+    cause = f'{type(error).__name__}: {error}' if error is not None else 'no error recorded'
+    return f'chainer.backends.cuda.available is False ({cause})'
+
+
 def unavailable_reason(nccl: bool = False) -> Optional[str]:
     """Why CuPy (and NCCL when ``nccl``) cannot run here, in a few words; None if it can.
 
+    In order: CuPy not importable; Chainer's own verdict (:func:`chainer_cuda_unavailable`,
+    e.g. CuPy imports but its CUDA libraries do not load); no CUDA device; NCCL missing.
     This queries the driver, so call it from the test or the benchmark that needs the
     GPU, not at import or collection time.
     """
@@ -61,6 +97,9 @@ def unavailable_reason(nccl: bool = False) -> Optional[str]:
         cupy = import_cupy()
     except ImportError as e:
         return f'CuPy not installed ({e.__cause__})'
+    chainer_verdict = chainer_cuda_unavailable()
+    if chainer_verdict is not None:
+        return f'Chainer cannot use CUDA: {chainer_verdict}'
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:

@@ -33,8 +33,11 @@ def choice(name: str, value: Any, options: Sequence[str]) -> str:
 
 def _cuda_available() -> Tuple[bool, str]:
     from chainer.backends import cuda
-    if not cuda.available:
-        return False, 'CuPy is not installed or cannot use CUDA'
+
+    from . import _cuda
+    why = _cuda.chainer_cuda_unavailable()
+    if why is not None:
+        return False, f'CuPy is not installed or cannot use CUDA: {why}'
     try:
         count = cuda.cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - any CUDA failure means "not available"

@@ -105,6 +105,53 @@ def test_unavailable_reason_without_cupy(monkeypatch):
         _cuda.PinnedStager(0)
 
 
+_NO_CUBLAS = ImportError('libcublas.so.13: cannot open shared object file: No such file or '
+                         'directory')
+
+
+@pytest.fixture
+def chainer_without_cuda(monkeypatch):
+    """Chainer's verdict where CuPy imports but its CUDA libraries do not load (no [ctk])."""
+    from chainer.backends import cuda
+    monkeypatch.setattr(cuda, 'available', False)
+    monkeypatch.setattr(cuda, '_resolution_error', _NO_CUBLAS, raising=False)
+    return cuda
+
+
+def test_unavailable_reason_reports_chainers_own_cuda_verdict(fake, chainer_without_cuda):
+    assert _cuda.unavailable_reason() == (
+        'Chainer cannot use CUDA: chainer.backends.cuda.available is False (ImportError: '
+        'libcublas.so.13: cannot open shared object file: No such file or directory)')
+    assert _cuda.unavailable_reason(nccl=True) == _cuda.unavailable_reason()
+
+
+def test_a_cudnn_error_alone_is_not_a_reason(fake, monkeypatch):
+    # Chainer keeps a failed cuDNN import in _resolution_error too, with CUDA available
+    from chainer.backends import cuda
+    monkeypatch.setattr(cuda, 'available', True)
+    monkeypatch.setattr(cuda, '_resolution_error',
+                        ModuleNotFoundError("No module named 'cupy.cuda.cudnn'"), raising=False)
+    assert _cuda.chainer_cuda_unavailable() is None
+    assert _cuda.unavailable_reason() is None   # the stand-in has one device and NCCL
+
+
+def test_gpu_devices_are_refused_with_chainers_reason(chainer_without_cuda):
+    from mgpu_updater import _validate
+    with pytest.raises(ValueError, match=r"^devices\[0\] is '@cupy:0', a GPU, but CuPy is not "
+                                         r'installed or cannot use CUDA: chainer\.backends\.'
+                                         r'cuda\.available is False \(ImportError: '
+                                         r'libcublas\.so\.13: cannot open'):
+        _validate.devices(['@cupy:0', '@cupy:1'])
+
+
+def test_the_gpu_fixtures_skip_with_the_real_reason(fake, chainer_without_cuda):
+    import conftest
+    for nccl in (False, True):
+        with pytest.raises(pytest.skip.Exception, match=r'^Chainer cannot use CUDA: .*'
+                                                        r'ImportError: libcublas\.so\.13'):
+            conftest._cupy_or_skip(nccl=nccl)
+
+
 # -- on a GPU ----------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ from mgpu_updater import _cuda
 from mgpu_updater.comm.nccl import NcclCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UID = tuple(range(-64, 64))
+UID = bytes(range(128))   # CuPy 14: the unique id is bytes
 SPEC = {'grad/<f4': ('float32', 5), 'grad/<f2': ('float16', 3)}
 DTYPES = ['float16', 'float32', 'float64', 'int8', 'uint8', 'int32', 'uint32', 'int64',
           'uint64']
@@ -78,6 +79,7 @@ def test_without_nccl_construction_names_the_nccl_package(monkeypatch):
     cuda = types.ModuleType('cupy.cuda')
     nccl = types.ModuleType('cupy.cuda.nccl')
     nccl.available = False   # what CuPy sets when libnccl cannot be loaded
+    cupy.__version__ = '14.2.0'
     cupy.cuda, cuda.nccl = cuda, nccl
     for name, module in [('cupy', cupy), ('cupy.cuda', cuda), ('cupy.cuda.nccl', nccl)]:
         monkeypatch.setitem(sys.modules, name, module)
@@ -94,7 +96,7 @@ def test_unsupported_dtype_is_refused_before_cupy_is_needed(monkeypatch, dtype):
 
 @pytest.mark.parametrize('kwargs, match', [
     (dict(rank=2, size=2), r'rank 2 is not in \[0, 2\)'),
-    (dict(unique_id=(1, 2, 3)), r'128-byte tuple .*new_unique_id'),
+    (dict(unique_id=UID[:3]), r"128 bytes that .*new_unique_id.*got 3 bytes \(b'"),
     (dict(spec={'x': ('float32', -1)}), r'negative size'),
 ])
 def test_bad_arguments_are_refused(monkeypatch, kwargs, match):
@@ -103,6 +105,27 @@ def test_bad_arguments_are_refused(monkeypatch, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         NcclCommunicator(**args)
+
+
+@pytest.mark.parametrize('unique_id', [tuple(UID), tuple(b - 128 for b in UID), bytearray(UID),
+                                       memoryview(UID), list(UID), None])
+def test_a_unique_id_that_is_not_bytes_is_refused(monkeypatch, unique_id):
+    # CuPy < 14 made a tuple of ints, which CuPy 14's NcclCommunicator refuses
+    monkeypatch.setitem(sys.modules, 'cupy', None)
+    with pytest.raises(TypeError, match=rf'unique_id must be the 128 bytes that '
+                                        rf'NcclCommunicator.new_unique_id\(\) returned on the '
+                                        rf'master, not a {type(unique_id).__name__} '
+                                        rf'.*CuPy >= 14 takes bytes only'):
+        NcclCommunicator(0, 1, 0, SPEC, unique_id)
+
+
+def test_cupy_older_than_14_is_refused_naming_the_version(monkeypatch):
+    fake = _fakecupy.make()
+    fake.__version__ = '13.6.0'
+    monkeypatch.setitem(sys.modules, 'cupy', fake)
+    with pytest.raises(ImportError, match=r'needs CuPy >= 14, found CuPy 13.6.0 .*'
+                                          r"pip install 'mgpu_updater\[cuda12\]'"):
+        _cuda.import_nccl()
 
 
 @pytest.fixture
@@ -266,9 +289,28 @@ def test_finalize_after_a_failure_warns_instead_of_hanging(fake):
     assert fake.comms[0].calls[-1] == ('abort',) and comm.finalized
 
 
-def test_new_unique_id_is_a_plain_tuple(fake):
+def test_the_unique_id_stays_bytes_from_the_master_to_every_rank(fake):
+    from mgpu_updater import comm as comms
     uid = NcclCommunicator.new_unique_id()
-    assert isinstance(uid, tuple) and len(uid) == 128
+    assert type(uid) is bytes and len(uid) == 128
+    # the master's communicator and the handle the workers get, through a spawn pickle
+    master, handle = comms.create('nccl', 2, SPEC, types.SimpleNamespace(
+        device=types.SimpleNamespace(id=0)))
+    handle = pickle.loads(pickle.dumps(handle))
+    worker = comms.attach('nccl', handle, 1, types.SimpleNamespace(
+        device=types.SimpleNamespace(id=1)))
+    for comm in (master, worker):
+        comm.init()   # the stand-in refuses what CuPy 14 refuses: anything but 128 bytes
+        comm.finalize()
+    ids = [c.args[1] for c in fake.comms]
+    assert all(type(i) is bytes for i in ids) and ids[0] == ids[1] == handle[0]
+    assert ids[0] != uid   # a fresh id per communicator group
+
+
+def test_new_unique_id_refuses_what_the_cupy_14_api_never_returns(fake):
+    fake.cuda.nccl.get_unique_id = lambda: tuple(range(128))   # CuPy < 14's type
+    with pytest.raises(TypeError, match=r'get_unique_id\(\) returned must be the 128 bytes'):
+        NcclCommunicator.new_unique_id()
 
 
 # -- on a GPU ----------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def test_unknown_device(spec):
 def test_gpu_without_cuda(monkeypatch):
     monkeypatch.setattr(cuda, 'available', False)
     rejected(ValueError, r"^devices\[0\] is '@cupy:0', a GPU, but CuPy is not installed or "
-                         r"cannot use CUDA; use '@numpy' for CPU replicas or install the "
+                         r"cannot use CUDA: chainer\.backends\.cuda\.available is False "
+                         r"\(.*\); use '@numpy' for CPU replicas or install the "
                          r'cuda12/cuda13 extra', devices=['@cupy:0', '@cupy:1'])
 
 

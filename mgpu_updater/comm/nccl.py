@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional
 
 import numpy
 
@@ -63,6 +63,26 @@ def nccl_type_name(dtype: Any) -> str:
     return name
 
 
+def check_unique_id(unique_id: Any, what: str = 'unique_id') -> None:
+    """Raise unless ``unique_id`` is an NCCL unique id as CuPy >= 14 takes it: exactly
+    ``bytes`` (not a subclass, bytearray or tuple), 128 of them."""
+    if type(unique_id) is not bytes:
+        raise TypeError(
+            f'{what} must be the {_UNIQUE_ID_BYTES} bytes that '
+            f'NcclCommunicator.new_unique_id() returned on the master, not a '
+            f'{type(unique_id).__name__} ({_short(unique_id)}); CuPy >= 14 takes bytes only')
+    if len(unique_id) != _UNIQUE_ID_BYTES:
+        raise ValueError(
+            f'{what} must be the {_UNIQUE_ID_BYTES} bytes that '
+            f'NcclCommunicator.new_unique_id() returned on the master, got '
+            f'{len(unique_id)} bytes ({_short(unique_id)})')
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + '...'
+
+
 class NcclCommunicator(Communicator):
     """NCCL collectives on one GPU per process (see the module docstring for the sync points).
 
@@ -72,7 +92,9 @@ class NcclCommunicator(Communicator):
         device_id: the CUDA device of this rank.
         spec: buffer name -> (dtype, element count); identical on every rank. Each buffer
             is one CuPy array on ``device_id``, allocated here, once.
-        unique_id: :meth:`new_unique_id` of the master, the same on every rank.
+        unique_id: :meth:`new_unique_id` of the master (128 ``bytes``), the same on every
+            rank. It stays ``bytes`` end to end: CuPy 14's ``NcclCommunicator`` takes
+            nothing else.
         timeout: seconds any host wait may take (None: no limit, but ``check_peer_alive``
             still runs).
         check_peer_alive: called while the host waits; raises (any exception) when a peer
@@ -85,19 +107,16 @@ class NcclCommunicator(Communicator):
     name = 'nccl'
 
     def __init__(self, rank: int, size: int, device_id: int, spec: BufferSpec,
-                 unique_id: Sequence[int], *, timeout: Optional[float] = None,
+                 unique_id: bytes, *, timeout: Optional[float] = None,
                  check_peer_alive: Optional[Callable[[], None]] = None) -> None:
         super().__init__(rank, size)
         self._finalized = True   # until fully constructed: finalize() has nothing to do
         if not 0 <= rank < size:
             raise ValueError(f'rank {rank} is not in [0, {size})')
-        if unique_id is None or len(unique_id) != _UNIQUE_ID_BYTES:
-            raise ValueError(
-                f'unique_id must be the {_UNIQUE_ID_BYTES}-byte tuple that '
-                'NcclCommunicator.new_unique_id() returned on the master')
+        check_unique_id(unique_id)
         self._spec = check_spec(spec)
         self._type_names = {k: nccl_type_name(dt) for k, (dt, _) in self._spec.items()}
-        self._unique_id = tuple(int(b) for b in unique_id)
+        self._unique_id = unique_id
         self.device_id = int(device_id)
         self.timeout = timeout
         self.check_peer_alive = check_peer_alive
@@ -119,12 +138,15 @@ class NcclCommunicator(Communicator):
     # -- set-up -------------------------------------------------------------------------
 
     @classmethod
-    def new_unique_id(cls) -> Tuple[int, ...]:
-        """A fresh NCCL unique id (a tuple of 128 ints), made once on the master.
+    def new_unique_id(cls) -> bytes:
+        """A fresh NCCL unique id (128 ``bytes``), made once on the master.
 
-        Pass it to every rank (through the spawn arguments); it pickles as a tuple.
+        Pass it unchanged to every rank (through the spawn arguments; bytes pickle as
+        they are).
         """
-        return tuple(_cuda.import_nccl().get_unique_id())
+        unique_id = _cuda.import_nccl().get_unique_id()
+        check_unique_id(unique_id, 'cupy.cuda.nccl.get_unique_id() returned')
+        return unique_id
 
     @property
     def stream(self) -> Any:
