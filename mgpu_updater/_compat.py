@@ -16,6 +16,25 @@ and resume) on Python 3.12/3.13 with numpy 2.x:
    ``AttributeError``. :func:`apply` sets ``numpy.sctypes`` back to the dict numpy 1.26
    had, built from the scalar types numpy 2 still has, and only when it is missing.
 
+A third thing makes it fail where warnings are errors (pytest's ``filterwarnings =
+error``, ``python -W error``):
+
+3. CuPy 14 dropped cuDNN (``cupy.cuda.cudnn`` and ``cupy.cudnn`` are gone). Chainer then
+   sets ``cudnn_enabled = False`` (``chainer/backends/cuda.py:123-138``) and its
+   ``check_cuda_available()`` (``cuda.py:151-159``) warns ``cuDNN is not enabled`` unless
+   ``CHAINER_CUDNN`` is ``0``, which Chainer reads once, at import
+   (``_cudnn_disabled_by_user``, ``cuda.py:125``). The first such call comes during
+   ``import chainer`` itself (``chainer/functions/activation/relu.py:13`` builds a kernel
+   with ``cuda.elementwise``, which checks, ``cuda.py:596``), so under ``-W error`` the
+   import fails. With CuPy >= 14 installed,
+   :func:`apply` sets ``CHAINER_CUDNN=0`` in ``os.environ``, unless the user set it
+   already (any value, kept as it is) or Chainer's CUDA module is imported already (too
+   late to matter). The version is read from the package metadata of the installed
+   distributions (``cupy``, ``cupy-cuda12x``, ``cupy-cuda13x``, ...) without importing
+   CuPy. Nothing is lost: there is no cuDNN to disable, and Chainer runs its own
+   cuDNN-free code (im2col + cuBLAS), as it does whenever ``cudnn_enabled`` is False.
+   The variable is inherited by child processes (the workers), which is intended.
+
 Nothing else is changed: no other numpy alias is restored and no warning is silenced
 here. (``numpy.float``, used by ``F.resize_images``, was removed in numpy 1.24 and is
 broken on every supported stack alike; it is not this shim's business.)
@@ -32,9 +51,13 @@ importing Chainer and its dependencies needs under ``-W error``.
 """
 
 import importlib.machinery
+import importlib.metadata
 import importlib.util
+import os
+import re
 import sys
 import types
+from typing import Optional
 
 import numpy
 
@@ -58,6 +81,37 @@ def _sctypes_missing():
     return not hasattr(numpy, 'sctypes')
 
 
+# CuPy's distributions on PyPI: cupy (source), cupy-cuda12x, cupy-cuda13x, cupy-rocm-6-0...
+_CUPY_DIST = re.compile(r'^cupy(-(cuda|rocm)[a-z0-9-]*)?$')
+# The first CuPy release without cuDNN.
+CUPY_WITHOUT_CUDNN = 14
+
+
+def _normalized(name):
+    return re.sub(r'[-_.]+', '-', name).lower()
+
+
+def installed_cupy_without_cudnn() -> Optional[str]:
+    """The installed CuPy distribution >= 14, as ``'name version'``, or None.
+
+    Read from package metadata: CuPy is not imported (that would load CUDA libraries).
+    """
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata['Name'] or ''
+        if not _CUPY_DIST.match(_normalized(name)):
+            continue
+        major = re.match(r'\d+', dist.version or '')
+        if major and int(major.group()) >= CUPY_WITHOUT_CUDNN:
+            return f'{name} {dist.version}'
+    return None
+
+
+def _cudnn_switch_needed():
+    return ('CHAINER_CUDNN' not in os.environ
+            and 'chainer.backends.cuda' not in sys.modules
+            and installed_cupy_without_cudnn() is not None)
+
+
 def needed():
     """Return the names of the patches :func:`apply` would make now (maybe empty)."""
     names = []
@@ -65,6 +119,8 @@ def needed():
         names.append('numpy.distutils')
     if _sctypes_missing():
         names.append('numpy.sctypes')
+    if _cudnn_switch_needed():
+        names.append('CHAINER_CUDNN=0')
     return names
 
 
@@ -109,16 +165,22 @@ def _restore_sctypes():
     numpy.sctypes = sctypes_numpy126()
 
 
+def _disable_cudnn():
+    os.environ['CHAINER_CUDNN'] = '0'
+
+
 _PATCHES = {
     'numpy.distutils': _install_distutils_stub,
     'numpy.sctypes': _restore_sctypes,
+    'CHAINER_CUDNN=0': _disable_cudnn,
 }
 
 
 def apply():
     """Make ``import chainer`` work on this Python/numpy; call before importing Chainer.
 
-    Idempotent, and a no-op where nothing is missing (Python 3.11 with numpy 1.x).
+    Idempotent, and a no-op where nothing is missing (Python 3.11 with numpy 1.x and no
+    CuPy >= 14).
     Returns the names of the patches made by this call (empty when none were needed).
     """
     names = needed()

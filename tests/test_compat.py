@@ -34,11 +34,17 @@ assert 'chainer' not in sys.modules
 '''
 
 
-def run_fresh(code, expect_ok=True):
-    """Run ``code`` after the prelude in a new interpreter; return its last stdout line."""
+def run_fresh(code, expect_ok=True, path=(), env=None):
+    """Run ``code`` after the prelude in a new interpreter; return its last stdout line.
+
+    ``path``: directories put first on ``sys.path`` (fake distributions); ``env``: variables
+    set. ``CHAINER_CUDNN`` is not inherited (this process's shim may have set it).
+    """
     source = _PRELUDE.format(path=_compat.__file__) + textwrap.dedent(code)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
+    env = dict({k: v for k, v in os.environ.items() if k != 'CHAINER_CUDNN'},
+               PYTHONPATH=os.pathsep.join(filter(None, [*map(str, path), str(ROOT),
+                                                        os.environ.get('PYTHONPATH')])),
+               **(env or {}))
     proc = subprocess.run([sys.executable, '-c', source], capture_output=True, text=True,
                           timeout=240, env=env)
     if expect_ok:
@@ -54,12 +60,24 @@ def needed_here():
     return json.loads(run_fresh('print(json.dumps(compat.needed()))'))
 
 
+def _cupy_major():
+    from importlib.metadata import PackageNotFoundError, version
+    for name in ('cupy', 'cupy-cuda12x', 'cupy-cuda13x'):
+        try:
+            return int(version(name).split('.')[0])
+        except PackageNotFoundError:
+            pass
+    return None
+
+
 def test_needed_matches_the_stack(needed_here):
     expected = []
     if sys.version_info >= (3, 12):
         expected.append('numpy.distutils')   # removed from numpy for Python >= 3.12
     if int(numpy.__version__.split('.')[0]) >= 2:
         expected.append('numpy.sctypes')     # removed in numpy 2.0
+    if (_cupy_major() or 0) >= 14:
+        expected.append('CHAINER_CUDNN=0')   # CuPy 14 has no cuDNN: Chainer would warn
     assert needed_here == expected
 
 
@@ -75,7 +93,9 @@ def test_each_patch_is_needed_for_import_chainer(needed_here):
             import chainer
         ''', expect_ok=False)
         assert {'numpy.distutils': "No module named 'numpy.distutils'",
-                'numpy.sctypes': 'np.sctypes'}[left_out] in stderr, stderr
+                'numpy.sctypes': 'np.sctypes',
+                'CHAINER_CUDNN=0': 'UserWarning: cuDNN is not enabled'}[left_out] in stderr, \
+            stderr
 
 
 def test_apply_then_train_cnn_with_resume_under_warnings_as_errors(needed_here):
@@ -164,7 +184,7 @@ def test_apply_leaves_what_exists_alone():
         theirs = types.ModuleType('numpy.distutils.system_info')
         sys.modules.setdefault('numpy.distutils.system_info', theirs)
         before = (numpy.sctypes, sys.modules['numpy.distutils.system_info'])
-        assert compat.apply() == []
+        assert [n for n in compat.apply() if n.startswith('numpy.')] == []
         assert (numpy.sctypes, sys.modules['numpy.distutils.system_info']) == before
         print('ok')
     ''')
@@ -232,3 +252,76 @@ def test_import_mgpu_updater_applies_the_shim_first():
         print(chainer.__version__)
     ''')
     assert out == '7.8.1'
+
+
+def _fake_distribution(root, name, version):
+    """A ``.dist-info`` that importlib.metadata finds on ``sys.path``; no code behind it."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n')
+    return root
+
+
+_CUDNN_PROBE = textwrap.dedent('''
+    import os
+    applied = compat.apply()
+    print(json.dumps([applied, os.environ.get('CHAINER_CUDNN'),
+                      compat.installed_cupy_without_cudnn(),
+                      sorted(m for m in sys.modules if m.split('.')[0] == 'cupy')]))
+''')
+
+
+@pytest.mark.parametrize('name, version, switched', [
+    ('cupy-cuda13x', '14.2.0', True), ('cupy-cuda12x', '14.0.0rc1', True),
+    ('cupy', '15.0.0', True), ('cupy_rocm_6_0', '14.1.0', True),
+    ('cupy-cuda12x', '13.6.0', False), ('cupyx-tools', '14.0.0', False)])
+def test_cupy_14_sets_chainer_cudnn_0_read_from_metadata(tmp_path, name, version, switched):
+    if _cupy_major() is not None:
+        pytest.skip('a real CuPy is installed here: test_needed_matches_the_stack checks it')
+    out = run_fresh(_CUDNN_PROBE,
+                    path=[_fake_distribution(tmp_path, name, version)])
+    applied, value, found, cupy_modules = json.loads(out)
+    assert cupy_modules == []   # read from metadata: CuPy is never imported
+    if switched:
+        assert 'CHAINER_CUDNN=0' in applied and value == '0'
+        assert found == f'{name} {version}'
+    else:
+        assert 'CHAINER_CUDNN=0' not in applied and value is None and found is None
+
+
+@pytest.mark.parametrize('user_value', ['1', '0'])
+def test_a_users_chainer_cudnn_is_kept(tmp_path, user_value):
+    out = run_fresh(_CUDNN_PROBE, env={'CHAINER_CUDNN': user_value},
+                    path=[_fake_distribution(tmp_path, 'cupy-cuda13x', '14.2.0')])
+    applied, value, found, _ = json.loads(out)
+    assert 'CHAINER_CUDNN=0' not in applied and value == user_value
+
+
+def test_no_switch_once_chainer_has_read_it(tmp_path):
+    out = run_fresh(textwrap.dedent('''
+        import types
+        sys.modules['chainer.backends.cuda'] = types.ModuleType('chainer.backends.cuda')
+    ''') + _CUDNN_PROBE, path=[_fake_distribution(tmp_path, 'cupy-cuda13x', '14.2.0')])
+    applied, value, _, _ = json.loads(out)
+    assert 'CHAINER_CUDNN=0' not in applied and value is None
+
+
+def test_chainer_on_cupy_14_imports_under_warnings_as_errors():
+    """Only with the real CuPy >= 14 (make test-cupy14): no shim, Chainer's check warns;
+    with the shim, it passes and Chainer sees CUDA without cuDNN."""
+    if (_cupy_major() or 0) < 14:
+        pytest.skip(f'needs the real CuPy >= 14 installed (found major {_cupy_major()})')
+    check = textwrap.dedent('''
+        import os
+        from chainer.backends import cuda
+        cuda.check_cuda_available()   # raises without CUDA libraries, warns without cuDNN
+        print(json.dumps([cuda.available, cuda.cudnn_enabled, os.environ.get('CHAINER_CUDNN')]))
+    ''')
+    stderr = run_fresh(textwrap.dedent('''
+        for name in compat.needed():
+            if name != 'CHAINER_CUDNN=0':
+                compat._PATCHES[name]()
+    ''') + check, expect_ok=False)
+    assert 'UserWarning: cuDNN is not enabled' in stderr, stderr
+    out = run_fresh('compat.apply()\n' + check)
+    assert json.loads(out) == [True, False, '0']
