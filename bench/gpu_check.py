@@ -134,14 +134,84 @@ def collect_versions() -> Dict[str, Any]:
         attempt('device_count', rt.getDeviceCount)
         attempt('gpu', lambda: _gpu(rt))
         attempt('nccl', _nccl_version)
-        attempt('cudnn', lambda: __import__(
-            'cupy_backends.cuda.libs.cudnn', fromlist=['getVersion']).getVersion())
-        attempt('chainer_cuda_available',
-                lambda: bool(__import__('chainer').backends.cuda.available))
+        attempt('cuda_libraries', lambda: cuda_libraries(cupy.__version__))
+        attempt('cudnn', lambda: v['cuda_libraries']['cudnn'])
+    attempt('chainer_cuda', chainer_cuda)
     attempt('nvidia_smi', lambda: subprocess.run(
         ['nvidia-smi', '--query-gpu=name,driver_version,memory.total,pci.bus_id',
          '--format=csv,noheader'], capture_output=True, text=True, timeout=20).stdout.strip())
     return v
+
+
+CUDNN_GONE = 'not supported by CuPy >= 14'
+
+
+def chainer_cuda() -> Dict[str, Any]:
+    """Chainer's own CUDA verdict: ``chainer.backends.cuda.available``, ``cudnn_enabled``,
+    and the error it caught while importing CuPy and its libraries (``_resolution_error``,
+    ``chainer/backends/cuda.py:78``; on CuPy >= 14 also the missing cuDNN, ``:134``)."""
+    sys.path.insert(0, ROOT)
+    from mgpu_updater import _cuda
+    from chainer.backends import cuda
+    error = getattr(cuda, '_resolution_error', None)
+    return {'available': bool(cuda.available), 'cudnn_enabled': bool(cuda.cudnn_enabled),
+            'resolution_error': None if error is None else f'{type(error).__name__}: {error}',
+            'unavailable_reason': _cuda.chainer_cuda_unavailable(),
+            'CHAINER_CUDNN': os.environ.get('CHAINER_CUDNN')}
+
+
+def cuda_libraries(cupy_version: str) -> Dict[str, Any]:
+    """Whether the CUDA libraries Chainer needs load: cuBLAS, NVRTC (kernels compile at run
+    time), cuRAND, each through CuPy's own module, with its version, the file this process
+    mapped, or the error; and cuDNN, which CuPy >= 14 dropped.
+
+    Needs no device: NVRTC's and cuRAND's versions come from the libraries themselves;
+    cuBLAS's needs a handle, so without a device it is ``None`` (the library still loads).
+    """
+    import importlib
+    out: Dict[str, Any] = {}
+
+    def probe(name: str, version: Any) -> None:
+        try:
+            # `from cupy.cuda import cublas`, as Chainer does (CuPy 14 loads it on access)
+            module = getattr(importlib.import_module('cupy.cuda'), name)
+            out[name] = {'loads': True, 'version': version(module),
+                         'path': _mapped_library(name)}
+        except Exception as e:
+            out[name] = {'loads': False, 'error': f'{type(e).__name__}: {e}'}
+
+    probe('cublas', _cublas_version)
+    probe('nvrtc', lambda m: '.'.join(map(str, m.getVersion())))
+    probe('curand', lambda m: m.getVersion())
+    if int(cupy_version.split('.')[0]) >= 14:
+        out['cudnn'] = CUDNN_GONE
+    else:
+        try:
+            out['cudnn'] = getattr(importlib.import_module('cupy.cuda'), 'cudnn').getVersion()
+        except Exception as e:
+            out['cudnn'] = f'{type(e).__name__}: {e}'
+    return out
+
+
+def _cublas_version(cublas: Any) -> Any:
+    import cupy
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:   # no driver or no device: the version needs a handle on a device
+        return None
+    with cupy.cuda.Device(0):
+        return cublas.getVersion(cupy.cuda.device.get_cublas_handle())
+
+
+def _mapped_library(name: str) -> Optional[str]:
+    """The ``lib<name>.so`` file this process has mapped (Linux), if any."""
+    try:
+        with open('/proc/self/maps') as f:
+            paths = {line.split()[-1] for line in f if f'/lib{name}.so' in line}
+    except OSError:
+        return None
+    return sorted(paths)[0] if paths else None
 
 
 def _apply_compat() -> List[str]:

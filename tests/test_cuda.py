@@ -188,3 +188,50 @@ def test_gpu_stager_many_batches_while_computing(gpu):
             del current, y
         assert sums == [float(n * k) for k in range(0, 29)]
     stager.close()
+
+
+# -- bench/gpu_check records the CUDA verdict and libraries (no GPU needed) -------------------
+
+def _gpu_check():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        'bench', 'gpu_check.py')
+    spec = importlib.util.spec_from_file_location('gpu_check_under_test', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_records_chainers_cuda_verdict(chainer_without_cuda):
+    verdict = _gpu_check().chainer_cuda()
+    assert verdict['available'] is False and verdict['cudnn_enabled'] is False
+    assert verdict['resolution_error'] == f'ImportError: {_NO_CUBLAS}'
+    assert verdict['unavailable_reason'] == _cuda.chainer_cuda_unavailable()
+    assert 'libcublas.so.13' in verdict['unavailable_reason']
+
+
+def _installed_cupy_major():
+    from importlib.metadata import PackageNotFoundError, version
+    for name in ('cupy-cuda13x', 'cupy-cuda12x', 'cupy'):
+        try:
+            return int(version(name).split('.')[0])
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+def test_gpu_check_records_whether_cublas_nvrtc_curand_load():
+    libs = _gpu_check().cuda_libraries('14.2.0')
+    assert libs['cudnn'] == 'not supported by CuPy >= 14'
+    names = ('cublas', 'nvrtc', 'curand')
+    if (_installed_cupy_major() or 0) >= 14:   # make test-cupy14: CuPy 14 with [ctk]
+        for name in names:
+            assert libs[name]['loads'] is True, libs[name]
+            assert f'/lib{name}.so.' in (libs[name]['path'] or ''), libs[name]
+        assert isinstance(libs['curand']['version'], int) and libs['curand']['version'] > 0
+        assert libs['nvrtc']['version'].split('.')[0].isdigit()
+    elif _installed_cupy_major() is None:
+        for name in names:
+            assert libs[name] == {'loads': False,
+                                  'error': "ModuleNotFoundError: No module named 'cupy'"}
