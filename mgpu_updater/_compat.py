@@ -39,8 +39,13 @@ Nothing else is changed: no other numpy alias is restored and no warning is sile
 here. (``numpy.float``, used by ``F.resize_images``, was removed in numpy 1.24 and is
 broken on every supported stack alike; it is not this shim's business.)
 
-:func:`apply` must run before the first ``import chainer``; ``import mgpu_updater`` runs
-it. Code that imports Chainer before ``mgpu_updater`` calls it itself::
+:func:`apply` must run before the first ``import chainer``. ``import mgpu_updater`` runs
+it, and so does the import hook that installing mgpu_updater sets up
+(``_mgpu_updater_hook.py``, loaded at start-up by ``mgpu_updater-chainer-hook.pth`` in
+site-packages): the first ``import chainer`` applies it, so scripts that import Chainer
+before ``mgpu_updater`` (every Chainer script) work unchanged. Where that hook is
+switched off (``MGPU_UPDATER_NO_IMPORT_HOOK=1``) or mgpu_updater is not installed (only
+on ``sys.path``), such code calls it itself::
 
     from mgpu_updater._compat import apply
     apply()
