@@ -50,8 +50,9 @@ def _cuda_available() -> Tuple[bool, str]:
 def devices(value: Any) -> Tuple[List[Any], List[str]]:
     """Parse ``devices`` into Chainer device objects and their labels (master first).
 
-    Everything that can be told from the specifiers alone (unknown, repeated, CPU and GPU
-    mixed) is checked before CUDA is asked anything.
+    Everything that can be told from the specifiers alone (unknown, CPU and GPU mixed) is
+    checked before CUDA is asked anything. A GPU may be listed more than once: several
+    replicas on one GPU (through shared memory, see :func:`mgpu_updater.comm.backend_for`).
     """
     if isinstance(value, dict):
         if 'main' not in value:
@@ -67,22 +68,16 @@ def devices(value: Any) -> Tuple[List[Any], List[str]]:
         raise ValueError('devices must name at least one device ([] given); '
                          "e.g. devices=['@numpy'] for one CPU replica")
     labels = [_label(spec, i) for i, spec in enumerate(ordered)]
-    first: Dict[str, int] = {}
-    for i, label in enumerate(labels):
-        if label == '@numpy':
-            continue
-        if label in first:
-            raise ValueError(f'devices lists GPU {label[6:]} twice (positions {first[label]} '
-                             f'and {i} of {ordered!r}); give each GPU once, or use '
-                             'accumulate_steps for more micro-batches per GPU')
-        first[label] = i
-    if first and len(first) != len(labels):
+    gpus = [i for i, label in enumerate(labels) if label != '@numpy']
+    if gpus and len(gpus) != len(labels):
         raise ValueError(f'devices mixes CPU and GPU devices ({ordered!r}); use only GPUs '
                          "or only '@numpy' replicas")
-    if first:
+    # A GPU listed more than once holds that many replicas (processes); NCCL refuses two
+    # ranks on one GPU, so comm.backend_for() then picks shared memory with host staging.
+    if gpus:
         ok, why = _cuda_available()
         if not ok:
-            i = min(first.values())
+            i = gpus[0]
             raise ValueError(f'devices[{i}] is {ordered[i]!r}, a GPU, but {why}; use '
                              "'@numpy' for CPU replicas or install the cuda12/cuda13 extra")
     return [chainer.get_device(label) for label in labels], labels

@@ -53,6 +53,23 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
         def data(self) -> _Pointer:  # type: ignore[override]
             return _Pointer(self, log)
 
+        def get(self, stream: Any = None, order: str = 'C', out: Any = None,
+                blocking: bool = True) -> numpy.ndarray:
+            """Device -> host (a copy, or into ``out``)."""
+            host = numpy.array(self, order=order).view(numpy.ndarray)
+            if out is not None:
+                assert out.shape == self.shape and out.dtype == self.dtype
+                out[...] = host
+                host = out
+            log.append(('d2h', getattr(local, 'device', None), self.nbytes))
+            return host
+
+        def set(self, arr: Any, stream: Any = None) -> None:
+            """Host -> device, in place."""
+            assert arr.shape == self.shape and arr.dtype == self.dtype
+            numpy.ndarray.__setitem__(self, Ellipsis, arr)
+            log.append(('h2d', getattr(local, 'device', None), self.nbytes))
+
     def empty(shape: Any, dtype: Any = float, order: str = 'C') -> FakeArray:
         return numpy.empty(shape, dtype, order).view(FakeArray)
 

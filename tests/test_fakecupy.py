@@ -109,6 +109,8 @@ def _pairs(fake, real) -> Dict[str, Tuple[Any, Any]]:
     return {
         'cupy.zeros': (fake.zeros, cupy.zeros),
         'cupy.empty': (fake.empty, cupy.empty),
+        'cupy.ndarray.get': (fake.FakeArray.get, cupy.ndarray.get),
+        'cupy.ndarray.set': (fake.FakeArray.set, cupy.ndarray.set),
         'cupy.cuda.Device': (fake.cuda.Device, cupy.cuda.Device),
         'cupy.cuda.Device.use': (fake.cuda.Device.use, cupy.cuda.Device.use),
         'cupy.cuda.Stream': (fake.cuda.Stream, cupy.cuda.Stream),

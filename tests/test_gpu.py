@@ -105,3 +105,35 @@ def test_float16_dynamic_loss_scaling_on_gpu(gpu):
         assert got[name].dtype == np.float16
         np.testing.assert_allclose(got[name].astype(np.float32), value.astype(np.float32),
                                    rtol=2e-2, atol=2e-3, err_msg=name)
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_two_replicas_on_one_gpu_match_the_large_batch(gpu, prefetch):
+    """devices=['@cupy:0', '@cupy:0']: a worker process with CUDA on the same GPU, GPU
+    prefetch in it, gradients staged through host shared memory (NCCL refuses two ranks on
+    one GPU), against StandardUpdater on the same samples in one batch."""
+    from mgpu_updater import comm
+    b, k, updates = 4, 2, 3
+    datasets = [dataset(b * k * updates, seed=5 + r) for r in range(2)]
+    model, ref = classifier(seed=5), classifier(seed=5)
+    opt = setup_optimizer('momentum+decay', model)
+    its = [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets]
+    devices = ['@cupy:0', '@cupy:0']
+    assert comm.backend_for([chainer.get_device(d) for d in devices]) == 'shm'
+    updater = ParallelAccumulatingUpdater(its, opt, devices=devices, accumulate_steps=k,
+                                          prefetch=prefetch)
+    try:
+        losses = [o['main/loss'] for o in run_updates(updater, model, updates)]
+    finally:
+        updater.finalize()
+    ref_opt = setup_optimizer('momentum+decay', ref)
+    ref_losses = []
+    for u in range(updates):
+        batch = [s for d in datasets for s in d[u * k * b:(u + 1) * k * b]]
+        it = chainer.iterators.SerialIterator(batch, len(batch), shuffle=False)
+        updater = StandardUpdater(it, ref_opt, device='@cupy:0')
+        ref_losses.append(float(run_updates(updater, ref, 1)[0]['main/loss'].array))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = params(_to_cpu(model))
+    for name, value in params(_to_cpu(ref)).items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

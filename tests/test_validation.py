@@ -107,13 +107,7 @@ def test_gpu_without_cuda(monkeypatch):
                          r'cuda12/cuda13 extra', devices=['@cupy:0', '@cupy:1'])
 
 
-@pytest.mark.parametrize('devices, first, second', [([0, 0], 0, 1), ([1, 0, '@cupy:1'], 0, 2)])
-def test_duplicate_gpu(devices, first, second):
-    # Checked from the specifiers alone, before CUDA is asked: no GPU needed here.
-    gpu = 0 if devices == [0, 0] else 1
-    rejected(ValueError, rf'^devices lists GPU {gpu} twice \(positions {first} and {second} of '
-                         rf'{re.escape(repr(devices))}\); give each GPU once, or use '
-                         r'accumulate_steps', devices=devices, iterators=iterators(len(devices)))
+# A GPU listed twice is allowed: two replicas on one GPU (tests/test_staged.py).
 
 
 @pytest.mark.parametrize('devices', [['@numpy', 0], [0, -1], ['@cupy:0', '@numpy']])
@@ -126,7 +120,6 @@ def test_device_checks_run_before_cuda(monkeypatch):
     """With CUDA present the same specifiers fail the same way (parse first, CUDA last)."""
     from mgpu_updater import _validate
     monkeypatch.setattr(_validate, '_cuda_available', lambda: (True, ''))
-    rejected(ValueError, r'^devices lists GPU 0 twice', devices=[0, 0])
     rejected(ValueError, r'^devices mixes CPU and GPU', devices=[0, '@numpy'])
 
 
