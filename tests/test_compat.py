@@ -38,13 +38,15 @@ def run_fresh(code, expect_ok=True, path=(), env=None):
     """Run ``code`` after the prelude in a new interpreter; return its last stdout line.
 
     ``path``: directories put first on ``sys.path`` (fake distributions); ``env``: variables
-    set. ``CHAINER_CUDNN`` is not inherited (this process's shim may have set it).
+    set. ``CHAINER_CUDNN`` is not inherited (this process's shim may have set it), and the
+    import hook is off (it would apply the shim on ``import chainer``; see
+    tests/test_import_hook.py).
     """
     source = _PRELUDE.format(path=_compat.__file__) + textwrap.dedent(code)
     env = dict({k: v for k, v in os.environ.items() if k != 'CHAINER_CUDNN'},
                PYTHONPATH=os.pathsep.join(filter(None, [*map(str, path), str(ROOT),
                                                         os.environ.get('PYTHONPATH')])),
-               **(env or {}))
+               MGPU_UPDATER_NO_IMPORT_HOOK='1', **(env or {}))
     proc = subprocess.run([sys.executable, '-c', source], capture_output=True, text=True,
                           timeout=240, env=env)
     if expect_ok:
