@@ -73,7 +73,7 @@ def test_buffers_live_on_the_device(pair):
             assert isinstance(buf, fake.FakeArray) and buf.shape == (count,)
             assert buf.dtype == numpy.dtype(dtype)
     assert master.buffer('grad/<f4') is not worker.buffer('grad/<f4')
-    assert master.segment_names and len(master.segment_names) == len(SPEC)
+    assert len(master.owned_segments) == len(SPEC) + 1   # one per buffer, and the ledger
 
 
 def test_bcast_goes_device_host_device(pair):
@@ -127,8 +127,8 @@ def test_a_failing_device_side_releases_the_shared_segments(monkeypatch):
     made = []
     original = ShmCommunicator.create.__func__
 
-    def create(cls, size, spec):
-        made.append(original(cls, size, spec))
+    def create(cls, size, spec, broadcast=()):
+        made.append(original(cls, size, spec, broadcast))
         return made[-1]
 
     monkeypatch.setattr(ShmCommunicator, 'create', classmethod(create))
