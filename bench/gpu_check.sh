@@ -70,4 +70,13 @@ if [ ! -s "$OUT/gpu_check.json" ]; then
         "$rc" >"$OUT/gpu_check.json"
 fi
 echo "== gpu_check.py exited with $rc; report: $OUT/gpu_check.json" | tee -a "$LOG"
+
+# micro_batch_size='auto' under a capped CuPy pool (issue 12)
+mb_args=(--require-gpu)
+case " $* " in *" --dry-run "*) mb_args=(--dry-run) ;; esac
+timeout -k 10 180 "$PY" "$ROOT/bench/gpu_micro_batch.py" "${mb_args[@]}" \
+    --out "$OUT/gpu_micro_batch.json" 2>&1 | tee -a "$LOG"
+mb_rc=${PIPESTATUS[0]}
+echo "== gpu_micro_batch.py exited with $mb_rc; report: $OUT/gpu_micro_batch.json" | tee -a "$LOG"
+[ "$rc" -eq 0 ] && rc=$mb_rc
 exit "$rc"
