@@ -12,7 +12,7 @@ import collections
 import queue
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, NamedTuple, Optional
+from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
 
@@ -126,16 +126,26 @@ class Loader:
         self._exhausted = False
         self._closed = False
 
-    def _load(self, stager: Any = None) -> Optional[Batch]:
+    def _read(self) -> Optional[Tuple[Any, EpochInfo]]:
+        """The iterator's next batch as it gave it, with its epoch bookkeeping after it;
+        ``None`` once it is exhausted."""
         try:
             batch = self.iterator.next()
         except StopIteration:
             return None
+        return batch, epoch_info(self.iterator)
+
+    def _convert(self, read: Tuple[Any, EpochInfo], stager: Any = None) -> Batch:
+        batch, epoch = read
         if stager is None:
             arrays = convert._call_converter(self.converter, batch, self.device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
             arrays = stager.stage(convert._call_converter(self.converter, batch, None))
-        return Batch(len(batch), arrays, epoch_info(self.iterator))
+        return Batch(sample_count(batch), arrays, epoch)
+
+    def _load(self, stager: Any = None) -> Optional[Batch]:
+        read = self._read()
+        return None if read is None else self._convert(read, stager)
 
     def get(self) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted."""
@@ -158,8 +168,22 @@ class Loader:
 class Prefetcher(Loader):
     """Loads up to ``depth`` micro-batches ahead in a daemon thread.
 
-    ``iterator.next()``, the converter and the copy to the device all run in the thread.
-    An exception there is re-raised by :meth:`get`, with its original traceback.
+    The iterator's first batch is read in the constructor, in the caller's thread, and
+    every later one in the background thread, which also converts and copies each batch
+    to the device. An exception there is re-raised by :meth:`get`, with its original
+    traceback.
+
+    Why the first read happens here: ``MultiprocessIterator`` forks its pool of loader
+    processes at its first ``next()`` (Chainer 7.8.1 ``iterators/multiprocess_iterator.py``
+    :145-152, ``_PrefetchLoop.launch_thread`` at :463-469, ``multiprocessing.Pool`` with the
+    default ``fork``). Forked from a background thread while the main thread is inside an
+    OpenBLAS call (the lazy-parameter forward pass, the first window), that call never
+    returns. Forked here, before the thread starts and before the caller does any BLAS
+    work, nothing runs alongside the fork. No later ``next()`` forks again: the pool is
+    launched only while ``_prefetch_loop.thread`` is None (:147), which stays set until
+    ``finalize()`` (:167-178); ``reset()`` and ``serialize()`` only signal the running loop
+    (``_reset_state`` -> ``_Communicator.reset``, :248-256). (With ``maxtasksperchild``
+    the pool replaces its processes from its own thread, as under StandardUpdater.)
     """
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int) -> None:
@@ -171,25 +195,36 @@ class Prefetcher(Loader):
         self._pending: Deque[Dict[str, numpy.ndarray]] = collections.deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._pending.append(capture_state(iterator))
+        self._first_read: Optional[Tuple[Any, EpochInfo]] = None
+        self._first_error: Optional[BaseException] = None
+        try:
+            self._first_read = self._read()
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer by the thread
+            self._first_error = exc
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         stager = None
         try:
+            read, self._first_read = self._first_read, None
+            if self._first_error is not None:
+                raise self._first_error
             if _is_gpu(self.device):
                 from ._cuda import PinnedStager
                 self.device.use()
                 stager = PinnedStager(self.device.device.id, timeout=60.0)
-            while not self._stop.is_set():
+            while True:
+                item = None if read is None else self._convert(read, stager)
+                self._put(('item', item) if item is not None else ('end', None))
+                if item is None or self._stop.is_set():
+                    return
                 # Record the state before loading, then load without the lock: the
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
                     self._pending.append(capture_state(self.iterator))
-                item = self._load(stager)
-                self._put(('item', item) if item is not None else ('end', None))
-                if item is None:
-                    return
+                read = self._read()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))
         finally:
@@ -245,6 +280,22 @@ class Prefetcher(Loader):
         except queue.Empty:
             pass
         self._thread.join(_STOP_WAIT)
+
+
+def sample_count(batch: Any) -> int:
+    """How many samples a batch, as the iterator returned it, holds.
+
+    A list (what Chainer's iterators return: one example per entry) counts its entries.
+    A tuple or dict whose first value is an array counts that array's leading dimension:
+    a custom iterator that returns columns (Chainer's word2vec ``WindowIterator`` returns
+    ``(centers, contexts)``) gives one row per sample. Anything else with a shape counts
+    its leading dimension; anything else, its length.
+    """
+    if isinstance(batch, (tuple, dict)) and batch:
+        first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+        if getattr(first, 'ndim', 0) >= 1:
+            return int(first.shape[0])
+    return len(batch)
 
 
 def _is_gpu(device: Any) -> bool:

@@ -1,0 +1,130 @@
+"""Where an iterator reads its first batch: in the thread that builds the loader.
+
+``MultiprocessIterator`` forks its pool of loader processes at its first ``next()``. Forked
+from the prefetch thread while the main thread is inside an OpenBLAS call (the lazy
+parameters' forward pass, the first window), that call never returns: the master or a
+worker hangs at start (the slow ``test_chainer_style`` stress shows it). So the loader
+reads the first batch itself, before its thread starts and before any BLAS work, on the
+master and in every worker; no later read may start the pool again.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import chainer
+from chainer.iterators import MultiprocessIterator, SerialIterator
+
+from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater.prefetch import load_state, make_loader
+
+from _models import classifier, dataset, params, setup_optimizer
+
+
+class RecordingIterator(SerialIterator):
+    """Records the thread of each read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.threads = []
+
+    def __next__(self):
+        self.threads.append(threading.current_thread().name)
+        return super().__next__()
+
+    next = __next__
+
+
+class PoolRecordingIterator(MultiprocessIterator):
+    """Records the thread of each read that starts the loader pool (Chainer 7.8.1
+    ``iterators/multiprocess_iterator.py``:147-152)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pool_started_in = []
+
+    def __next__(self):
+        if self._prefetch_loop.thread is None:
+            self.pool_started_in.append(threading.current_thread().name)
+        return super().__next__()
+
+    next = __next__
+
+
+class FirstReadOnMainThread(SerialIterator):
+    """Fails the way a hang would be found out: its first read off the main thread."""
+
+    def __next__(self):
+        if not getattr(self, '_read_once', False):
+            self._read_once = True
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError('first batch read in thread '
+                                   f'{threading.current_thread().name!r}')
+        return super().__next__()
+
+    next = __next__
+
+
+def test_first_batch_is_read_by_the_thread_that_builds_the_loader():
+    it = RecordingIterator(dataset(12, seed=0), 3, shuffle=False)
+    loader = make_loader(it, chainer.dataset.concat_examples, None, 2)
+    try:
+        assert it.threads[:1] == [threading.current_thread().name]
+        got = [loader.get() for _ in range(5)]
+    finally:
+        loader.close()
+    assert set(it.threads[1:]) == {'mgpu-prefetch'}   # the rest ahead, in the thread
+    expected = chainer.dataset.concat_examples(dataset(12, seed=0)[:])[0]
+    np.testing.assert_array_equal(np.concatenate([b.arrays[0] for b in got[:4]]), expected)
+    assert [b.epoch.epoch for b in got] == [0, 0, 0, 1, 1]
+
+
+def test_multiprocess_iterator_pool_starts_once_in_the_building_thread():
+    it = PoolRecordingIterator(dataset(12, seed=0), 3, n_processes=2)
+    try:
+        loader = make_loader(it, chainer.dataset.concat_examples, None, 2)
+        try:
+            assert it.pool_started_in == [threading.current_thread().name]
+            for _ in range(3):
+                loader.get()
+            state = loader.state()
+        finally:
+            loader.close()
+        load_state(it, _Deserializer(state))   # as a resume into a running updater does
+        loader = make_loader(it, chainer.dataset.concat_examples, None, 2)
+        try:
+            for _ in range(6):                 # across epochs
+                loader.get()
+        finally:
+            loader.close()
+        assert it.pool_started_in == [threading.current_thread().name]
+    finally:
+        it.finalize()
+
+
+def test_master_and_workers_read_their_first_batch_on_the_main_thread():
+    """On the master before the lazy parameters' forward pass, in each worker before it
+    computes: with the read in the prefetch thread both fail here."""
+    model = classifier(seed=0, lazy=True)
+    data = dataset(24, seed=1)
+    its = [FirstReadOnMainThread(data[r::2], 3, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy', '@numpy'], accumulate_steps=2)
+    try:
+        for _ in range(2):
+            updater.update()
+    finally:
+        updater.finalize()
+    assert all(np.isfinite(v).all() for v in params(model).values())
+
+
+class _Deserializer(chainer.serializer.Deserializer):
+    def __init__(self, target, path=''):
+        self.target, self.path = target, path
+
+    def __getitem__(self, key):
+        return _Deserializer(self.target, self.path + key.strip('/') + '/')
+
+    def __call__(self, key, value):
+        return self.target[self.path + key.lstrip('/')]
