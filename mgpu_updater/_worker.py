@@ -40,6 +40,8 @@ class WorkerInit(NamedTuple):
     comm_name: str
     comm_handle: Any
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
+    config: Any = None          # the master's chainer.config entries (_inherit)
+    seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -187,13 +189,18 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
 
 def _build(init: 'WorkerInit') -> Any:
     import chainer
-    from . import _loss_binding, comm as comm_module
+    from . import _inherit, _loss_binding, comm as comm_module
     from ._flat import ModelLayouts
     from ._replica import Replica
     from .prefetch import make_loader
 
+    _inherit.apply_config(init.config or {})
+    if init.seed is not None:
+        _inherit.seed_process(init.seed)
     device = chainer.get_device(init.device)
     device.use()
+    if init.seed is not None:
+        _inherit.seed_device(init.seed, device)
     model = init.model
     model.to_device(device)
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)

@@ -12,7 +12,7 @@ import chainer
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
-from . import _loss_binding, _validate
+from . import _inherit, _loss_binding, _validate
 from ._chunks import Chunking
 from ._flat import ModelLayouts
 from ._group import Group, LocalGroup, Pending, SoloGroup, payload_factory
@@ -229,6 +229,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             for param in replica_model.params():
                 param.update_rule = None
             payloads = {}
+            config = _inherit.master_config()
+            seeds = _inherit.draw_seeds(len(self._worker_iterators))
             for rank, it in enumerate(self._worker_iterators, start=1):
                 payloads[rank] = payload_factory(dict(
                     rank=rank, size=len(self._devices), device=self.device_labels[rank],
@@ -238,7 +240,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     bind_loss_to_model=self._bound_loss, converter=self.converter,
                     iterator=it, prefetch=self.prefetch,
                     accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
-                    chunking=self._chunking(rank),
+                    chunking=self._chunking(rank), config=config, seed=seeds[rank - 1],
                     comm_name=comm.backend_for(self._devices)), model)
             self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
                                      master_device, self.device_labels, payloads,

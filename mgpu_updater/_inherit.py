@@ -1,0 +1,81 @@
+"""What a worker inherits from the master's process: Chainer's configuration and seeds.
+
+A script configures and seeds the process it runs in (``chainer.global_config.dtype =
+...``, ``chainer.set_debug(True)``, ``numpy.random.seed(0)``); under ``StandardUpdater``
+that process computes every gradient. Workers are fresh processes (``spawn``), so each
+would start from Chainer's defaults and from an OS-entropy random state: a seeded run with
+dropout would differ from one run to the next, and a setting such as ``dtype`` would hold
+on the master only. So the master sends them:
+
+- its configuration as the thread that starts training sees it (``chainer.config``: the
+  global entries and that thread's own, which ``chainer.set_debug`` and ``chainer.config.x
+  = v`` set), every entry but Chainer's run-time bookkeeping, applied to the worker's
+  ``chainer.global_config`` before it builds its replica;
+- one seed per worker, drawn from the master's own ``numpy.random`` global state, so the
+  script's seed decides them and the master's stream advances the same way every run;
+  each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Dict, List
+
+import numpy
+
+import chainer
+
+# Entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236; static
+# graphs and recomputation), not settings of the user's.
+_RUNTIME = frozenset({'schedule_func', 'in_recomputing', '_will_recompute'})
+
+
+class _Mixed16:
+    """Stands for ``chainer.mixed16`` in transit: Chainer tests it by identity
+    (chainer/__init__.py:312), so the worker must get its own module's object back."""
+
+
+def master_config() -> Dict[str, Any]:
+    """The configuration entries the calling thread sees, to apply in a worker."""
+    import cloudpickle
+    names = set(vars(chainer.global_config)) | set(vars(chainer.config._local))
+    entries: Dict[str, Any] = {}
+    for name in sorted(names - _RUNTIME):
+        value = getattr(chainer.config, name)
+        if value is chainer.mixed16:
+            entries[name] = _Mixed16()
+            continue
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
+            warnings.warn(f'chainer.config.{name} = {value!r} cannot be sent to the worker '
+                          f'processes ({type(exc).__name__}: {exc}); they keep Chainer\'s '
+                          'value for it. Set it to a picklable value to have it apply there',
+                          stacklevel=3)
+            continue
+        entries[name] = value
+    return entries
+
+
+def apply_config(entries: Dict[str, Any]) -> None:
+    """Set the master's entries on this (worker) process's ``chainer.global_config``."""
+    for name, value in entries.items():
+        setattr(chainer.global_config, name,
+                chainer.mixed16 if isinstance(value, _Mixed16) else value)
+
+
+def draw_seeds(count: int) -> List[int]:
+    """One seed per worker from the master's ``numpy.random`` global state."""
+    return [int(s) for s in numpy.random.randint(0, 2 ** 32, size=count, dtype=numpy.int64)]
+
+
+def seed_process(seed: int) -> None:
+    """Seed this (worker) process's ``numpy.random`` and Python's ``random``."""
+    numpy.random.seed(seed)
+    random.seed(seed)
+
+
+def seed_device(seed: int, device: Any) -> None:
+    """Seed the device's generator too when it is a GPU (``cupy.random``)."""
+    if isinstance(device, chainer.backend.GpuDevice):
+        device.xp.random.seed(seed)
