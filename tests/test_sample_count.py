@@ -1,0 +1,107 @@
+"""How many samples a batch holds, as the iterator returned it (``prefetch.sample_count``).
+
+Micro-batches are weighted by their sample counts, so a short batch must count what it
+holds. Chainer's iterators return a list of examples: its length. A custom iterator may
+return columns instead (Chainer's word2vec ``WindowIterator`` returns ``(centers,
+contexts)``): a tuple (or dict) of arrays counts the rows of its first array, not 2.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater.prefetch import sample_count
+
+from _models import params, setup_optimizer
+
+
+class ColumnIterator(chainer.dataset.Iterator):
+    """Walks ``(x, t)`` once, ``batch_size`` rows at a time, returning the columns."""
+
+    def __init__(self, x, t, batch_size):
+        self.x, self.t, self.batch_size = x, t, batch_size
+        self.current_position = 0
+        self.epoch = 0
+        self.is_new_epoch = False
+
+    def __next__(self):
+        if self.epoch > 0:
+            raise StopIteration
+        i, end = self.current_position, self.current_position + self.batch_size
+        batch = self.x[i:end], self.t[i:end]
+        self.is_new_epoch = end >= len(self.x)
+        self.epoch += int(self.is_new_epoch)
+        self.current_position = 0 if self.is_new_epoch else end
+        return batch
+
+    next = __next__
+
+    @property
+    def epoch_detail(self):
+        return self.epoch + self.current_position / len(self.x)
+
+    def serialize(self, serializer):
+        self.current_position = serializer('current_position', self.current_position)
+        self.epoch = serializer('epoch', self.epoch)
+        self.is_new_epoch = serializer('is_new_epoch', self.is_new_epoch)
+
+
+@chainer.dataset.converter()
+def columns(batch, device):
+    return tuple(a if device is None else device.send(a) for a in batch)
+
+
+class Regressor(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 1)
+
+    def forward(self, x, t):
+        return F.mean_squared_error(self.l1(x)[:, 0], t)
+
+
+def _data(n):
+    rng = np.random.RandomState(0)
+    return rng.randn(n, 5).astype(np.float32), rng.randn(n).astype(np.float32)
+
+
+def test_sample_count_rule():
+    x, t = _data(4)
+    assert sample_count([(x[0], t[0]), (x[1], t[1]), (x[2], t[2])]) == 3   # examples
+    assert sample_count((x[:3], t[:3])) == 3                             # columns
+    assert sample_count({'x': x[:3], 't': t[:3]}) == 3
+    assert sample_count(x[:2]) == 2
+    assert sample_count((x[:1], t[:1])) == 1
+
+
+@pytest.mark.parametrize('devices,steps', [(['@numpy'], 2), (['@numpy', '@numpy'], 2)])
+def test_short_column_batches_weigh_as_in_standard_updater(devices, steps):
+    """Each replica's shard of 4 rows loads as batches of 3 and 1: one update over all
+    rows must equal StandardUpdater's step on one batch of every row."""
+    x, t = _data(4 * len(devices))
+    np.random.seed(0)
+    ours = Regressor()
+    np.random.seed(0)
+    reference = Regressor()
+    its = [ColumnIterator(x[4 * r:4 * r + 4], t[4 * r:4 * r + 4], 3)
+           for r in range(len(devices))]
+    updater = ParallelAccumulatingUpdater(its if len(its) > 1 else its[0],
+                                          setup_optimizer('sgd', ours), devices=devices,
+                                          accumulate_steps=steps, converter=columns,
+                                          loss_func=ours)
+    try:
+        updater.update()
+    finally:
+        updater.finalize()
+    StandardUpdater(ColumnIterator(x, t, len(x)), setup_optimizer('sgd', reference),
+                    converter=columns, loss_func=reference).update()
+    got, expected = params(ours), params(reference)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
