@@ -206,6 +206,7 @@ def _build(init: 'WorkerInit') -> Any:
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
+    # Before any BLAS call: the first read may fork the iterator's pool (prefetch.Prefetcher).
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
                       name=f'replica {init.rank} ({init.device})',

@@ -207,6 +207,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _start(self) -> None:
         model = self._optimizers['main'].target
         master_device = self._devices[0]
+        # The loader first: it reads the first batch here, so a MultiprocessIterator forks
+        # its pool before any BLAS call (see prefetch.Prefetcher).
         self._loader = make_loader(self._iterators['main'], self.converter, master_device,
                                    self.prefetch)
         _initialize_lazy_params(model, self.loss_func, self._iterators['main'],
