@@ -9,7 +9,7 @@ on the master only. So the master sends them:
 
 - its configuration as the thread that starts training sees it (``chainer.config``: the
   global entries and that thread's own, which ``chainer.set_debug`` and ``chainer.config.x
-  = v`` set), every entry but Chainer's run-time bookkeeping, applied to the worker's
+  = v`` set), every entry but those listed in ``_NOT_SENT``, applied to the worker's
   ``chainer.global_config`` before it builds its replica;
 - one seed per worker, drawn from the master's own ``numpy.random`` global state, so the
   script's seed decides them and the master's stream advances the same way every run;
@@ -25,9 +25,13 @@ import numpy
 
 import chainer
 
-# Entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236; static
-# graphs and recomputation), not settings of the user's.
-_RUNTIME = frozenset({'schedule_func', 'in_recomputing', '_will_recompute'})
+# Not sent: entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236;
+# static graphs and recomputation), not settings of the user's; and keep_graph_on_report,
+# which DumpGraph turns on for one iteration on the master (extensions/
+# computational_graph.py:120-121, :149): only the master's reports reach extensions, so in
+# a worker it would only keep graphs alive.
+_NOT_SENT = frozenset({'schedule_func', 'in_recomputing', '_will_recompute',
+                       'keep_graph_on_report'})
 
 
 class _Mixed16:
@@ -40,7 +44,7 @@ def master_config() -> Dict[str, Any]:
     import cloudpickle
     names = set(vars(chainer.global_config)) | set(vars(chainer.config._local))
     entries: Dict[str, Any] = {}
-    for name in sorted(names - _RUNTIME):
+    for name in sorted(names - _NOT_SENT):
         value = getattr(chainer.config, name)
         if value is chainer.mixed16:
             entries[name] = _Mixed16()

@@ -144,3 +144,12 @@ def test_a_config_value_that_cannot_travel_is_left_out_with_a_warning(restore_co
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def test_runtime_entries_and_graph_keeping_stay_on_the_master(restore_config):
+    from mgpu_updater import _inherit
+    chainer.config.keep_graph_on_report = True     # as DumpGraph sets it, for the master
+    chainer.config.mgpu_test_local = 'x'
+    sent = _inherit.master_config()
+    assert sent['mgpu_test_local'] == 'x' and sent['train'] is True
+    assert not {'keep_graph_on_report', 'schedule_func', 'in_recomputing'} & set(sent)
