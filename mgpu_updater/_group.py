@@ -24,7 +24,7 @@ from . import _payload
 from . import comm as comm_module
 from ._flat import ModelLayouts, grad_arrays
 from ._lifecycle import WorkerPool
-from ._protocol import StateRequest, broadcast_only, master_begin, master_finish
+from ._protocol import State, StateRequest, broadcast_only, master_begin, master_finish
 from ._replica import WindowResult
 
 
@@ -137,7 +137,7 @@ class LocalGroup(Group):
 
     def states(self) -> Dict[int, Dict[str, Any]]:
         self.pool.send(StateRequest())
-        return self.pool.gather('state', timeout=60.0, what='snapshot')
+        return self.pool.gather(State.KIND, timeout=60.0, what='snapshot')
 
     def pids(self) -> List[int]:
         return self.pool.pids()

@@ -11,11 +11,11 @@ Start-up runs in three steps, so that no write can block on a process that is go
    of the shared-memory segments). Python writes those arguments into a pipe whose read
    end the master itself holds until the write is done (``popen_spawn_posix.py``), so a
    large argument hangs the master for good when the worker dies before reading it.
-2. The worker says ``('hello',)`` once Python's start-up, which imports the main module
+2. The worker says ``Hello()`` once Python's start-up, which imports the main module
    again, is over. A worker that dies before that died importing the main module: the
    script most likely trains at module level without ``if __name__ == '__main__':``.
 3. The master sends the payload (model, data shard, ...) over the worker's own pipe from
-   a thread, watching the worker's sentinel, and waits for ``('ready',)``.
+   a thread, watching the worker's sentinel, and waits for ``Ready()``.
 
 Workers are not daemonic, so their iterators may start processes of their own
 (``MultiprocessIterator``). Each worker leads its own process group; on shutdown the
@@ -36,9 +36,10 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ._protocol import Failed, Hello, Ready, Stop
 from .errors import WorkerError
 
-ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after ('stop',)
+ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
 TERMINATE_TIMEOUT = 2.0  # after SIGTERM
 KILL_TIMEOUT = 2.0       # after SIGKILL
 MAIN_GUARD_EXIT = 78     # exit code of a worker that re-ran the script's training (EX_CONFIG)
@@ -124,8 +125,8 @@ class WorkerPool:
 
         ``target(conn, master_pid, shm_names, default_start_method)`` is the worker's
         entry point: it says
-        ``('hello',)``, receives its payload with ``conn.recv_bytes()``, then says
-        ``('ready',)``. ``timeout`` bounds the whole start. ``before_ready`` runs after
+        ``Hello()``, receives its payload with ``conn.recv_bytes()``, then says
+        ``Ready()``. ``timeout`` bounds the whole start. ``before_ready`` runs after
         the payloads are sent and before the wait for ready: the NCCL communicator's
         initialisation, which needs every rank at once. Returns what each ready said.
         """
@@ -146,11 +147,11 @@ class WorkerPool:
             self._procs[rank] = proc
             self._conns[rank] = parent
             self._exits[rank] = _exit_handle(proc)
-        self._collect('hello', deadline, timeout, 'start', on_dead=self._raise_not_started)
+        self._collect(Hello.KIND, deadline, timeout, 'start', on_dead=self._raise_not_started)
         self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
-        return self._collect('ready', deadline, timeout, 'start', on_dead=self._raise_dead)
+        return self._collect(Ready.KIND, deadline, timeout, 'start', on_dead=self._raise_dead)
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
                        timeout: float) -> None:
@@ -196,7 +197,7 @@ class WorkerPool:
             if proc.exitcode is not None:
                 if self._conns[rank].poll(0):
                     msg = self._conns[rank].recv()
-                    if msg[0] == 'error':
+                    if msg[0] == Failed.KIND:
                         raise WorkerError('failed', replica=rank, device=str(self._devices[rank]),
                                           remote_traceback=msg[1])
                 self._raise_dead(rank)
@@ -239,7 +240,7 @@ class WorkerPool:
                         msg = obj.recv()
                     except (EOFError, OSError):
                         on_dead(rank)
-                    if msg[0] == 'error':
+                    if msg[0] == Failed.KIND:
                         raise WorkerError(
                             f'failed during {what}', replica=rank,
                             device=str(self._devices[rank]), remote_traceback=msg[1])
@@ -289,7 +290,7 @@ class WorkerPool:
         _live.discard(self)
         for rank, conn in self._conns.items():
             try:
-                conn.send(('stop',))
+                conn.send(Stop())
             except Exception:  # noqa: BLE001 - dead already; reaped below
                 pass
         ranks = self.ranks

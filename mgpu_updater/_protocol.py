@@ -38,7 +38,9 @@ One update, side by side::
     unpack stat (and grad, or keep it pending)
 
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
-worker -> master: :class:`Ready`, :class:`Done`, :class:`State`, :class:`Failed`) are named
+worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
+:class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
+:mod:`mgpu_updater._lifecycle`) are named
 tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
 """
 from __future__ import annotations
@@ -88,6 +90,12 @@ class StateRequest(_Kind, _NoFields):
 class Stop(_Kind, _NoFields):
     """master -> worker: exit."""
     KIND = 'stop'
+
+
+class Hello(_Kind, _NoFields):
+    """worker -> master, once: Python's start-up (which re-imports ``__main__``) is over;
+    send the payload."""
+    KIND = 'hello'
 
 
 class Ready(_Kind, _NoFields):

@@ -1,15 +1,16 @@
 """The worker process: receive a command, run the window, reduce, report.
 
 Runs in a process started with ``spawn`` (or ``forkserver``), so it imports everything
-afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe:
+afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe
+(the messages are :mod:`mgpu_updater._protocol`'s):
 
 master -> worker                          worker -> master
-                                          ('hello',) first, once Python's start-up is over
-payload bytes (a pickled WorkerInit)      ('ready',) once, after start-up
-('step', loss_scale, scalars, parity)     ('done', WindowResult)
-('state',)                                ('state', iterator state dict)
-('stop',)                                 (exits)
-                                          ('error', traceback) on any exception
+                                          Hello() first, once Python's start-up is over
+payload bytes (a pickled WorkerInit)      Ready() once, after start-up
+Step(loss_scale, scalars, parity)         Done(WindowResult)
+StateRequest()                            State(iterator state dict)
+Stop()                                    (exits)
+                                          Failed(traceback) on any exception
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from ._protocol import Done, State, StateRequest, Step, Stop, worker_step
+from ._protocol import Done, Failed, Hello, Ready, State, StateRequest, Step, Stop, worker_step
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -128,7 +129,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
 
     The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
-    the ``('hello',)``, never as a process argument (see ``_lifecycle``).
+    the ``Hello()``, never as a process argument (see ``_lifecycle``).
     ``default_start_method`` is the master's default (None: the platform's), for the
     processes the user's iterator starts here.
     """
@@ -146,7 +147,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     master_gone = _watch_parent(parent_pid, orphaned)
     replica = comm = init = None
     try:
-        conn.send(('hello',))
+        conn.send(Hello())
         payload = conn.recv_bytes()
         from . import _compat
         _compat.apply()
@@ -157,7 +158,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
             init = None
             return
         replica, comm, layouts = _build(init)
-        conn.send(('ready',))
+        conn.send(Ready())
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
         _wait_stop(conn)
@@ -212,8 +213,7 @@ def _build(init: 'WorkerInit') -> Any:
                       name=f'replica {init.rank} ({init.device})',
                       chunking=init.chunking)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
-    if hasattr(comm, 'init'):   # NCCL: every rank joins while the master waits for 'ready'
-        comm.init()
+    comm.init()   # NCCL: every rank joins while the master waits for Ready
     return replica, comm, ModelLayouts(model)
 
 
@@ -242,7 +242,7 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any)
 
 def _send_error(conn: Any) -> None:
     try:
-        conn.send(('error', traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
     except Exception:  # noqa: BLE001 - the master is gone; nothing left to tell
         pass
 
