@@ -176,6 +176,14 @@ class Communicator(abc.ABC):
                 'create a new one (a new updater) to communicate again')
 
 
+def named_buffer(buffers: Mapping[str, Any], name: str) -> Any:
+    """``buffers[name]``, or a KeyError that lists the names there are."""
+    try:
+        return buffers[name]
+    except KeyError:
+        raise KeyError(f'no buffer named {name!r}; the spec has {sorted(buffers)}') from None
+
+
 def check_spec(spec: BufferSpec) -> BufferSpec:
     """Validate and normalise a buffer spec (dtype strings, non-negative counts)."""
     out = {}

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Optional
 import numpy
 
 from mgpu_updater import _cuda
-from mgpu_updater.comm.base import BufferSpec, Communicator, check_spec
+from mgpu_updater.comm.base import BufferSpec, Communicator, check_spec, named_buffer
 
 __all__ = ['NcclCommunicator']
 
@@ -246,11 +246,7 @@ class NcclCommunicator(Communicator):
 
     def buffer(self, name: str) -> Any:
         self._check_open()
-        try:
-            return self._buffers[name]
-        except KeyError:
-            raise KeyError(f'no buffer named {name!r}; the spec has '
-                           f'{sorted(self._buffers)}') from None
+        return named_buffer(self._buffers, name)
 
     def reduce(self, name: str, root: int = 0) -> None:
         self._check_root(root)

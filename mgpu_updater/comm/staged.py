@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List
 
 from .. import _cuda
-from .base import BufferSpec, Communicator
+from .base import BufferSpec, Communicator, named_buffer
 from .shm import ShmCommunicator
 
 __all__ = ['HostStagedCommunicator']
@@ -63,11 +63,7 @@ class HostStagedCommunicator(Communicator):
 
     def buffer(self, name: str) -> Any:
         self._check_open()
-        try:
-            return self._buffers[name]
-        except KeyError:
-            raise KeyError(f'no buffer named {name!r}; the spec has '
-                           f'{sorted(self._buffers)}') from None
+        return named_buffer(self._buffers, name)
 
     def reduce(self, name: str, root: int = 0) -> None:
         device_buffer, host = self.buffer(name), self._inner.buffer(name)
