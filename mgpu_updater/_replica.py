@@ -15,7 +15,7 @@ import numpy
 import chainer
 
 from ._chunks import Chunking, split
-from .prefetch import Batch, EpochInfo, Loader, Stopwatch
+from ._loader import Batch, EpochInfo, Loader, Stopwatch
 
 
 class WindowResult(NamedTuple):

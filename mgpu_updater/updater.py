@@ -14,12 +14,13 @@ from chainer.training.updaters import StandardUpdater
 
 from . import _inherit, _loss_binding, _validate
 from ._chunks import Chunking
-from ._flat import ModelLayouts
-from ._group import Group, LocalGroup, Pending, SoloGroup, payload_factory
+from ._flat_buffers import ModelLayouts
+from ._groups import ClosedGroup, Group, ReduceHandle, SoloGroup
+from ._local.group import LocalGroup, payload_factory
 from ._replica import (Replica, Scaling, WindowResult, combine, observers, total_loss,
                        with_graph)
 from .errors import NonFiniteLossError
-from .prefetch import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
+from ._loader import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
                        write_state)
 
 
@@ -119,7 +120,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  replica_reduction: str = 'mean',
                  micro_batch_size: Union[None, int, str] = None) -> None:
         self._finalized = False
-        self._group: Group = Group()
+        self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
         self.prefetch = _validate.positive_int('prefetch', prefetch, minimum=0)
         self.nonfinite = _validate.non_finite_policy(nonfinite)
@@ -144,7 +145,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if not isinstance(pipelined, bool):
             raise TypeError(f'pipelined must be True or False ({pipelined!r} given)')
         self.pipelined = pipelined
-        self._pending: Optional[_PendingUpdate] = None
+        self._pending: Optional[_DeferredStep] = None
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
         model = _validate.optimizer(optimizer)
@@ -169,7 +170,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._replica: Optional[Replica] = None
         self._loader: Optional[Loader] = None
         self._epoch: Optional[EpochInfo] = None
-        self._weight_norm = float(self.accumulate_steps * sum(
+        self._nominal_samples = float(self.accumulate_steps * sum(
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
         #: seconds of the last update: 'data', 'compute', 'comm', 'update'
@@ -208,7 +209,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         model = self._optimizers['main'].target
         master_device = self._devices[0]
         # The loader first: it reads the first batch here, so a MultiprocessIterator forks
-        # its pool before any BLAS call (see prefetch.Prefetcher).
+        # its pool before any BLAS call (see _loader.Prefetcher).
         self._loader = make_loader(self._iterators['main'], self.converter, master_device,
                                    self.prefetch)
         _initialize_lazy_params(model, self.loss_func, self._iterators['main'],
@@ -219,9 +220,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                 chunking=self._chunking(self._own_index()))
         self._group = SoloGroup(model)
         if self._communicator is not None:
-            from ._mpi import MpiGroup
-            self._group = MpiGroup(self._communicator, model, self._weight_norm)
-            self._weight_norm = self._group.weight_norm
+            from ._multihost import MpiGroup
+            self._group = MpiGroup(self._communicator, model, self._nominal_samples)
+            self._nominal_samples = self._group.nominal_samples
             self._replica.scaling = self._scaling(self._iterators['main'])
         elif len(self._devices) > 1:
             from . import comm
@@ -252,7 +253,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """The gradient factors of the replica that reads ``iterator`` (see Scaling)."""
         window = self.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
         return Scaling(self.loss_reduction, self.replica_reduction,
-                       update_norm=self._weight_norm, window_norm=float(window))
+                       update_norm=self._nominal_samples, window_norm=float(window))
 
     def _own_index(self) -> int:
         return 0 if self._communicator is None else self._communicator.rank
@@ -301,7 +302,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             first, last = own.epochs[0], own.epochs[-1]
             self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
                                     any(e.is_new_epoch for e in own.epochs))
-        current = _PendingUpdate(count, total_loss(results), loss_scale,
+        current = _DeferredStep(count, total_loss(results), loss_scale,
                                  pending if self.pipelined else None)
         if self.pipelined:
             current, self._pending = self._pending, current
@@ -315,7 +316,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             optimizer.new_epoch(auto=True)
         self._report(results, own, watch)
 
-    def _apply(self, optimizer: chainer.Optimizer, update: '_PendingUpdate') -> None:
+    def _apply(self, optimizer: chainer.Optimizer, update: '_DeferredStep') -> None:
         """One optimizer step on the model's summed gradient of ``update``."""
         model = optimizer.target
         # The update's own factor, decided by Scaling with the others (see _replica).
@@ -418,10 +419,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         grads = {name: node(name, None) for name, _ in model.namedparams()}
         grads = {name: model.xp.asarray(g) for name, g in grads.items()}
         scale = float(serializer('loss_scale', -1.0))
-        self._pending = _PendingUpdate(int(serializer('count', 0)),
+        self._pending = _DeferredStep(int(serializer('count', 0)),
                                        float(serializer('loss', 0.0)),
                                        None if scale < 0 else scale,
-                                       Pending(lambda: grads))
+                                       ReduceHandle(lambda: grads))
 
     def _save_iterators(self, serializer: Any) -> None:
         main = self._iterators['main']
@@ -449,8 +450,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 self._pending = None
             else:   # keep the gradient in flight, off the buffers that are about to go
                 grads = {k: v.copy() for k, v in self._pending.pending.wait().items()}
-                self._pending.pending = Pending(lambda: grads)
-        group, self._group = self._group, Group()
+                self._pending.pending = ReduceHandle(lambda: grads)
+        group, self._group = self._group, ClosedGroup()
         try:
             group.close(abort=abort)
         finally:
@@ -473,11 +474,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     pass
 
 
-class _PendingUpdate:
+class _DeferredStep:
     """A reduced gradient not applied yet, with what applying it needs."""
 
     def __init__(self, count: int, loss: float, loss_scale: Optional[float],
-                 pending: Optional[Pending]) -> None:
+                 pending: Optional[ReduceHandle]) -> None:
         self.count, self.loss, self.loss_scale, self.pending = count, loss, loss_scale, pending
 
 

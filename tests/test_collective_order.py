@@ -18,16 +18,17 @@ import pytest
 import chainer
 import chainer.functions as F
 
-from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, _protocol
-from mgpu_updater._flat import (ModelLayouts, grad_arrays, persistent_arrays,
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
+from mgpu_updater._local import protocol as _protocol
+from mgpu_updater._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays,
                                 set_persistent_scalars, state_arrays)
-from mgpu_updater._protocol import (Done, Failed, Ready, State, StateRequest, Step,
+from mgpu_updater._local.protocol import (Done, Failed, Ready, State, StateRequest, Step,
                                     Stop, collective_order, master_begin, master_finish,
                                     worker_step)
 from mgpu_updater._replica import Replica, Scaling
 from mgpu_updater.comm.base import CollectiveOrderError, check_same_order
 from mgpu_updater.comm.shm import ShmCommunicator
-from mgpu_updater.prefetch import make_loader
+from mgpu_updater._loader import make_loader
 
 from _models import MLP, classifier, dataset, setup_optimizer
 
@@ -68,14 +69,14 @@ def test_messages_are_named_tuples_whose_first_field_is_the_kind():
 
 
 def test_the_worker_does_not_import_the_master_group():
-    """The old cycle _group -> _lifecycle -> _worker -> _group is gone on the worker side."""
+    """The old cycle group -> pool -> worker -> group is gone on the worker side."""
     import ast
-    import mgpu_updater._worker as worker
+    import mgpu_updater._local.worker as worker
     with open(worker.__file__) as f:
         tree = ast.parse(f.read())
     imported = {node.module for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module}
-    assert '_group' not in imported and '_protocol' in imported
+    assert not {'_group', '.group', 'group'} & imported and 'protocol' in imported
 
 
 # ------------------------------------------------------------------------ the shm ledger
@@ -194,15 +195,15 @@ def test_check_same_order_names_the_first_rank_that_differs():
 
 # ------------------------------------------------------------------------ both halves
 def todays_replica_step(msg, replica, comm, layouts, size):
-    """The worker's step as it was (mgpu_updater/_group.py before the protocol module):
+    """The worker's step as it was (mgpu_updater/_local/group.py before the protocol module):
     gradients reduced before the statistics, where the master reduces the statistics first.
     Only the update's brackets (begin_update, end_update) are new."""
     _, loss_scale, scalars, parity = msg
     model = replica.model
     comm.begin_update()
-    for name in layouts.param.buffer_names().values():
+    for name in layouts.state.buffer_names().values():
         comm.bcast(name)
-    layouts.param.unpack(comm.buffer, state_arrays(model))
+    layouts.state.unpack(comm.buffer, state_arrays(model))
     set_persistent_scalars(model, scalars)
     result = replica.run_window(loss_scale)
     grads = layouts.grad_set(parity)

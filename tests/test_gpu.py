@@ -60,7 +60,7 @@ def _to_cpu(model):
 
 
 def test_prefetch_stages_batches_on_a_side_stream(gpu):
-    from mgpu_updater.prefetch import make_loader
+    from mgpu_updater._loader import make_loader
     device = chainer.get_device('@cupy:0')
     device.use()
     it = chainer.iterators.SerialIterator(dataset(64, seed=2), 16, shuffle=False)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from mgpu_updater import WorkerError
-from mgpu_updater import _worker
-from mgpu_updater._lifecycle import MAIN_GUARD_EXIT, WorkerPool
+from mgpu_updater._local import worker as _worker
+from mgpu_updater._local.pool import MAIN_GUARD_EXIT, WorkerPool
 
 DEVICES = ['@numpy', '@numpy', '@numpy']
 

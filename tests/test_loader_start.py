@@ -17,7 +17,7 @@ import chainer
 from chainer.iterators import MultiprocessIterator, SerialIterator
 
 from mgpu_updater import ParallelAccumulatingUpdater
-from mgpu_updater.prefetch import load_state, make_loader
+from mgpu_updater._loader import load_state, make_loader
 
 from _models import classifier, dataset, params, setup_optimizer
 

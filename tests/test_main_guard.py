@@ -4,7 +4,7 @@ Every worker process imports the main module again (``spawn``, ``forkserver``), 
 a script trains again in each worker. Python used to write the whole payload (model and
 data shard) as the worker's start-up argument into a pipe nobody would read once the
 worker died, and the master hung for good above the pipe's 64 KiB. The payload now goes
-over the worker's own pipe after the worker said hello (``_lifecycle``).
+over the worker's own pipe after the worker said hello (``mgpu_updater._local.pool``).
 """
 import os
 import re

@@ -16,7 +16,7 @@ import chainer.links as L
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
-from mgpu_updater.prefetch import sample_count
+from mgpu_updater._loader import sample_count
 
 from _models import params, setup_optimizer
 

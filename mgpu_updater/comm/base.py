@@ -59,7 +59,7 @@ class CollectiveOrderError(RuntimeError):
             f'{_show(issued_b)}. '
             'Collectives pair up by issue order (NCCL would mix these buffers or hang): every '
             'rank must issue the same verbs on the same buffers in the same order, the order '
-            'that mgpu_updater._protocol.collective_order declares')
+            'that mgpu_updater._local.protocol.collective_order declares')
 
 
 def _show(issued: Sequence[Issued]) -> str:

@@ -33,7 +33,7 @@ import chainermn  # noqa: E402
 from chainer.training.updaters import StandardUpdater  # noqa: E402
 
 from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
-from mgpu_updater import _mpi  # noqa: E402
+from mgpu_updater import _multihost  # noqa: E402
 from mgpu_updater.comm.base import CollectiveOrderError  # noqa: E402
 from mgpu_updater.comm.mpi import MpiCommunicator  # noqa: E402
 
@@ -116,10 +116,10 @@ def ours(model, data, batch_size, k, opt_kind, repeat, updates=None):
                 observations.extend(run_updates(updater, model, 1))
             except StopIteration:
                 break
-        weight_norm = updater._weight_norm
+        nominal_samples = updater._nominal_samples
     finally:
         updater.finalize()
-    return observations, weight_norm
+    return observations, nominal_samples
 
 
 CASES = [
@@ -138,7 +138,7 @@ def check_case(name, batch_sizes, k, counts, updates, repeat, opt_kind='momentum
         ref_losses = reference(ref_model, datasets, batch_sizes, k, n_ref, opt_kind)
         # Rank 1 starts from other weights: the broadcast at start must fix that.
         model = classifier(seed=RANK)
-        observations, weight_norm = ours(model, datasets[RANK], batch_sizes[RANK], k,
+        observations, nominal_samples = ours(model, datasets[RANK], batch_sizes[RANK], k,
                                          opt_kind, repeat, updates)
     mine = params(model)
     reported = [{key: float(v) for key, v in o.items() if not key.startswith('main/time/')}
@@ -147,8 +147,8 @@ def check_case(name, batch_sizes, k, counts, updates, repeat, opt_kind='momentum
     return {
         'updates': len(observations),
         'reference_updates': n_ref,
-        'weight_norm': weight_norm,
-        'expected_weight_norm': float(k * sum(batch_sizes)),
+        'nominal_samples': nominal_samples,
+        'expected_nominal_samples': float(k * sum(batch_sizes)),
         'params_bitwise_equal_across_ranks': bitwise_equal([p for p, _ in everyone]),
         'reports_equal_across_ranks': all(r == everyone[0][1] for _, r in everyone),
         'max_param_diff_vs_reference': max_diff(mine, params(ref_model)),
@@ -253,7 +253,7 @@ class BatchNormOnly(chainer.Chain):
 def check_order_mismatch():
     """Rank 1 reduces the gradients before the statistics (the order bug of the local
     workers): every rank raises after its update's collectives, naming both sequences."""
-    declared = _mpi.collective_order
+    declared = _multihost.collective_order
 
     def grads_first(layouts, parity=None, across_hosts=False):
         order = declared(layouts, parity, across_hosts)
@@ -271,7 +271,7 @@ def check_order_mismatch():
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm)
     before = params(model)
     if RANK == 1:
-        _mpi.collective_order = grads_first
+        _multihost.collective_order = grads_first
     out = {}
     try:
         run_updates(updater, model, 1)
@@ -280,7 +280,7 @@ def check_order_mismatch():
         out['raised'] = str(e)
         out['update'] = e.update
     finally:
-        _mpi.collective_order = declared
+        _multihost.collective_order = declared
         updater.finalize()
     out['model_untouched'] = bitwise_equal([before, params(model)])
     return gathered(out)

@@ -13,14 +13,14 @@ declares, in that order, from one thread (the main one), and nothing else:
    ``grad0`` and ``grad1`` alternating with the update's parity.
 
 Within a step, buffers go in sorted name order (one buffer per dtype). Across hosts
-(:mod:`mgpu_updater._mpi`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
+(:mod:`mgpu_updater._multihost`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
 step 1 (parameters travel once, at start). The gradient comes last so that it is the one
 collective that may still be running when the next update's compute starts (NCCL's stream
 gives that overlap; no thread issues collectives).
 
 Both halves below iterate that one list: the master's (:func:`master_begin`,
-:func:`master_finish`, driven by :class:`mgpu_updater._group.LocalGroup`) and the worker's
-(:func:`worker_step`, driven by :mod:`mgpu_updater._worker`). The shared-memory backend
+:func:`master_finish`, driven by :class:`mgpu_updater._local.group.LocalGroup`) and the worker's
+(:func:`worker_step`, driven by :mod:`mgpu_updater._local.worker`). The shared-memory backend
 checks the order of every update on every rank (:mod:`mgpu_updater.comm.shm`), and the MPI
 group compares the ranks' sequences every update; a mismatch raises
 :class:`~mgpu_updater.comm.base.CollectiveOrderError` naming both sequences.
@@ -40,16 +40,16 @@ One update, side by side::
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
 worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
 :class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
-:mod:`mgpu_updater._lifecycle`) are named
+:mod:`mgpu_updater._local.pool`) are named
 tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
 """
 from __future__ import annotations
 
 from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
-from ._flat import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
+from .._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
                     set_persistent_scalars, state_arrays)
-from ._replica import Replica, WindowResult
+from .._replica import Replica, WindowResult
 
 
 # ------------------------------------------------------------------------------ messages
@@ -150,7 +150,7 @@ def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
     """
     reduce = 'allreduce' if across_hosts else 'reduce'
     order = [] if across_hosts else [
-        Collective('bcast', name) for name in sorted(layouts.param.buffer_names().values())]
+        Collective('bcast', name) for name in sorted(layouts.state.buffer_names().values())]
     order += [Collective(reduce, name) for name in sorted(layouts.stat.buffer_names().values())]
     order += [Collective(reduce, name)
               for name in sorted(layouts.grad_set(parity).buffer_names().values())]
@@ -213,7 +213,7 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
     """The master's half, before its window: parameters out, then the workers start."""
     order = collective_order(layouts, parity)
     comm.begin_update()
-    layouts.param.pack(state_arrays(model), comm.buffer)
+    layouts.state.pack(state_arrays(model), comm.buffer)
     issue(comm, before_window(order))
     workers.send(Step(loss_scale, persistent_scalars(model), parity))
 
@@ -242,7 +242,7 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     order = collective_order(layouts, step.parity)
     comm.begin_update()
     issue(comm, before_window(order))
-    layouts.param.unpack(comm.buffer, state_arrays(model))
+    layouts.state.unpack(comm.buffer, state_arrays(model))
     set_persistent_scalars(model, step.scalars)
     result = replica.run_window(step.loss_scale)
     pack_window(comm, layouts, model, step.parity, size)

@@ -6,7 +6,7 @@ and its own shard of the data. Per update:
 1. every rank runs ``accumulate_steps`` micro-batches, with no communication;
 2. :meth:`MpiGroup.finish` averages the float persistents (BatchNorm statistics, one
    allreduce per dtype) and sums the gradients over the ranks (one allreduce per dtype), in
-   the order :func:`mgpu_updater._protocol.collective_order` declares (``across_hosts``),
+   the order :func:`mgpu_updater._local.protocol.collective_order` declares (``across_hosts``),
    then gathers every rank's small :class:`~mgpu_updater._replica.WindowResult` (counts,
    losses, reports) together with the collectives it issued: every rank checks that all
    issued the same sequence, and raises
@@ -36,9 +36,9 @@ import numpy
 
 import chainer
 
-from ._flat import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
-from ._group import Group, _ensure_grads
-from ._protocol import before_window, collective_order, issue, pack_window
+from ._flat_buffers import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
+from ._groups import Group, ensure_grads
+from ._local.protocol import before_window, collective_order, issue, pack_window
 from ._replica import WindowResult
 from .comm.base import check_same_order
 from .comm.mpi import MpiCommunicator
@@ -51,7 +51,7 @@ class MpiGroup(Group):
         communicator: the ChainerMN communicator given to the updater.
         model: this rank's model (parameters initialised, on this rank's device).
         local_weight: this rank's nominal samples per update (``accumulate_steps`` times
-            its iterator's batch size). :attr:`weight_norm` is their sum over the ranks:
+            its iterator's batch size). :attr:`nominal_samples` is their sum over the ranks:
             the global nominal samples per update, which every rank's replica divides by.
     """
 
@@ -64,7 +64,7 @@ class MpiGroup(Group):
         self._warned_epochs = False
         try:
             weights = self._agree(float(local_weight))
-            self.weight_norm = float(sum(weights))
+            self.nominal_samples = float(sum(weights))
             self._broadcast_state()
         except BaseException:
             self.comm.abort()
@@ -87,9 +87,9 @@ class MpiGroup(Group):
     def _broadcast_state(self) -> None:
         """Parameters and array persistents from rank 0 to every rank (once)."""
         arrays = state_arrays(self.model)
-        self.layouts.param.pack(arrays, self.comm.buffer)
+        self.layouts.state.pack(arrays, self.comm.buffer)
         issue(self.comm, before_window(collective_order(self.layouts)))   # the local bcasts
-        self.layouts.param.unpack(self.comm.buffer, arrays)
+        self.layouts.state.unpack(self.comm.buffer, arrays)
 
     # ------------------------------------------------------------------ each update
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
@@ -105,7 +105,7 @@ class MpiGroup(Group):
         gathered = comm.allgather_obj((own, comm.issued()))
         check_same_order({rank: issued for rank, (_, issued) in enumerate(gathered)},
                          comm.updates)
-        _ensure_grads(model)
+        ensure_grads(model)
         layouts.grad.unpack(comm.buffer, grad_arrays(model))
         layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
         results = [result for result, _ in gathered]

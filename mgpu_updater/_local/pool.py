@@ -20,7 +20,7 @@ Start-up runs in three steps, so that no write can block on a process that is go
 Workers are not daemonic, so their iterators may start processes of their own
 (``MultiprocessIterator``). Each worker leads its own process group; on shutdown the
 master kills what is left of each group, so no grandchild outlives a worker, also one
-that was SIGKILLed. A worker whose master dies kills its own group (see ``_worker``).
+that was SIGKILLed. A worker whose master dies kills its own group (see ``.worker``).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ._protocol import Failed, Hello, Ready, Stop
-from .errors import WorkerError
+from .protocol import Failed, Hello, Ready, Stop
+from ..errors import WorkerError
 
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
 TERMINATE_TIMEOUT = 2.0  # after SIGTERM
@@ -348,7 +348,7 @@ def _exit_handle(proc: Any) -> Any:
 
 
 def _kill_group(pgid: int) -> None:
-    """SIGKILL the process group a worker leads (see ``_worker.main``); gone is fine."""
+    """SIGKILL the process group a worker leads (see ``.worker.main``); gone is fine."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

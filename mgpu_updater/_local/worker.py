@@ -2,7 +2,7 @@
 
 Runs in a process started with ``spawn`` (or ``forkserver``), so it imports everything
 afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe
-(the messages are :mod:`mgpu_updater._protocol`'s):
+(the messages are :mod:`mgpu_updater._local.protocol`'s):
 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from ._protocol import Done, Failed, Hello, Ready, State, StateRequest, Step, Stop, worker_step
+from .protocol import Done, Failed, Hello, Ready, State, StateRequest, Step, Stop, worker_step
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -111,7 +111,7 @@ def _watch_parent(parent_pid: int, on_orphan: Callable[[], None]) -> Callable[[]
 
 def _lead_process_group() -> None:
     """Lead a process group of our own, which our iterator's processes join, so that the
-    master can kill them all even after we were SIGKILLed (``_lifecycle``). Ctrl-C no
+    master can kill them all even after we were SIGKILLed (``.pool``). Ctrl-C no
     longer reaches the workers: the master, in the terminal's group, decides."""
     try:
         os.setpgid(0, 0)
@@ -129,7 +129,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
 
     The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
-    the ``Hello()``, never as a process argument (see ``_lifecycle``).
+    the ``Hello()``, never as a process argument (see ``.pool``).
     ``default_start_method`` is the master's default (None: the platform's), for the
     processes the user's iterator starts here.
     """
@@ -140,7 +140,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def orphaned() -> None:
-        from .comm.shm import unlink_quietly
+        from ..comm.shm import unlink_quietly
         for name in shm_names:
             unlink_quietly(name)
 
@@ -149,7 +149,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     try:
         conn.send(Hello())
         payload = conn.recv_bytes()
-        from . import _compat
+        from .. import _compat
         _compat.apply()
         import pickle
         init = pickle.loads(payload)
@@ -190,10 +190,10 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
 
 def _build(init: 'WorkerInit') -> Any:
     import chainer
-    from . import _inherit, _loss_binding, comm as comm_module
-    from ._flat import ModelLayouts
-    from ._replica import Replica
-    from .prefetch import make_loader
+    from .. import _inherit, _loss_binding, comm as comm_module
+    from .._flat_buffers import ModelLayouts
+    from .._replica import Replica
+    from .._loader import make_loader
 
     _inherit.apply_config(init.config or {})
     if init.seed is not None:
@@ -207,7 +207,7 @@ def _build(init: 'WorkerInit') -> Any:
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
-    # Before any BLAS call: the first read may fork the iterator's pool (prefetch.Prefetcher).
+    # Before any BLAS call: the first read may fork the iterator's pool (_loader.Prefetcher).
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
                       name=f'replica {init.rank} ({init.device})',
@@ -218,7 +218,7 @@ def _build(init: 'WorkerInit') -> Any:
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any) -> None:
-    """Answer the master's messages (see :mod:`mgpu_updater._protocol`) until Stop."""
+    """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
     while True:
         try:
             msg = conn.recv()

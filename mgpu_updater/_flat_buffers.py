@@ -127,7 +127,8 @@ class ModelLayouts:
 
     - ``grad``: every parameter's gradient (reduced, summed, onto the master);
     - ``stat``: float array persistents (reduced with weight 1/N: averaged);
-    - ``param``: every parameter and array persistent (broadcast from the master).
+    - ``state``: every parameter and array persistent (broadcast from the master; its
+      buffers keep the wire name ``param/<dtype>``).
     """
 
     def __init__(self, link: chainer.Link, double_buffered: bool = False) -> None:
@@ -139,7 +140,7 @@ class ModelLayouts:
         self.grad = FlatLayout('grad', params)
         self.stat = FlatLayout('stat', [(n, a) for n, a in persist
                                         if numpy.dtype(a.dtype).kind == 'f'])
-        self.param = FlatLayout('param', params + persist)
+        self.state = FlatLayout('param', params + persist)
         self._grad_sets: Dict[Optional[int], FlatLayout] = {None: self.grad}
         if double_buffered:
             for parity in (0, 1):
@@ -154,7 +155,7 @@ class ModelLayouts:
 
     def spec(self) -> Dict[str, Tuple[str, int]]:
         spec = {}
-        for layout in list(self._grad_sets.values()) + [self.stat, self.param]:
+        for layout in list(self._grad_sets.values()) + [self.stat, self.state]:
             spec.update(layout.spec())
         return spec
 

@@ -1,0 +1,108 @@
+"""The replicas of one update, seen from the master: how their gradients meet.
+
+A group hides where the other replicas are: nowhere (:class:`SoloGroup`, one device), in
+worker processes on this host (:class:`mgpu_updater._local.group.LocalGroup`: shared
+memory or NCCL), or in other MPI ranks (:class:`mgpu_updater._multihost.MpiGroup`). The
+updater's step policy (:mod:`mgpu_updater._step`) calls, every update::
+
+    group.begin(loss_scale, parity)   # parameters out, the others start their windows
+    own = replica.run_window(...)     # the master's own share
+    results = group.finish(own)       # model grads := sum over replicas,
+                                      # float persistents := mean over replicas
+
+The pipelined mode calls ``finish_async`` instead: it returns with a :class:`ReduceHandle`
+on the summed gradient, which the step policy applies one update later.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import chainer
+
+from ._replica import WindowResult
+
+
+class ReduceHandle:
+    """A summed gradient kept for later (pipelined mode): ``wait()`` then ``apply(model)``.
+
+    Every collective was issued, in order, before this object exists (see
+    :mod:`mgpu_updater._local.protocol`); ``source`` reads the result where it lies.
+    """
+
+    def __init__(self, source: Callable[[], Dict[str, Any]]) -> None:
+        self._source = source
+
+    def wait(self) -> Dict[str, Any]:
+        """The summed gradients by parameter name."""
+        return self._source()
+
+    def apply(self, model: chainer.Link) -> None:
+        grads = self.wait()
+        ensure_grads(model)
+        for name, param in model.namedparams():
+            param.grad[...] = grads[name]
+
+    def detached(self) -> 'ReduceHandle':
+        """A handle on a copy of the gradients, off the buffers they lie in (before the
+        buffers are released)."""
+        grads = {name: g.copy() for name, g in self.wait().items()}
+        return ReduceHandle(lambda: grads)
+
+
+class Group(abc.ABC):
+    """The other replicas of an update (the master's replica is the caller's)."""
+
+    size = 1
+    model: chainer.Link
+
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
+        """Send the parameters out and start the others' windows (no-op alone)."""
+
+    @abc.abstractmethod
+    def finish(self, own: WindowResult) -> List[WindowResult]:
+        """Wait for the others; the model's gradients become the sum over replicas."""
+
+    def finish_async(self, own: WindowResult,
+                     parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
+        """Default: reduce now, keep a copy of the summed gradient for later."""
+        results = self.finish(own)
+        ensure_grads(self.model)
+        saved = {name: p.grad.copy() for name, p in self.model.namedparams()}
+        return results, ReduceHandle(lambda: saved)
+
+    def states(self) -> Dict[int, Dict[str, Any]]:
+        """Iterator states of the other replicas by rank (for a snapshot)."""
+        return {}
+
+    def pids(self) -> List[int]:
+        return []
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+
+class SoloGroup(Group):
+    """One device, no one else: nothing to exchange."""
+
+    def __init__(self, model: chainer.Link) -> None:
+        self.model = model
+
+    def finish(self, own: WindowResult) -> List[WindowResult]:
+        return [own]
+
+
+class ClosedGroup(Group):
+    """Before the first update and after teardown: no replica runs."""
+
+    def finish(self, own: WindowResult) -> List[WindowResult]:
+        raise RuntimeError('no group is running (the updater has not started or was '
+                           'finalized)')
+
+
+def ensure_grads(model: chainer.Link) -> None:
+    """Give every parameter a gradient array to receive the reduced one."""
+    for param in model.params():
+        if param.grad is None:
+            with chainer.using_device(param.device):
+                param.grad = param.device.xp.zeros_like(param.array)

@@ -1,0 +1,102 @@
+"""Worker processes on this host, one per extra device: the master's side.
+
+:class:`LocalGroup` starts the workers (:mod:`.pool`), runs the master's half of the local
+protocol (:mod:`.protocol`) every update, and closes them. :func:`payload_factory` pickles
+what each worker needs (:mod:`mgpu_updater._payload`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import chainer
+
+from .. import _payload
+from .. import comm as comm_module
+from .._flat_buffers import ModelLayouts, grad_arrays
+from .._groups import Group, ReduceHandle, ensure_grads
+from .._replica import WindowResult
+from .pool import WorkerPool
+from .protocol import State, StateRequest, broadcast_only, master_begin, master_finish
+from .worker import WorkerInit, main as worker_main
+
+
+class LocalGroup(Group):
+    """Worker processes on this host, one per extra device.
+
+    Each update runs the master's half of :mod:`mgpu_updater._local.protocol`: :meth:`begin` is
+    :func:`~mgpu_updater._local.protocol.master_begin`, :meth:`finish` and :meth:`finish_async`
+    are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread.
+    """
+
+    def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
+                 master_device: Any, devices: List[Any], payloads: Dict[int, Any],
+                 start_method: str, start_timeout: float) -> None:
+        self.size = len(devices)
+        self.model = model
+        self.layouts = layouts
+        self.comm, handle = comm_module.create(backend, self.size, layouts.spec(), master_device,
+                                               broadcast=broadcast_only(layouts))
+        self.pool = WorkerPool(devices, start_method)
+        try:
+            self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
+            self.pool.start(worker_main, {r: p(handle) for r, p in payloads.items()},
+                            self.comm.owned_segments, start_timeout, before_ready=self.comm.init)
+        except BaseException:
+            self.close(abort=True)
+            raise
+
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
+        master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity)
+
+    def finish(self, own: WindowResult) -> List[WindowResult]:
+        others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                               self.size)
+        ensure_grads(self.model)
+        self.layouts.grad.unpack(self.comm.buffer, grad_arrays(self.model))
+        return [own] + others
+
+    def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
+        """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
+        the updater applies it, one update later (the next update uses the other set)."""
+        others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                               self.size)
+        grads = self.layouts.grad_set(parity)
+
+        def source() -> Dict[str, Any]:
+            out: Dict[str, Any] = {}
+            for dtype, entries in grads.groups.items():
+                flat = self.comm.buffer(f'{grads.prefix}/{dtype}')
+                for e in entries:
+                    out[e.name] = flat[e.offset:e.offset + e.size].reshape(e.shape)
+            return out
+
+        return [own] + others, ReduceHandle(source)
+
+    def states(self) -> Dict[int, Dict[str, Any]]:
+        self.pool.send(StateRequest())
+        return self.pool.gather(State.KIND, timeout=60.0, what='snapshot')
+
+    def pids(self) -> List[int]:
+        return self.pool.pids()
+
+    def close(self, abort: bool = False) -> None:
+        try:
+            self.pool.close()
+        finally:
+            if abort:
+                self.comm.abort()
+            else:
+                self.comm.finalize()
+
+
+def payload_factory(init_kwargs: Dict[str, Any],
+                    master_model: chainer.Link) -> Callable[[Any], bytes]:
+    """Pickle a WorkerInit once the communicator handle is known (see ``_payload``).
+
+    Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
+    refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
+    """
+    def make(handle: Any) -> bytes:
+        replace = _payload.replica_links(master_model, init_kwargs['model'])
+        return _payload.dumps(WorkerInit(comm_handle=handle, **init_kwargs), replace)
+    return make
