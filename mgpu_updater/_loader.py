@@ -3,23 +3,22 @@
 A loader hands out :class:`Batch` items: the converted arrays, the sample count and the
 iterator's epoch bookkeeping *as of that batch*. Because the thread runs ahead of the
 training loop, the iterator object itself is ahead too; :meth:`Loader.state` therefore
-returns the iterator state captured just before the oldest batch that was loaded but not
-yet handed out, so a snapshot resumes with no batch lost or repeated.
+returns the iterator state captured (:func:`mgpu_updater._checkpoint.capture_state`) just
+before the oldest batch that was loaded but not yet handed out, so a snapshot resumes with
+no batch lost or repeated.
 """
 from __future__ import annotations
 
 import collections
 import queue
 import threading
-import time
 from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
 
 import chainer
 from chainer.dataset import convert
-from chainer.serializers import DictionarySerializer
-
+from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
@@ -36,79 +35,6 @@ class Batch(NamedTuple):
     size: int            # samples in this micro-batch
     arrays: Any          # what the converter returned
     epoch: EpochInfo     # the iterator's bookkeeping right after this batch
-
-
-class _Copying(DictionarySerializer):
-    """A DictionarySerializer that copies (the iterator may mutate its arrays later)."""
-
-    def __call__(self, key, value):
-        key = key.lstrip('/')
-        self.target[self.path + key] = numpy.array(
-            chainer.backend.CpuDevice().send(value) if value is not None else None)
-        return value
-
-    def __getitem__(self, key):
-        key = key.strip('/')
-        return _Copying(self.target, self.path + key + '/')
-
-
-def serialize_order_rng(iterator: Any, serializer: Any) -> None:
-    """Save or load the random state of the iterator's shuffling order sampler.
-
-    Chainer's iterators save their current order but not the generator that draws the
-    next epoch's order, so a resumed run would shuffle differently from the uninterrupted
-    one. This adds that state under ``order_sampler_rng/`` (numpy ``RandomState`` only).
-    """
-    rng = getattr(getattr(iterator, 'order_sampler', None), '_random', None)
-    if not isinstance(rng, numpy.random.RandomState):
-        return
-    name, keys, pos, has_gauss, cached = rng.get_state()
-    node = serializer['order_sampler_rng']
-    keys = node('keys', keys)
-    pos = node('pos', pos)
-    has_gauss = node('has_gauss', has_gauss)
-    cached = node('cached_gaussian', cached)
-    if isinstance(serializer, chainer.serializer.Deserializer):
-        rng.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), int(pos),
-                       int(has_gauss), float(cached)))
-
-
-def load_state(iterator: Any, serializer: Any) -> None:
-    """Load an iterator (and its shuffling generator) from a Chainer deserializer."""
-    iterator.serialize(serializer)
-    serialize_order_rng(iterator, serializer)
-
-
-def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
-    """The iterator's serialized state as a flat dict of numpy arrays."""
-    target: Dict[str, numpy.ndarray] = _capture_iterator(iterator)
-    serialize_order_rng(iterator, _Copying(target))
-    return target
-
-
-def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
-    if isinstance(iterator, chainer.iterators.MultiprocessIterator):
-        # Its serialize() resets its worker pool (discarding what it prefetched); read
-        # the same keys it would write instead.
-        state = iterator._state
-        return {'current_position': numpy.array(state.current_position),
-                'epoch': numpy.array(state.epoch),
-                'is_new_epoch': numpy.array(state.is_new_epoch),
-                'order': numpy.array(state.order),
-                'previous_epoch_detail': numpy.array(iterator._previous_epoch_detail)}
-    target: Dict[str, numpy.ndarray] = {}
-    iterator.serialize(_Copying(target))
-    return target
-
-
-def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:
-    """Replay a captured state into any Chainer serializer (nested keys included)."""
-    for key, value in state.items():
-        node = serializer
-        parts = key.split('/')
-        for part in parts[:-1]:
-            node = node[part]
-        node(parts[-1], value)
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
@@ -306,24 +232,3 @@ def make_loader(iterator: Any, converter: Callable, device: Any, depth: int) -> 
     if depth <= 0:
         return Loader(iterator, converter, device)
     return Prefetcher(iterator, converter, device, depth)
-
-
-class Stopwatch:
-    """Adds up seconds into named slots."""
-
-    def __init__(self) -> None:
-        self.times: Dict[str, float] = collections.defaultdict(float)
-
-    def __call__(self, slot: str) -> '_Lap':
-        return _Lap(self.times, slot)
-
-
-class _Lap:
-    def __init__(self, times: Dict[str, float], slot: str) -> None:
-        self.times, self.slot = times, slot
-
-    def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.times[self.slot] += time.perf_counter() - self.t0

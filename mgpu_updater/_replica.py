@@ -15,7 +15,8 @@ import numpy
 import chainer
 
 from ._chunks import Chunking, split
-from ._loader import Batch, EpochInfo, Loader, Stopwatch
+from ._loader import Batch, EpochInfo, Loader
+from ._timing import Stopwatch
 
 
 class WindowResult(NamedTuple):

@@ -19,9 +19,10 @@ from ._groups import ClosedGroup, Group, ReduceHandle, SoloGroup
 from ._local.group import LocalGroup, payload_factory
 from ._replica import (Replica, Scaling, WindowResult, combine, observers, total_loss,
                        with_graph)
+from ._checkpoint import capture_state, load_state, write_state
+from ._loader import EpochInfo, Loader, make_loader
+from ._timing import Stopwatch
 from .errors import NonFiniteLossError
-from ._loader import (EpochInfo, Loader, Stopwatch, capture_state, load_state, make_loader,
-                       write_state)
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):

@@ -17,7 +17,8 @@ import chainer
 from chainer.iterators import MultiprocessIterator, SerialIterator
 
 from mgpu_updater import ParallelAccumulatingUpdater
-from mgpu_updater._loader import load_state, make_loader
+from mgpu_updater._checkpoint import load_state
+from mgpu_updater._loader import make_loader
 
 from _models import classifier, dataset, params, setup_optimizer
 

@@ -11,7 +11,8 @@ import pytest
 import chainer
 
 from mgpu_updater import ParallelAccumulatingUpdater
-from mgpu_updater._loader import Prefetcher, capture_state, load_state, make_loader
+from mgpu_updater._checkpoint import capture_state, load_state
+from mgpu_updater._loader import Prefetcher, make_loader
 
 from _models import classifier, dataset, setup_optimizer
 
