@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import numpy
 
@@ -87,3 +87,66 @@ def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:
         for part in parts[:-1]:
             node = node[part]
         node(parts[-1], value)
+
+
+# ---------------------------------------------------------------------- the updater's state
+def saving(serializer: Any) -> bool:
+    return isinstance(serializer, chainer.serializer.Serializer)
+
+
+def serialize_counters(updater: Any, serializer: Any) -> None:
+    """The model, the optimizer, the counters, the step in flight and the chunk sizes
+    'auto' found; on load, refuse a snapshot of another layout (number of devices,
+    ``accumulate_steps``): the shards and the batch composition depend on both.
+
+    Keys (unchanged since the first release): ``optimizer:main/``, ``model:main/``,
+    ``iteration``, ``n_devices``, ``accumulate_steps``, ``skipped_updates``,
+    ``micro_batch_sizes`` (under ``'auto'`` only), ``pending/`` (see :mod:`._step`).
+    """
+    optimizer = updater.get_optimizer('main')
+    optimizer.serialize(serializer['optimizer:main'])
+    optimizer.target.serialize(serializer['model:main'])
+    updater.iteration = serializer('iteration', updater.iteration)
+    n_devices = serializer('n_devices', updater.n_devices)
+    steps = serializer('accumulate_steps', updater.accumulate_steps)
+    updater._skipped = serializer('skipped_updates', updater._skipped)
+    if updater.micro_batch_size == 'auto':
+        _serialize_micro_batch_sizes(updater, serializer)
+    if saving(serializer):
+        updater._step.save(serializer['pending'], optimizer.target)
+        return
+    updater._step.load(serializer['pending'], optimizer.target)
+    if int(n_devices) != updater.n_devices or int(steps) != updater.accumulate_steps:
+        raise ValueError(
+            f'this snapshot was taken with {int(n_devices)} device(s) and '
+            f'accumulate_steps={int(steps)}, but this updater has {updater.n_devices} and '
+            f'accumulate_steps={updater.accumulate_steps}; resume with the same devices and '
+            'accumulate_steps (the iterator shards and the batch composition depend on '
+            'both), or load only the model with load_npz(path, model, path="updater/model:main/")')
+
+
+def _serialize_micro_batch_sizes(updater: Any, serializer: Any) -> None:
+    """What 'auto' found, so that a resumed run starts at the sizes that fit."""
+    sizes = numpy.asarray(updater.micro_batch_sizes or [0] * updater.n_devices, numpy.int64)
+    try:
+        sizes = serializer('micro_batch_sizes', sizes if saving(serializer) else None)
+    except KeyError:   # a snapshot taken without 'auto': start from whole batches
+        return
+    if not saving(serializer):
+        updater.micro_batch_sizes = [int(v) for v in numpy.asarray(sizes).ravel()]
+
+
+def save_iterators(serializer: Any, main_state: Dict[str, numpy.ndarray],
+                   worker_iterators: List[Any], worker_states: Dict[int, Any]) -> None:
+    """Every replica's iterator as of the last batch it used: ``iterator:main`` and
+    ``iterator:replica<rank>`` (a worker's own state when it runs, else its iterator's)."""
+    write_state(serializer['iterator:main'], main_state)
+    for rank, it in enumerate(worker_iterators, start=1):
+        write_state(serializer[f'iterator:replica{rank}'],
+                    worker_states[rank] if rank in worker_states else capture_state(it))
+
+
+def load_iterators(serializer: Any, main: Any, worker_iterators: List[Any]) -> None:
+    load_state(main, serializer['iterator:main'])
+    for rank, it in enumerate(worker_iterators, start=1):
+        load_state(it, serializer[f'iterator:replica{rank}'])

@@ -282,6 +282,40 @@ def micro_batch_size(value: Any) -> Any:
     return int(value)
 
 
+def seconds(name: str, value: Any) -> float:
+    """A time limit: a number of seconds > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f'{name} must be a number of seconds > 0 '
+                        f'({value!r} of type {type(value).__name__} '
+                        f'given); pass e.g. {name}=120')
+    if not value > 0:   # also refuses NaN
+        raise ValueError(f'{name} must be a number of seconds > 0 '
+                         f'({value!r} given); pass e.g. {name}=120')
+    return float(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f'{name} must be True or False ({value!r} given)')
+    return value
+
+
+def converter(value: Any) -> Any:
+    if value is None:
+        raise TypeError('converter must be callable (None given); the default is '
+                        'chainer.dataset.concat_examples')
+    return callable_or_none('converter', value)
+
+
+def one_device_per_rank(communicator: Any, labels: List[str]) -> None:
+    """With a ChainerMN communicator every rank drives exactly one device."""
+    if communicator is not None and len(labels) != 1:
+        raise ValueError(f'with a ChainerMN communicator each rank drives one device; '
+                         f'devices has {len(labels)} ({labels!r}); '
+                         'pass devices=[comm.intra_rank] (GPU) or ["@numpy"]')
+
+
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
-           'loss_reduction', 'replica_reduction', 'micro_batch_size']
+           'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
+           'converter', 'one_device_per_rank']

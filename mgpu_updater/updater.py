@@ -1,26 +1,20 @@
 """ParallelAccumulatingUpdater: the master side."""
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
-
-import numpy
 
 import chainer
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
-from . import _inherit, _loss_binding, _validate
+from . import _checkpoint, _loss_binding, _startup, _step, _validate
+from ._checkpoint import capture_state
 from ._chunks import Chunking
-from ._flat_buffers import ModelLayouts
-from ._groups import ClosedGroup, Group, ReduceHandle, SoloGroup
-from ._local.group import LocalGroup, payload_factory
-from ._replica import (Replica, Scaling, WindowResult, combine, observers, total_loss,
-                       with_graph)
-from ._checkpoint import capture_state, load_state, write_state
-from ._loader import EpochInfo, Loader, make_loader
+from ._groups import ClosedGroup, Group
+from ._loader import EpochInfo, Loader
+from ._replica import Replica, Scaling, WindowResult, combine, with_graph
 from ._timing import Stopwatch
 from .errors import NonFiniteLossError
 
@@ -134,32 +128,17 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.micro_batch_sizes: List[int] = []
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
-        if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)):
-            raise TypeError(f'start_timeout must be a number of seconds > 0 '
-                            f'({start_timeout!r} of type {type(start_timeout).__name__} '
-                            'given); pass e.g. start_timeout=120')
-        if not start_timeout > 0:   # also refuses NaN
-            raise ValueError(f'start_timeout must be a number of seconds > 0 '
-                             f'({start_timeout!r} given); pass e.g. start_timeout=120')
-        self.start_timeout = float(start_timeout)
+        self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.report_times = bool(report_times)
-        if not isinstance(pipelined, bool):
-            raise TypeError(f'pipelined must be True or False ({pipelined!r} given)')
-        self.pipelined = pipelined
-        self._pending: Optional[_DeferredStep] = None
+        self.pipelined = _validate.flag('pipelined', pipelined)
+        self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
         model = _validate.optimizer(optimizer)
-        _validate.callable_or_none('converter', converter)
+        _validate.converter(converter)
         _validate.callable_or_none('loss_func', loss_func)
-        if converter is None:
-            raise TypeError('converter must be callable (None given); the default is '
-                            'chainer.dataset.concat_examples')
+        _validate.one_device_per_rank(communicator, self.device_labels)
         self._communicator = communicator
-        if communicator is not None and len(self._devices) != 1:
-            raise ValueError(f'with a ChainerMN communicator each rank drives one device; '
-                             f'devices has {len(self._devices)} ({self.device_labels!r}); '
-                             'pass devices=[comm.intra_rank] (GPU) or ["@numpy"]')
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
@@ -180,22 +159,24 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     # ------------------------------------------------------------------ epoch bookkeeping
     # The master's loader runs ahead of training; the epoch is that of the last batch used.
     @property
+    def _epoch_view(self) -> Any:
+        return self._epoch if self._epoch else self.get_iterator('main')
+
+    @property
     def epoch(self) -> int:
-        return self._epoch.epoch if self._epoch else self._iterators['main'].epoch
+        return self._epoch_view.epoch
 
     @property
     def epoch_detail(self) -> float:
-        return self._epoch.epoch_detail if self._epoch else self._iterators['main'].epoch_detail
+        return self._epoch_view.epoch_detail
 
     @property
     def previous_epoch_detail(self) -> Optional[float]:
-        if self._epoch:
-            return self._epoch.previous_epoch_detail
-        return self._iterators['main'].previous_epoch_detail
+        return self._epoch_view.previous_epoch_detail
 
     @property
     def is_new_epoch(self) -> bool:
-        return self._epoch.is_new_epoch if self._epoch else self._iterators['main'].is_new_epoch
+        return self._epoch_view.is_new_epoch
 
     @property
     def n_devices(self) -> int:
@@ -207,57 +188,23 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
-        model = self._optimizers['main'].target
-        master_device = self._devices[0]
-        # The loader first: it reads the first batch here, so a MultiprocessIterator forks
-        # its pool before any BLAS call (see _loader.Prefetcher).
-        self._loader = make_loader(self._iterators['main'], self.converter, master_device,
-                                   self.prefetch)
-        _initialize_lazy_params(model, self.loss_func, self._iterators['main'],
-                                self.converter, master_device)
-        self._replica = Replica(model, self.loss_func, self._loader, self.accumulate_steps,
-                                self._scaling(self._iterators['main']),
-                                name=f'replica 0 ({self.device_labels[0]})', keep_graphs=True,
-                                chunking=self._chunking(self._own_index()))
-        self._group = SoloGroup(model)
-        if self._communicator is not None:
-            from ._multihost import MpiGroup
-            self._group = MpiGroup(self._communicator, model, self._nominal_samples)
-            self._nominal_samples = self._group.nominal_samples
-            self._replica.scaling = self._scaling(self._iterators['main'])
-        elif len(self._devices) > 1:
-            from . import comm
-            layouts = ModelLayouts(model, double_buffered=self.pipelined)
-            replica_model = copy.deepcopy(model)
-            replica_model.to_device('@numpy')
-            for param in replica_model.params():
-                param.update_rule = None
-            payloads = {}
-            config = _inherit.master_config()
-            seeds = _inherit.draw_seeds(len(self._worker_iterators))
-            for rank, it in enumerate(self._worker_iterators, start=1):
-                payloads[rank] = payload_factory(dict(
-                    rank=rank, size=len(self._devices), device=self.device_labels[rank],
-                    model=replica_model,
-                    loss_func=None if self._bound_loss else
-                    _loss_binding.swap_model(self.loss_func, model, replica_model),
-                    bind_loss_to_model=self._bound_loss, converter=self.converter,
-                    iterator=it, prefetch=self.prefetch,
-                    accumulate_steps=self.accumulate_steps, scaling=self._scaling(it),
-                    chunking=self._chunking(rank), config=config, seed=seeds[rank - 1],
-                    comm_name=comm.backend_for(self._devices)), model)
-            self._group = LocalGroup(model, layouts, comm.backend_for(self._devices),
-                                     master_device, self.device_labels, payloads,
-                                     self.start_method, self.start_timeout)
+        started = _startup.start(_startup.Settings(
+            model=self.get_optimizer('main').target, loss_func=self.loss_func,
+            bound_loss=self._bound_loss, converter=self.converter,
+            iterator=self.get_iterator('main'), worker_iterators=self._worker_iterators,
+            devices=self._devices, device_labels=self.device_labels,
+            communicator=self._communicator, prefetch=self.prefetch,
+            accumulate_steps=self.accumulate_steps, pipelined=self.pipelined,
+            start_method=self.start_method, start_timeout=self.start_timeout,
+            nominal_samples=self._nominal_samples, scaling=self._scaling,
+            chunking=self._chunking))
+        self._loader, self._replica, self._group, self._nominal_samples = started
 
-    def _scaling(self, iterator: Any) -> Scaling:
+    def _scaling(self, iterator: Any, nominal_samples: float) -> Scaling:
         """The gradient factors of the replica that reads ``iterator`` (see Scaling)."""
         window = self.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
         return Scaling(self.loss_reduction, self.replica_reduction,
-                       update_norm=self._nominal_samples, window_norm=float(window))
-
-    def _own_index(self) -> int:
-        return 0 if self._communicator is None else self._communicator.rank
+                       update_norm=nominal_samples, window_norm=float(window))
 
     def _chunking(self, index: int) -> Chunking:
         """How replica ``index`` splits its batches: the size given, or under 'auto' the
@@ -283,60 +230,51 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _update(self) -> None:
         if self._replica is None:
             self._start()
-        optimizer = self._optimizers['main']
+        optimizer = self.get_optimizer('main')
         loss_scale = optimizer._loss_scale
-        parity = self.iteration % 2 if self.pipelined else None
+        parity = self._step.parity(self.iteration)
         watch = Stopwatch()
         with watch('comm'):
             self._group.begin(loss_scale, parity)
         own = self._replica.run_window(loss_scale)
         with watch('comm'):
-            if self.pipelined:
-                results, pending = self._group.finish_async(own, parity)
-            else:
-                results = self._group.finish(own)
-        count = sum(r.count for r in results)
-        if count == 0:
+            results, fresh = self._step.reduce(self._group, own, loss_scale, parity)
+        if fresh.count == 0:
             raise StopIteration
         if own.epochs:
             # One update spans the window: epoch triggers must see the boundary it crossed.
             first, last = own.epochs[0], own.epochs[-1]
             self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
                                     any(e.is_new_epoch for e in own.epochs))
-        current = _DeferredStep(count, total_loss(results), loss_scale,
-                                 pending if self.pipelined else None)
-        if self.pipelined:
-            current, self._pending = self._pending, current
-            if current is not None:
-                with watch('comm'):
-                    current.pending.apply(optimizer.target)
-        if current is not None:
+        with watch('comm'):
+            due = self._step.due(fresh, optimizer.target)
+        if due is not None:
             with watch('update'):
-                self._apply(optimizer, current)
+                self._apply(optimizer, due)
         if self.auto_new_epoch and own.epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, watch)
 
-    def _apply(self, optimizer: chainer.Optimizer, update: '_DeferredStep') -> None:
-        """One optimizer step on the model's summed gradient of ``update``."""
+    def _apply(self, optimizer: chainer.Optimizer, step: '_step.GradientStep') -> None:
+        """One optimizer step on the model's summed gradient of ``step``."""
         model = optimizer.target
         # The update's own factor, decided by Scaling with the others (see _replica).
-        factor = self._replica.scaling.update(update.count)
+        factor = self._replica.scaling.update(step.count)
         if factor != 1.0:
             for param in model.params():
                 if param.grad is not None:
                     param.grad *= factor
         # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
         # the scale), exactly as on one device; otherwise the nonfinite policy decides.
-        if not math.isfinite(update.loss) and not optimizer._loss_scaling_is_dynamic:
+        if not math.isfinite(step.loss) and not optimizer._loss_scaling_is_dynamic:
             if self.nonfinite == 'raise':
-                raise NonFiniteLossError(self.iteration + 1, update.loss)
+                raise NonFiniteLossError(self.iteration + 1, step.loss)
             self._skipped += 1
-            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {update.loss}',
+            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {step.loss}',
                           RuntimeWarning)
             return
         for param in model.params():
-            param._loss_scale = update.loss_scale
+            param._loss_scale = step.loss_scale
         optimizer.update()
 
     def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
@@ -360,98 +298,30 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ state
     def serialize(self, serializer: Any) -> None:
-        """Everything needed for an exact resume: the model, the optimizer, every
-        replica's iterator (as of the last batch used, prefetch notwithstanding), the
-        iteration, and the layout (number of devices, accumulate_steps)."""
-        optimizer = self._optimizers['main']
-        optimizer.serialize(serializer['optimizer:main'])
-        optimizer.target.serialize(serializer['model:main'])
-        self.iteration = serializer('iteration', self.iteration)
-        n_devices = serializer('n_devices', self.n_devices)
-        steps = serializer('accumulate_steps', self.accumulate_steps)
-        self._skipped = serializer('skipped_updates', self._skipped)
-        if self.micro_batch_size == 'auto':
-            self._serialize_micro_batch_sizes(serializer, saving=isinstance(
-                serializer, chainer.serializer.Serializer))
-        saving = isinstance(serializer, chainer.serializer.Serializer)
-        self._serialize_pending(serializer['pending'], saving)
-        if not saving and (int(n_devices) != self.n_devices
-                           or int(steps) != self.accumulate_steps):
-            raise ValueError(
-                f'this snapshot was taken with {int(n_devices)} device(s) and '
-                f'accumulate_steps={int(steps)}, but this updater has {self.n_devices} and '
-                f'accumulate_steps={self.accumulate_steps}; resume with the same devices and '
-                'accumulate_steps (the iterator shards and the batch composition depend on '
-                'both), or load only the model with load_npz(path, model, path="updater/model:main/")')
-        if saving:
-            self._save_iterators(serializer)
-        else:
-            self._load_iterators(serializer)
-
-    def _serialize_micro_batch_sizes(self, serializer: Any, saving: bool) -> None:
-        """What 'auto' found, so that a resumed run starts at the sizes that fit."""
-        sizes = numpy.asarray(self.micro_batch_sizes or [0] * self.n_devices, numpy.int64)
-        try:
-            sizes = serializer('micro_batch_sizes', sizes if saving else None)
-        except KeyError:   # a snapshot taken without 'auto': start from whole batches
+        """Everything needed for an exact resume (see :mod:`._checkpoint`): the model, the
+        optimizer, every replica's iterator (as of the last batch used, prefetch
+        notwithstanding), the iteration, the layout (number of devices,
+        accumulate_steps), the step in flight (pipelined), the chunk sizes 'auto' found."""
+        _checkpoint.serialize_counters(self, serializer)
+        if _checkpoint.saving(serializer):
+            main = self._loader.state() if self._loader else capture_state(
+                self.get_iterator('main'))
+            _checkpoint.save_iterators(serializer, main, self._worker_iterators,
+                                       self._group.states())
             return
-        if not saving:
-            self.micro_batch_sizes = [int(v) for v in numpy.asarray(sizes).ravel()]
-
-    def _serialize_pending(self, serializer: Any, saving: bool) -> None:
-        """The pipelined mode's gradient in flight is state too: save and restore it."""
-        model = self._optimizers['main'].target
-        present = serializer('present', self._pending is not None)
-        if not bool(present):
-            if not saving:
-                self._pending = None
-            return
-        if saving:
-            grads = self._pending.pending.wait()
-            node = serializer['grads']
-            for name, _ in model.namedparams():
-                node(name, grads[name])
-            serializer('count', self._pending.count)
-            serializer('loss', self._pending.loss)
-            serializer('loss_scale', -1.0 if self._pending.loss_scale is None
-                       else self._pending.loss_scale)
-            return
-        node = serializer['grads']
-        grads = {name: node(name, None) for name, _ in model.namedparams()}
-        grads = {name: model.xp.asarray(g) for name, g in grads.items()}
-        scale = float(serializer('loss_scale', -1.0))
-        self._pending = _DeferredStep(int(serializer('count', 0)),
-                                       float(serializer('loss', 0.0)),
-                                       None if scale < 0 else scale,
-                                       ReduceHandle(lambda: grads))
-
-    def _save_iterators(self, serializer: Any) -> None:
-        main = self._iterators['main']
-        write_state(serializer['iterator:main'],
-                    self._loader.state() if self._loader else capture_state(main))
-        states = self._group.states()
-        for rank, it in enumerate(self._worker_iterators, start=1):
-            write_state(serializer[f'iterator:replica{rank}'],
-                        states[rank] if rank in states else capture_state(it))
-
-    def _load_iterators(self, serializer: Any) -> None:
         if self._replica is not None:
             # Loading into a running updater: restart so every replica reads the new state.
             self._teardown(abort=False)
             self._finalized = False
-        load_state(self._iterators['main'], serializer['iterator:main'])
+        _checkpoint.load_iterators(serializer, self.get_iterator('main'), self._worker_iterators)
         self._epoch = None
-        for rank, it in enumerate(self._worker_iterators, start=1):
-            load_state(it, serializer[f'iterator:replica{rank}'])
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:
-        if self._pending is not None and self._pending.pending is not None:
-            if abort:
-                self._pending = None
-            else:   # keep the gradient in flight, off the buffers that are about to go
-                grads = {k: v.copy() for k, v in self._pending.pending.wait().items()}
-                self._pending.pending = ReduceHandle(lambda: grads)
+        if abort:
+            self._step.drop()
+        else:   # keep the gradient in flight, off the buffers that are about to go
+            self._step.detach()
         group, self._group = self._group, ClosedGroup()
         try:
             group.close(abort=abort)
@@ -468,46 +338,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         try:
             self._teardown(abort=False)
         finally:
-            for it in [self._iterators['main']] + self._worker_iterators:
+            for it in [self.get_iterator('main')] + self._worker_iterators:
                 try:
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
                     pass
-
-
-class _DeferredStep:
-    """A reduced gradient not applied yet, with what applying it needs."""
-
-    def __init__(self, count: int, loss: float, loss_scale: Optional[float],
-                 pending: Optional[ReduceHandle]) -> None:
-        self.count, self.loss, self.loss_scale, self.pending = count, loss, loss_scale, pending
-
-
-def _initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
-                            iterator: Any, converter: Callable, device: Any) -> None:
-    """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
-    with one forward pass on the master, in test mode, without backprop or reports,
-    so the replicas start identical and the running statistics stay untouched."""
-    if all(p.array is not None for p in model.params()):
-        return
-    dataset = getattr(iterator, 'dataset', None)
-    if dataset is not None and len(dataset) > 0:
-        batch = [dataset[0]]
-    else:
-        batch = copy.deepcopy(iterator).next()
-    arrays = convert._call_converter(converter, batch, device)
-    func = loss_func if loss_func is not None else model
-    reporter = chainer.Reporter()   # what the model reports here is thrown away
-    observers(reporter, model)
-    with chainer.using_config('train', False), chainer.no_backprop_mode(), \
-            reporter.scope({}):
-        if isinstance(arrays, tuple):
-            func(*arrays)
-        elif isinstance(arrays, dict):
-            func(**arrays)
-        else:
-            func(arrays)
-    missing = [name for name, p in model.namedparams() if p.array is None]
-    if missing:
-        raise ValueError(f'parameters {missing} are still uninitialised after one forward '
-                         'pass; initialise them explicitly (give in_size) before training')

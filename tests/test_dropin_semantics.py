@@ -17,7 +17,7 @@ import chainer
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
-from mgpu_updater import _loss_binding, updater as updater_module
+from mgpu_updater import _loss_binding, _startup
 
 import _dropin_models
 from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
@@ -161,7 +161,7 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
         def close(self, abort=False):
             pass
 
-    monkeypatch.setattr(updater_module, 'LocalGroup', Capture)
+    monkeypatch.setattr(_startup, 'LocalGroup', Capture)
     model = SelfLoss()
     opt = setup_optimizer('sgd', model)
     its = [chainer.iterators.SerialIterator(d, B) for d in _datasets()]

@@ -1,0 +1,140 @@
+"""Start-up at the first update: the master's loader and replica, then its group.
+
+The order matters and is kept here in one place:
+
+1. the master's loader first: it reads the first batch in this thread, so that a
+   ``MultiprocessIterator`` forks its pool before any BLAS call (see
+   :class:`mgpu_updater._loader.Prefetcher`);
+2. parameters Chainer creates on the first call (``L.Linear(None, n)``) are initialised by
+   one forward pass on the master, so every replica starts from the same values;
+3. the group: :class:`~mgpu_updater._groups.SoloGroup` (one device),
+   :class:`~mgpu_updater._multihost.MpiGroup` (a ChainerMN communicator: every rank agrees
+   on the global nominal samples, which the replica's scaling then uses), or
+   :class:`~mgpu_updater._local.group.LocalGroup` (worker processes on this host, each
+   given a pickled payload: its replica of the model, iterator, seed, configuration).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, List, NamedTuple, Optional
+
+import chainer
+from chainer.dataset import convert
+
+from . import _inherit, _loss_binding
+from ._chunks import Chunking
+from ._flat_buffers import ModelLayouts
+from ._groups import Group, SoloGroup
+from ._loader import Loader, make_loader
+from ._local.group import LocalGroup, payload_factory
+from ._replica import Replica, Scaling, observers
+
+
+class Settings(NamedTuple):
+    """What start-up needs from the updater's (validated) arguments."""
+    model: chainer.Link
+    loss_func: Optional[Callable]
+    bound_loss: Optional[_loss_binding.LossBinding]   # loss_func re-bound by link path
+    converter: Callable
+    iterator: Any                   # the master's
+    worker_iterators: List[Any]     # one per worker, rank order
+    devices: List[Any]              # Chainer devices, master first
+    device_labels: List[str]
+    communicator: Any               # ChainerMN communicator or None
+    prefetch: int
+    accumulate_steps: int
+    pipelined: bool
+    start_method: str
+    start_timeout: float
+    nominal_samples: float          # W: nominal samples of one update, over all replicas
+    scaling: Callable[[Any, float], Scaling]   # (iterator, W) -> that replica's Scaling
+    chunking: Callable[[int], Chunking]        # replica index -> how it splits batches
+
+
+class Started(NamedTuple):
+    loader: Loader
+    replica: Replica
+    group: Group
+    nominal_samples: float          # as the group agreed (MPI: summed over the ranks)
+
+
+def start(s: Settings) -> Started:
+    """Build the master's loader, replica and group (see the module docstring)."""
+    master_device = s.devices[0]
+    loader = make_loader(s.iterator, s.converter, master_device, s.prefetch)
+    try:
+        initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter, master_device)
+        own_index = 0 if s.communicator is None else s.communicator.rank
+        nominal = s.nominal_samples
+        group: Group = SoloGroup(s.model)
+        if s.communicator is not None:
+            from ._multihost import MpiGroup   # imports mpi4py
+            group = MpiGroup(s.communicator, s.model, nominal)
+            nominal = group.nominal_samples
+        elif len(s.devices) > 1:
+            group = _local_group(s)
+        replica = Replica(s.model, s.loss_func, loader, s.accumulate_steps,
+                          s.scaling(s.iterator, nominal),
+                          name=f'replica 0 ({s.device_labels[0]})', keep_graphs=True,
+                          chunking=s.chunking(own_index))
+    except BaseException:
+        loader.close()
+        raise
+    return Started(loader, replica, group, nominal)
+
+
+def _local_group(s: Settings) -> LocalGroup:
+    """Worker processes on this host, one per extra device, each with its payload."""
+    from . import comm
+    backend = comm.backend_for(s.devices)
+    replica_model = copy.deepcopy(s.model)
+    replica_model.to_device('@numpy')
+    for param in replica_model.params():
+        param.update_rule = None
+    config = _inherit.master_config()
+    seeds = _inherit.draw_seeds(len(s.worker_iterators))
+    payloads = {}
+    for rank, it in enumerate(s.worker_iterators, start=1):
+        payloads[rank] = payload_factory(dict(
+            rank=rank, size=len(s.devices), device=s.device_labels[rank],
+            model=replica_model,
+            loss_func=None if s.bound_loss else
+            _loss_binding.swap_model(s.loss_func, s.model, replica_model),
+            bind_loss_to_model=s.bound_loss, converter=s.converter,
+            iterator=it, prefetch=s.prefetch,
+            accumulate_steps=s.accumulate_steps, scaling=s.scaling(it, s.nominal_samples),
+            chunking=s.chunking(rank), config=config, seed=seeds[rank - 1],
+            comm_name=backend), s.model)
+    layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
+    return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
+                      s.start_method, s.start_timeout)
+
+
+def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
+                           iterator: Any, converter: Callable, device: Any) -> None:
+    """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
+    with one forward pass on the master, in test mode, without backprop or reports,
+    so the replicas start identical and the running statistics stay untouched."""
+    if all(p.array is not None for p in model.params()):
+        return
+    dataset = getattr(iterator, 'dataset', None)
+    if dataset is not None and len(dataset) > 0:
+        batch = [dataset[0]]
+    else:
+        batch = copy.deepcopy(iterator).next()
+    arrays = convert._call_converter(converter, batch, device)
+    func = loss_func if loss_func is not None else model
+    reporter = chainer.Reporter()   # what the model reports here is thrown away
+    observers(reporter, model)
+    with chainer.using_config('train', False), chainer.no_backprop_mode(), \
+            reporter.scope({}):
+        if isinstance(arrays, tuple):
+            func(*arrays)
+        elif isinstance(arrays, dict):
+            func(**arrays)
+        else:
+            func(arrays)
+    missing = [name for name, p in model.namedparams() if p.array is None]
+    if missing:
+        raise ValueError(f'parameters {missing} are still uninitialised after one forward '
+                         'pass; initialise them explicitly (give in_size) before training')

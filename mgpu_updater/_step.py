@@ -1,0 +1,132 @@
+"""When a reduced gradient becomes an optimizer step: at once, or one update late.
+
+The policy is chosen once, at construction, as ChainerMN's
+``create_multi_node_optimizer(double_buffering=...)`` picks ``_MultiNodeOptimizer`` or
+``_DoubleBufferingOptimizer`` (``chainermn/optimizers.py:5,59,149-182``); each reads
+straight through:
+
+- :class:`ImmediateStep` (default): the update's gradient is reduced into the model and
+  stepped on in the same update.
+- :class:`OneLateStep` (``pipelined=True``): the gradient of update t is reduced into one
+  of two sets of buffers (``parity = t % 2``) and stepped on at update t+1, so update t+1's
+  gradient was computed on parameters one step stale. The first update steps on nothing.
+
+Both hand the updater a :class:`GradientStep` to apply; only the one-late policy holds
+state between updates (the step in flight), which it saves in snapshots, under
+``pending/``, and detaches from the communicator's buffers before they are released.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import chainer
+
+from ._groups import Group, ReduceHandle
+from ._replica import WindowResult, total_loss
+
+
+class GradientStep:
+    """A reduced gradient with what applying it needs.
+
+    ``handle`` is ``None`` when the gradient already lies in the model's ``grad`` arrays,
+    else a :class:`~mgpu_updater._groups.ReduceHandle` to copy it from first.
+    """
+
+    def __init__(self, count: int, loss: float, loss_scale: Optional[float],
+                 handle: Optional[ReduceHandle]) -> None:
+        self.count, self.loss, self.loss_scale, self.handle = count, loss, loss_scale, handle
+
+
+class ImmediateStep:
+    """Reduce, then step on that gradient in the same update."""
+
+    def parity(self, iteration: int) -> Optional[int]:
+        return None   # one set of gradient buffers
+
+    def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
+               parity: Optional[int]) -> Tuple[List[WindowResult], GradientStep]:
+        """The replicas' results, and this update's gradient (now in the model)."""
+        results = group.finish(own)
+        return results, GradientStep(sum(r.count for r in results), total_loss(results),
+                                     loss_scale, None)
+
+    def due(self, fresh: GradientStep, model: chainer.Link) -> Optional[GradientStep]:
+        """The step to apply now: this update's."""
+        return fresh
+
+    def save(self, serializer: Any, model: chainer.Link) -> None:
+        serializer('present', False)
+
+    def load(self, serializer: Any, model: chainer.Link) -> None:
+        serializer('present', False)
+
+    def detach(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        pass
+
+
+class OneLateStep:
+    """Reduce into the parity's buffers; step on the previous update's gradient."""
+
+    def __init__(self) -> None:
+        self.in_flight: Optional[GradientStep] = None
+
+    def parity(self, iteration: int) -> Optional[int]:
+        return iteration % 2
+
+    def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
+               parity: Optional[int]) -> Tuple[List[WindowResult], GradientStep]:
+        """The replicas' results, and this update's gradient (left in its buffers)."""
+        results, handle = group.finish_async(own, parity)
+        return results, GradientStep(sum(r.count for r in results), total_loss(results),
+                                     loss_scale, handle)
+
+    def due(self, fresh: GradientStep, model: chainer.Link) -> Optional[GradientStep]:
+        """The previous update's step, its gradient copied into the model; ``fresh``
+        waits for the next update. ``None`` at the first update."""
+        due, self.in_flight = self.in_flight, fresh
+        if due is not None and due.handle is not None:
+            due.handle.apply(model)
+        return due
+
+    def save(self, serializer: Any, model: chainer.Link) -> None:
+        """The step in flight is state: its gradient, count, loss and loss scale."""
+        serializer('present', self.in_flight is not None)
+        if self.in_flight is None:
+            return
+        grads = self.in_flight.handle.wait()
+        node = serializer['grads']
+        for name, _ in model.namedparams():
+            node(name, grads[name])
+        serializer('count', self.in_flight.count)
+        serializer('loss', self.in_flight.loss)
+        serializer('loss_scale', -1.0 if self.in_flight.loss_scale is None
+                   else self.in_flight.loss_scale)
+
+    def load(self, serializer: Any, model: chainer.Link) -> None:
+        if not bool(serializer('present', False)):
+            self.in_flight = None
+            return
+        node = serializer['grads']
+        grads = {name: model.xp.asarray(node(name, None)) for name, _ in model.namedparams()}
+        scale = float(serializer('loss_scale', -1.0))
+        self.in_flight = GradientStep(int(serializer('count', 0)),
+                                      float(serializer('loss', 0.0)),
+                                      None if scale < 0 else scale,
+                                      ReduceHandle(lambda: grads))
+
+    def detach(self) -> None:
+        """Copy the gradient in flight off the buffers that are about to be released."""
+        if self.in_flight is not None and self.in_flight.handle is not None:
+            self.in_flight.handle = self.in_flight.handle.detached()
+
+    def drop(self) -> None:
+        """Forget the step in flight (after a failure its buffers are gone)."""
+        self.in_flight = None
+
+
+def choose(pipelined: bool) -> Any:
+    """The policy for ``pipelined``."""
+    return OneLateStep() if pipelined else ImmediateStep()
