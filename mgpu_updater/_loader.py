@@ -16,8 +16,8 @@ from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
 
-import chainer
 from chainer.dataset import convert
+
 from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
 

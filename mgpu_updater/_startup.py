@@ -47,8 +47,10 @@ class Settings(NamedTuple):
     start_method: str
     start_timeout: float
     nominal_samples: float          # W: nominal samples of one update, over all replicas
-    scaling: Callable[[Any, float], Scaling]   # (iterator, W) -> that replica's Scaling
-    chunking: Callable[[int], Chunking]        # replica index -> how it splits batches
+    loss_reduction: str
+    replica_reduction: str
+    micro_batch_size: Any           # None, an int or 'auto'
+    micro_batch_sizes: List[int]    # under 'auto': the sizes found before (a resumed run)
 
 
 class Started(NamedTuple):
@@ -74,13 +76,29 @@ def start(s: Settings) -> Started:
         elif len(s.devices) > 1:
             group = _local_group(s)
         replica = Replica(s.model, s.loss_func, loader, s.accumulate_steps,
-                          s.scaling(s.iterator, nominal),
+                          scaling(s, s.iterator, nominal),
                           name=f'replica 0 ({s.device_labels[0]})', keep_graphs=True,
-                          chunking=s.chunking(own_index))
+                          chunking=chunking(s, own_index))
     except BaseException:
         loader.close()
         raise
     return Started(loader, replica, group, nominal)
+
+
+def scaling(s: Settings, iterator: Any, nominal_samples: float) -> Scaling:
+    """The gradient factors of the replica that reads ``iterator`` (see Scaling)."""
+    window = s.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
+    return Scaling(s.loss_reduction, s.replica_reduction,
+                   update_norm=nominal_samples, window_norm=float(window))
+
+
+def chunking(s: Settings, index: int) -> Chunking:
+    """How replica ``index`` splits its batches: the size given, or under 'auto' the size
+    it found before (a resumed run starts there; the whole batch at first)."""
+    if s.micro_batch_size != 'auto':
+        return Chunking(s.micro_batch_size)
+    found = s.micro_batch_sizes[index] if index < len(s.micro_batch_sizes) else 0
+    return Chunking(int(found) or None, auto=True)
 
 
 def _local_group(s: Settings) -> LocalGroup:
@@ -102,8 +120,8 @@ def _local_group(s: Settings) -> LocalGroup:
             _loss_binding.swap_model(s.loss_func, s.model, replica_model),
             bind_loss_to_model=s.bound_loss, converter=s.converter,
             iterator=it, prefetch=s.prefetch,
-            accumulate_steps=s.accumulate_steps, scaling=s.scaling(it, s.nominal_samples),
-            chunking=s.chunking(rank), config=config, seed=seeds[rank - 1],
+            accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
+            chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,

@@ -11,10 +11,9 @@ from chainer.training.updaters import StandardUpdater
 
 from . import _checkpoint, _loss_binding, _startup, _step, _validate
 from ._checkpoint import capture_state
-from ._chunks import Chunking
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
-from ._replica import Replica, Scaling, WindowResult, combine, with_graph
+from ._replica import Replica, WindowResult, combine, with_graph
 from ._timing import Stopwatch
 from .errors import NonFiniteLossError
 
@@ -196,24 +195,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             communicator=self._communicator, prefetch=self.prefetch,
             accumulate_steps=self.accumulate_steps, pipelined=self.pipelined,
             start_method=self.start_method, start_timeout=self.start_timeout,
-            nominal_samples=self._nominal_samples, scaling=self._scaling,
-            chunking=self._chunking))
+            nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
+            replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
+            micro_batch_sizes=list(self.micro_batch_sizes)))
         self._loader, self._replica, self._group, self._nominal_samples = started
-
-    def _scaling(self, iterator: Any, nominal_samples: float) -> Scaling:
-        """The gradient factors of the replica that reads ``iterator`` (see Scaling)."""
-        window = self.accumulate_steps * (getattr(iterator, 'batch_size', 1) or 1)
-        return Scaling(self.loss_reduction, self.replica_reduction,
-                       update_norm=nominal_samples, window_norm=float(window))
-
-    def _chunking(self, index: int) -> Chunking:
-        """How replica ``index`` splits its batches: the size given, or under 'auto' the
-        size it found before (a resumed run starts there; the whole batch at first)."""
-        if self.micro_batch_size != 'auto':
-            return Chunking(self.micro_batch_size)
-        found = (self.micro_batch_sizes[index]
-                 if index < len(self.micro_batch_sizes) else 0)
-        return Chunking(int(found) or None, auto=True)
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
