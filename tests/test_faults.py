@@ -1,29 +1,35 @@
 """Faults: a worker that raises or dies, a master that is interrupted or killed.
 
-Each scenario runs in fresh processes (``fault_scripts/harness.py`` -> ``run_fault.py``
+Each scenario runs in fresh processes (``scripts/faults/harness.py`` -> ``run_fault.py``
 -> the workers) under a hard timeout that kills the whole process group, so a hang fails
 the test instead of stalling CI. The harness is a child subreaper: it sees every worker
 exit, reaps the orphans, and checks that no descendant and no ``/dev/shm/mgpu_*`` segment
-of the run is left. Faults fire only in the chosen worker (``fault_scripts/faulty.py``).
+of the run is left. Faults fire only in the chosen worker (``scripts/faults/faulty.py``).
 
-The 20x repetitions are marked ``slow`` (``bench/faults.py`` prints the table).
+The runner is ``scripts/faults/fault_runner.py``; the 20x repetitions are marked ``slow``
+(``tools/faults.py`` prints the table, with the same runner).
 """
 import concurrent.futures
-import importlib.util
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / 'scripts' / 'faults'))
+sys.path.insert(0, str(HERE / 'scripts'))
+import fault_runner  # noqa: E402
+import soak_measure  # noqa: E402
+
 HARD_TIMEOUT = 90.0   # seconds for one scenario, processes included
 
 
 def run_scenario(scenario, *driver_args, timeout=HARD_TIMEOUT):
     """Run one scenario; returns the harness's report (a dict). The runner is the one
-    ``bench/faults.py`` repeats."""
-    return _bench('faults').run_once(scenario, driver_args, timeout=timeout)
+    ``tools/faults.py`` repeats."""
+    return fault_runner.run_once(scenario, driver_args, timeout=timeout)
 
 
 # Every fast scenario: key -> harness arguments. They run a few at a time in the
@@ -173,34 +179,23 @@ def test_faults_with_multiprocess_iterators(scenarios, scenario):
 # ------------------------------------------------------------------ 20 times each
 SCENARIOS = ['raise_forward', 'raise_backward', 'raise_iterator', 'raise_converter',
              'raise_start', 'kill_worker', 'master_sigint', 'master_sigterm',
-             'master_sigkill', 'master_sigkill_forkserver']   # the keys of bench/faults.py
-
-
-def _bench(name):
-    """Import ``bench/<name>.py`` (bench/ is no package)."""
-    spec = importlib.util.spec_from_file_location(f'mgpu_bench_{name}',
-                                                  ROOT / 'bench' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+             'master_sigkill', 'master_sigkill_forkserver']   # the keys of fault_runner
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize('scenario', SCENARIOS)
 def test_fault_20_times(scenario):
-    faults = _bench('faults')
-    row = faults.repeat(scenario, 20)
-    print(faults.format_table([row]))
+    row = fault_runner.repeat(scenario, 20)
+    print(fault_runner.format_table([row]))
     assert row['ok'] == 20, row['failures']
 
 
 # ------------------------------------------------------------------ soak and hygiene
 @pytest.mark.slow
 def test_soak_short():
-    """A short ``bench/soak.py``: RSS flat, fds and segments constant, no inet or
+    """A short soak (``tools/soak.py`` runs a long one): RSS flat, fds and segments constant, no inet or
     listening socket, segment names of 128 random bits, nothing left afterwards."""
-    soak = _bench('soak')
-    out = soak.soak(updates=1000, start=200, every=200, log=lambda *a: None)
-    print(soak.format_figures(out['figures']))
+    out = soak_measure.soak(updates=1000, start=200, every=200, log=lambda *a: None)
+    print(soak_measure.format_figures(out['figures']))
     assert out['problems'] == []

@@ -1,6 +1,6 @@
 """Multi-host mode on ChainerMN: two MPI ranks on this host, each test one ``mpiexec -n 2``.
 
-The scripts in ``tests/mpi_scripts`` run under ``python -m mpi4py`` (an uncaught exception
+The scripts in ``tests/scripts/mpi`` run under ``python -m mpi4py`` (an uncaught exception
 calls ``MPI_Abort``) and every launch has a hard timeout, so a hang fails the test instead
 of the session. ``checks.py`` runs once per module and holds the in-process checks (the
 communicator verbs, equivalence with the single-process large-batch reference, reporting,
@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, 'mpi_scripts')
+SCRIPTS = os.path.join(HERE, 'scripts', 'mpi')
 ROOT = os.path.dirname(HERE)
 LAUNCH_TIMEOUT = 90.0   # seconds: one mpiexec takes about 5 s here
 

@@ -6,7 +6,7 @@ iterator (``MultiprocessIterator.__getstate__`` sets its position and epoch to N
 the workers, daemonic, could not start its pool. Two replicas x ``n_processes=2`` must
 train as ``StandardUpdater`` does, snapshot and resume exactly, and leave no process
 behind, also when a worker or the master is SIGKILLed while the iterator's processes are
-busy (``tests/fault_scripts`` runs the fault scenarios with it too).
+busy (``tests/scripts/faults`` runs the fault scenarios with it too).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from chainer.backends import cuda
 import mgpu_updater
 from mgpu_updater import NonFiniteLossError, ParallelAccumulatingUpdater
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / 'fault_scripts'))
+sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
 import faulty  # noqa: E402
 
 

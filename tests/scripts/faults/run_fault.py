@@ -21,7 +21,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))   # the repository root
 
 # site, action, the call of that site (in the faulty worker) that fires
 WORKER_FAULTS = {

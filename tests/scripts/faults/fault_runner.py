@@ -1,14 +1,15 @@
-"""Repeat every fault scenario and print time to error and successes.
+"""The fault runner: one scenario in fresh processes, repeated, and the table of results.
 
-    python bench/faults.py [--repeat 20] [--scenario NAME ...] [--json PATH]
+Each run is one ``harness.py`` process (the master and its workers below it) under a hard
+timeout that kills the whole process group. A run succeeds when the harness found no
+problem: the right error within the bound, every process gone, no shared memory left. Time
+to error is from the fault (the worker's raise or SIGKILL) to the master's ``WorkerError``,
+or from the signal to the master until its last worker is gone.
 
-Each run is one ``tests/fault_scripts/harness.py`` process (the master and its workers
-below it) under a hard timeout. A run succeeds when the harness found no problem: the
-right error within the bound, every process gone, no shared memory left. Time to error
-is from the fault (the worker's raise or SIGKILL) to the master's ``WorkerError``, or from
-the signal to the master until its last worker is gone.
+tests/test_faults.py imports it (one run per scenario; 20 runs each under ``slow``), and so
+does ``tools/faults.py``, which prints the table: the tools depend on the tests' scripts,
+never the reverse.
 """
-import argparse
 import json
 import os
 import signal
@@ -18,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-HARNESS = ROOT / 'tests' / 'fault_scripts' / 'harness.py'
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent.parent   # the repository root
+HARNESS = HERE / 'harness.py'
 
 SCENARIOS = {
     # name: (harness scenario, extra driver arguments, bound in seconds)
@@ -83,29 +85,3 @@ def format_table(rows):
         lines.append(f'{r["scenario"]:<28}{r["ok"]:>5}/{r["runs"]:<2}{med:>11}{mx:>9}'
                      f'{r["bound_s"]:>9.0f}')
     return '\n'.join(lines)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--repeat', type=int, default=20)
-    parser.add_argument('--scenario', action='append', choices=sorted(SCENARIOS),
-                        help='run only these (repeatable); default: all')
-    parser.add_argument('--json', help='also write the rows to this file')
-    args = parser.parse_args()
-    rows = []
-    for name in args.scenario or list(SCENARIOS):
-        row = repeat(name, args.repeat)
-        rows.append(row)
-        print(f'{name}: {row["ok"]}/{row["runs"]} in {row["wall_s"]:.0f} s', file=sys.stderr,
-              flush=True)
-        for failure in row['failures']:
-            print('  ' + failure, file=sys.stderr)
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(rows, f, indent=1)
-    return 0 if all(r['ok'] == r['runs'] for r in rows) else 1
-
-
-if __name__ == '__main__':
-    sys.exit(main())

@@ -1,11 +1,10 @@
-"""Soak: thousands of updates of a small model on CPU replicas, watching for leaks.
+"""The soak measurement: thousands of updates of a small model on CPU replicas, watching
+for leaks.
 
-    python bench/soak.py [--updates 5000] [--from 500] [--replicas 2] [--json PATH]
-
-Every ``--every`` updates it samples, for the master and each worker: the resident set
-size (``VmRSS``), the open file descriptors, the sockets among them, and the shared-memory
-segments mapped (``/dev/shm/mgpu_*``). At the end it checks, between update ``--from`` and
-the last:
+Every ``every`` updates :func:`soak` samples, for the master and each worker: the resident
+set size (``VmRSS``), the open file descriptors, the sockets among them, and the
+shared-memory segments mapped (``/dev/shm/mgpu_*``). At the end it checks, between update
+``start`` and the last:
 
 - RSS grew by less than 5 % in every process;
 - the number of open fds and of mapped segments did not change;
@@ -13,17 +12,16 @@ the last:
   ``multiprocessing`` are connected Unix socket pairs, nothing else);
 - segment names carry 128 random bits (``mgpu_`` + 32 hex digits).
 
-Prints the samples and a verdict; exits 1 when a check fails.
+tests/test_faults.py runs a short soak (``slow``); ``tools/soak.py`` runs a long one and
+prints the figures: the tools depend on the tests' scripts, never the reverse.
 """
-import argparse
-import json
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent   # the repository root
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -196,24 +194,3 @@ def format_figures(figures):
     lines.append(f'  segments: {", ".join(figures["segments"])}; left after finalize: '
                  f'{len(figures["segments_left_after_finalize"])}')
     return '\n'.join(lines)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--updates', type=int, default=5000)
-    parser.add_argument('--from', dest='start', type=int, default=500)
-    parser.add_argument('--every', type=int, default=500)
-    parser.add_argument('--replicas', type=int, default=2)
-    parser.add_argument('--json', help='also write the figures and samples here')
-    args = parser.parse_args()
-    out = soak(args.updates, args.start, args.every, args.replicas)
-    print(format_figures(out['figures']))
-    print('problems:', out['problems'] or 'none')
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(out, f, indent=1)
-    return 1 if out['problems'] else 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

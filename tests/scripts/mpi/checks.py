@@ -23,7 +23,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))   # tests/
 
 import mgpu_updater  # noqa: E402,F401  (applies the compat shim before chainer)
 import chainer  # noqa: E402
