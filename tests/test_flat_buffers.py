@@ -86,8 +86,9 @@ def test_pack_writes_zeros_where_an_array_is_none():
 
 @pytest.mark.parametrize('scale', [0.25, numpy.float64(0.25), numpy.float32(0.25)])
 def test_scale_keeps_float16_as_float16(scale):
-    """``casting='unsafe'``: a float64 scale does not promote (numpy 2 would otherwise
-    refuse to write a float64 product into the float16 buffer)."""
+    """The ``scale`` path (a multiply with ``casting='unsafe'``) writes float16 into the
+    float16 buffer and back, whatever the type of the scale (a Python float, a numpy
+    float64 or float32 scalar)."""
     data = {'h': numpy.array([1.5, -2.0, 65504.0, 0.0625], numpy.float16),
             'f': numpy.array([3.0, -0.5], numpy.float32)}
     layout = FlatLayout('grad', list(data.items()))
