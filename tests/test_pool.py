@@ -110,10 +110,6 @@ def test_a_sigkilled_worker_becomes_a_worker_error_at_once(pool):
     assert info.value.exitcode == -signal.SIGKILL
 
 
-@pytest.mark.xfail(strict=True, raises=EOFError, reason=(
-    'pool.check_alive() (what NCCL calls while it waits) reads the dead worker\'s pipe '
-    'because poll(0) is true at EOF, and recv() raises EOFError instead of WorkerError; '
-    'reported to the lead, not changed here'))
 def test_check_alive_reports_a_sigkilled_worker(pool):
     p = pool('silent')
     victim = p.pids()[0]

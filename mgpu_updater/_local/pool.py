@@ -195,12 +195,20 @@ class WorkerPool:
         """Raise :class:`WorkerError` if a worker has died (never blocks)."""
         for rank, proc in self._procs.items():
             if proc.exitcode is not None:
-                if self._conns[rank].poll(0):
-                    msg = self._conns[rank].recv()
+                msg = self._last_words(rank)
+                if msg is not None:
                     if msg[0] == Failed.KIND:
                         raise WorkerError('failed', replica=rank, device=str(self._devices[rank]),
                                           remote_traceback=msg[1])
                 self._raise_dead(rank)
+
+    def _last_words(self, rank: int) -> Any:
+        """What a dead worker sent last and nobody read yet (its ``Failed``), or None. A
+        pipe at end-of-file also polls ready; reading it then raises, which means no."""
+        try:
+            return self._conns[rank].recv() if self._conns[rank].poll(0) else None
+        except (EOFError, OSError):
+            return None
 
     def send(self, msg: tuple, ranks: Optional[Sequence[int]] = None) -> None:
         for rank in (self.ranks if ranks is None else ranks):
