@@ -1,0 +1,242 @@
+"""The one place that touches Chainer's and ChainerMN's private names.
+
+Chainer 7.8.1 is the final release, so what it keeps private will not move; still, each
+function below names the Chainer 7.8.1 (ChainerMN 7.8.1) file and line it depends on, and
+``tests/test_chainer_private.py`` pins the upstream behaviour relied on against the
+installed Chainer, checks that every ``file:line`` cited here holds what it is cited for,
+and that no other module of the package uses these names.
+
+| reach | used by | upstream (7.8.1) | public alternative |
+|---|---|---|---|
+| `optimizer._loss_scale` | updater | chainer/optimizer.py:560, 750, 757, 879 | none (setter only) |
+| `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
+| `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
+| `convert._call_converter` | updater, _loader | chainer/dataset/convert.py:125-144 | none (b) |
+| `link._persistent`, `link.__dict__` | _flat_buffers | chainer/link.py:149, 361-362, 381, 663-664 | none (c) |
+| `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
+| `order_sampler._random` | _checkpoint | chainer/iterators/order_samplers.py:56, 59 | none (e) |
+| `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
+| `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
+| `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
+| reporter's "not registered" KeyError | _replica | chainer/reporter.py:172-173 | none |
+| Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
+
+(a) Folding the window's factor into the loss would make backward stamp the right scale on
+the master, but pipelined and empty-window updates still need the write. (b)
+``StandardUpdater`` itself calls it (chainer/training/updaters/standard_updater.py:246).
+(c) ChainerMN makes the same reach (chainermn/extensions/allreduce_persistent.py:5-10).
+(d) Its ``serialize`` and ``__getstate__`` reset the worker pool. (e) Only the sampler's
+``random_state`` argument. (f) ``chainer.config.show()`` prints the same names, as text.
+(g) ``check_cuda_available`` raises with its text. (h) Made by ``enable_final``, importable
+by no name.
+
+``StandardUpdater``'s ``self._iterators`` / ``self._optimizers`` are not wrapped: the public
+``get_iterator('main')`` / ``get_optimizer('main')`` replace them.
+
+Not Chainer's, kept at their site: CPython's ``shared_memory._posixshmem.shm_unlink``
+(``comm/shm.py``, explained there). No CuPy private is used. Also kept at their site, as
+they read no private attribute: the names of the configuration entries Chainer sets itself
+(``_inherit._NOT_SENT``, citing ``chainer/__init__.py:219, 235-236``), and the import-time
+shims of ``_compat.py`` (a stub ``numpy.distutils``, ``numpy.sctypes``,
+``CHAINER_CUDNN=0``, all set before ``import chainer``, citing the lines they answer).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Optional, Set, Tuple
+
+import chainer
+from chainer.dataset import convert
+from chainer.device_resident import DeviceResident
+
+
+# --------------------------------------------------------------------------------------
+# Loss scaling
+
+
+def loss_scale(optimizer: chainer.Optimizer) -> Optional[float]:
+    """The optimizer's loss scale: None without loss scaling, else the (current) factor.
+
+    Reads ``optimizer._loss_scale``: a class attribute ``None`` (chainer/optimizer.py:560),
+    set by ``loss_scaling`` (chainer/optimizer.py:750 dynamic, starting at 1.0;
+    chainer/optimizer.py:757 static) and passed by ``Optimizer.update`` to
+    ``backward(loss_scale=...)`` (chainer/optimizer.py:879).
+    """
+    return optimizer._loss_scale
+
+
+def loss_scaling_is_dynamic(optimizer: chainer.Optimizer) -> bool:
+    """Whether the optimizer scales the loss dynamically (``loss_scaling()`` without
+    ``scale``): then it skips a non-finite step and lowers the scale itself.
+
+    Reads ``optimizer._loss_scaling_is_dynamic`` (chainer/optimizer.py:562 default False,
+    chainer/optimizer.py:746 set by ``loss_scaling``; read by ``update_loss_scale``,
+    chainer/optimizer.py:782).
+    """
+    return bool(optimizer._loss_scaling_is_dynamic)
+
+
+def set_update_loss_scale(model: chainer.Link, scale: Optional[float]) -> None:
+    """Tell every parameter of ``model`` by what its gradient is scaled before the step.
+
+    ``UpdateRule.update`` reads ``param._loss_scale`` (chainer/optimizer.py:259) and
+    divides the gradient by it before ``update_core`` (chainer/optimizer.py:291; None:
+    no division). On one device the value comes from ``backward(loss_scale=s)``, which
+    stamps ``s`` onto every leaf it reached (chainer/_backprop.py:262). Here the leaves
+    were stamped by the replica's own backward calls with a composite factor (its part of
+    the window times the optimizer's scale), and the summed gradient the optimizer steps
+    on is scaled by the update's factor only: so this writes the update's ``scale`` onto
+    every parameter (also those no backward reached this time, whose stamp would be stale)
+    just before ``optimizer.update()``.
+    """
+    for param in model.params():
+        param._loss_scale = scale
+
+
+# --------------------------------------------------------------------------------------
+# Converters
+
+
+def call_converter(converter: Any, batch: Any, device: Any) -> Any:
+    """``converter(batch, device)`` as ``StandardUpdater`` calls it.
+
+    ``convert._call_converter`` (chainer/dataset/convert.py:125-144) passes a
+    ``chainer.backend.Device`` to a converter made with ``@chainer.dataset.converter()``
+    and the old-style integer device id (-1 on the CPU) to a plain function;
+    ``StandardUpdater.update_core`` calls it the same way
+    (chainer/training/updaters/standard_updater.py:246).
+    """
+    return convert._call_converter(converter, batch, device)
+
+
+# --------------------------------------------------------------------------------------
+# Persistents of a link
+
+
+def named_persistents(link: chainer.Link) -> Iterator[Tuple[str, Any]]:
+    """``(path, value)`` of every persistent value of ``link`` and its sublinks (BatchNorm's
+    running mean and variance, its counter ``N``...): links in ``namedlinks`` order, names
+    sorted within a link; the path is ``/name`` on ``link`` itself, ``/sub/name`` below.
+
+    Reads ``link._persistent``, the set of names (chainer/link.py:149, filled by
+    ``add_persistent`` chainer/link.py:361 and ``register_persistent``
+    chainer/link.py:381), and the values from ``link.__dict__`` where ``add_persistent``
+    puts them (chainer/link.py:362) and ``Link.serialize`` reads them
+    (chainer/link.py:663-664). ChainerMN does the same
+    (chainermn/extensions/allreduce_persistent.py:5-10).
+    """
+    for path, sub in link.namedlinks():
+        for name in sorted(sub._persistent):
+            yield (f'{path}/{name}' if path != '/' else f'/{name}'), sub.__dict__[name]
+
+
+def set_persistent(link: chainer.Link, name: str, value: Any) -> None:
+    """Set the persistent value ``name`` of ``link`` itself (a name, not a path).
+
+    Writes ``link.__dict__[name]`` as ``Link.serialize`` does on load
+    (chainer/link.py:663-664), bypassing ``Link.__setattr__``.
+    """
+    link.__dict__[name] = value
+
+
+# --------------------------------------------------------------------------------------
+# Iterators
+
+
+def multiprocess_iterator_state(it: chainer.iterators.MultiprocessIterator) -> Dict[str, Any]:
+    """What ``it.serialize`` would write (the same keys and values), read without side
+    effects: ``current_position``, ``epoch``, ``is_new_epoch``, ``order`` (a copy, or None
+    when it does not shuffle) and ``previous_epoch_detail``.
+
+    Its ``serialize`` (chainer/iterators/multiprocess_iterator.py:216-238) resets the
+    iterator (``_reset_state``, multiprocess_iterator.py:253-255, resets the worker pool's
+    communicator, discarding what it prefetched) and fails without an order. This reads the
+    state it keeps instead: ``_state`` and ``_previous_epoch_detail``, set on every batch
+    (chainer/iterators/multiprocess_iterator.py:157-158) and by ``_reset_state``
+    (chainer/iterators/multiprocess_iterator.py:253).
+    """
+    state = it._state
+    return {'current_position': state.current_position, 'epoch': state.epoch,
+            'is_new_epoch': state.is_new_epoch,
+            'order': None if state.order is None else state.order.copy(),
+            'previous_epoch_detail': it._previous_epoch_detail}
+
+
+def multiprocess_iterator_pickle_state(
+        it: chainer.iterators.MultiprocessIterator) -> Dict[str, Any]:
+    """What ``it.__getstate__`` would return, read without side effects: the state of
+    :func:`multiprocess_iterator_state` and ``init``, its attributes less the communicator,
+    the state and the prefetch loop, which ``__setstate__`` rebuilds.
+
+    ``__getstate__`` (chainer/iterators/multiprocess_iterator.py:266-288) calls
+    ``serialize`` (resetting the original) and drops those three
+    (chainer/iterators/multiprocess_iterator.py:279-281); ``__setstate__``
+    (chainer/iterators/multiprocess_iterator.py:290-298) takes this dict.
+    """
+    state = multiprocess_iterator_state(it)
+    state['init'] = {k: v for k, v in it.__dict__.items()
+                     if k not in ('_comm', '_state', '_prefetch_loop')}
+    return state
+
+
+def order_sampler_rng(it: Any) -> Any:
+    """The generator the iterator's order sampler draws the next epoch's order from
+    (a ``numpy.random.RandomState`` for ``ShuffleOrderSampler``), or None when it has none.
+
+    ``ShuffleOrderSampler`` keeps it as ``_random`` (chainer/iterators/order_samplers.py:56,
+    numpy's global generator by default) and draws each order from it
+    (chainer/iterators/order_samplers.py:59).
+    """
+    return getattr(getattr(it, 'order_sampler', None), '_random', None)
+
+
+# --------------------------------------------------------------------------------------
+# ChainerMN
+
+
+def chainermn_nccl_comm(communicator: Any) -> Any:
+    """The NCCL communicator of a ChainerMN ``pure_nccl`` communicator, created on the
+    current device if it is not yet.
+
+    ChainerMN creates it lazily, on the current CUDA device, in ``_init_comms``
+    (chainermn/communicators/pure_nccl_communicator.py:54-57), called only from its own
+    collectives; call under ``chainer.using_device`` of the device it is for.
+    """
+    communicator._init_comms()
+    return communicator.nccl_comm
+
+
+# --------------------------------------------------------------------------------------
+# Configuration, CUDA, reporter, Link
+
+
+def config_entry_names() -> Set[str]:
+    """The names of the configuration entries the calling thread sees: the global ones and
+    the thread's own (``chainer.set_debug``, ``chainer.config.x = v``).
+
+    Reads ``chainer.config._local``, the thread-local store of ``LocalConfig``
+    (chainer/configuration.py:66), as ``LocalConfig.show`` does
+    (chainer/configuration.py:102).
+    """
+    return set(vars(chainer.global_config)) | set(vars(chainer.config._local))
+
+
+def cuda_resolution_error() -> Optional[BaseException]:
+    """The exception Chainer caught while importing CuPy (or cuDNN), or None.
+
+    ``chainer.backends.cuda`` keeps it as ``_resolution_error``
+    (chainer/backends/cuda.py:77-78 for CuPy and its CUDA libraries,
+    chainer/backends/cuda.py:133-134 for cuDNN).
+    """
+    from chainer.backends import cuda
+    return getattr(cuda, '_resolution_error', None)
+
+
+def is_unregistered_observer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the ``KeyError`` ``Reporter.report`` raises for an observer (a
+    link) it was not given (chainer/reporter.py:172-173)."""
+    return isinstance(exc, KeyError) and 'not registered to the reporter' in str(exc)
+
+
+# The metaclass of every Link (and of its base DeviceResident, chainer/device_resident.py:29):
+# made by chainer.utils.enable_final (chainer/utils/meta.py:78), importable by no name.
+LINK_METACLASS = type(DeviceResident)
