@@ -15,6 +15,8 @@ import numpy
 import chainer
 from chainer.serializers import DictionarySerializer
 
+from ._chainer_private import multiprocess_iterator_state, order_sampler_rng
+
 
 class _Copying(DictionarySerializer):
     """A DictionarySerializer that copies (the iterator may mutate its arrays later)."""
@@ -37,7 +39,7 @@ def serialize_order_rng(iterator: Any, serializer: Any) -> None:
     next epoch's order, so a resumed run would shuffle differently from the uninterrupted
     one. This adds that state under ``order_sampler_rng/`` (numpy ``RandomState`` only).
     """
-    rng = getattr(getattr(iterator, 'order_sampler', None), '_random', None)
+    rng = order_sampler_rng(iterator)
     if not isinstance(rng, numpy.random.RandomState):
         return
     name, keys, pos, has_gauss, cached = rng.get_state()
@@ -67,13 +69,9 @@ def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
 def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
     if isinstance(iterator, chainer.iterators.MultiprocessIterator):
         # Its serialize() resets its worker pool (discarding what it prefetched); read
-        # the same keys it would write instead.
-        state = iterator._state
-        return {'current_position': numpy.array(state.current_position),
-                'epoch': numpy.array(state.epoch),
-                'is_new_epoch': numpy.array(state.is_new_epoch),
-                'order': numpy.array(state.order),
-                'previous_epoch_detail': numpy.array(iterator._previous_epoch_detail)}
+        # the same keys it would write instead (the order comes copied).
+        return {key: numpy.asarray(value)
+                for key, value in multiprocess_iterator_state(iterator).items()}
     target: Dict[str, numpy.ndarray] = {}
     iterator.serialize(_Copying(target))
     return target

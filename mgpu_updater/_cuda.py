@@ -78,9 +78,10 @@ def chainer_cuda_unavailable() -> Optional[str]:
     available; that is not a reason, and is not reported.
     """
     from chainer.backends import cuda
+    from ._chainer_private import cuda_resolution_error
     if cuda.available:
         return None
-    error = getattr(cuda, '_resolution_error', None)
+    error = cuda_resolution_error()
     cause = f'{type(error).__name__}: {error}' if error is not None else 'no error recorded'
     return f'chainer.backends.cuda.available is False ({cause})'
 

@@ -14,6 +14,8 @@ import numpy
 
 import chainer
 
+from ._chainer_private import named_persistents, set_persistent
+
 
 class _Entry(NamedTuple):
     name: str
@@ -95,31 +97,21 @@ def _xp(array: Any) -> Any:
 
 def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
     """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
-    out = []
-    for path, sub in link.namedlinks():
-        for name in sorted(sub._persistent):
-            value = sub.__dict__[name]
-            if isinstance(value, chainer.get_array_types()) and value is not None:
-                out.append((f'{path}/{name}' if path != '/' else f'/{name}', value))
-    return out
+    return [(key, value) for key, value in named_persistents(link)
+            if isinstance(value, chainer.get_array_types()) and value is not None]
 
 
 def persistent_scalars(link: chainer.Link) -> Dict[str, Any]:
     """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
-    out = {}
-    for path, sub in link.namedlinks():
-        for name in sorted(sub._persistent):
-            value = sub.__dict__[name]
-            if not isinstance(value, chainer.get_array_types()):
-                out[f'{path}/{name}' if path != '/' else f'/{name}'] = value
-    return out
+    return {key: value for key, value in named_persistents(link)
+            if not isinstance(value, chainer.get_array_types())}
 
 
 def set_persistent_scalars(link: chainer.Link, values: Mapping[str, Any]) -> None:
     links = dict(link.namedlinks())
     for key, value in values.items():
         path, _, name = key.rpartition('/')
-        links[path or '/'].__dict__[name] = value
+        set_persistent(links[path or '/'], name, value)
 
 
 class ModelLayouts:

@@ -25,6 +25,8 @@ import numpy
 
 import chainer
 
+from ._chainer_private import config_entry_names
+
 # Not sent: entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236;
 # static graphs and recomputation), not settings of the user's; and keep_graph_on_report,
 # which DumpGraph turns on for one iteration on the master (extensions/
@@ -42,7 +44,7 @@ class _Mixed16:
 def master_config() -> Dict[str, Any]:
     """The configuration entries the calling thread sees, to apply in a worker."""
     import cloudpickle
-    names = set(vars(chainer.global_config)) | set(vars(chainer.config._local))
+    names = config_entry_names()
     entries: Dict[str, Any] = {}
     for name in sorted(names - _NOT_SENT):
         value = getattr(chainer.config, name)

@@ -16,8 +16,7 @@ from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
 
-from chainer.dataset import convert
-
+from ._chainer_private import call_converter
 from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
 
@@ -64,9 +63,9 @@ class Loader:
     def _convert(self, read: Tuple[Any, EpochInfo], stager: Any = None) -> Batch:
         batch, epoch = read
         if stager is None:
-            arrays = convert._call_converter(self.converter, batch, self.device)
+            arrays = call_converter(self.converter, batch, self.device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
-            arrays = stager.stage(convert._call_converter(self.converter, batch, None))
+            arrays = stager.stage(call_converter(self.converter, batch, None))
         return Batch(sample_count(batch), arrays, epoch)
 
     def _load(self, stager: Any = None) -> Optional[Batch]:

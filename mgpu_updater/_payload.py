@@ -29,9 +29,7 @@ import cloudpickle
 from chainer.device_resident import DeviceResident
 from chainer.iterators import MultiprocessIterator
 
-
-# chainer/device_resident.py:29: the base of every Link, and of its metaclass
-_LINK_METACLASS = type(DeviceResident)
+from ._chainer_private import LINK_METACLASS, multiprocess_iterator_pickle_state
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -42,7 +40,7 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if id(obj) in self._replace:
             return _same, (self._replace[id(obj)],)
-        if obj is _LINK_METACLASS:
+        if obj is LINK_METACLASS:
             # Made by chainer.utils.enable_final (chainer/utils/meta.py:78), importable
             # by no name: by value, a class in __main__ deriving from chainer.Link would
             # get a copy of it in the worker, and a metaclass conflict.
@@ -60,17 +58,7 @@ class _Pickler(cloudpickle.Pickler):
 def _reduce_multiprocess_iterator(it: MultiprocessIterator) -> Tuple[Any, ...]:
     """``(copyreg.__newobj__, (cls,), state)``; unpickling calls Chainer's own
     ``__setstate__`` (``multiprocess_iterator.py:290-298``) with ``state``."""
-    # The attributes __getstate__ drops (multiprocess_iterator.py:279-281): the
-    # communicator, the state and the prefetch loop are rebuilt by __setstate__.
-    init = {k: v for k, v in it.__dict__.items()
-            if k not in ('_comm', '_state', '_prefetch_loop')}
-    state = it._state
-    order = None if state.order is None else state.order.copy()
-    payload: Dict[str, Any] = {
-        'current_position': state.current_position, 'epoch': state.epoch,
-        'is_new_epoch': state.is_new_epoch, 'order': order,
-        'previous_epoch_detail': it._previous_epoch_detail, 'init': init}
-    return copyreg.__newobj__, (type(it),), payload
+    return copyreg.__newobj__, (type(it),), multiprocess_iterator_pickle_state(it)
 
 
 def _same(obj: Any) -> Any:

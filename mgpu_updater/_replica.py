@@ -14,6 +14,7 @@ import numpy
 
 import chainer
 
+from ._chainer_private import is_unregistered_observer_error
 from ._chunks import Chunking, split
 from ._loader import Batch, EpochInfo, Loader
 from ._timing import Stopwatch
@@ -236,8 +237,7 @@ class Replica:
                 return self.loss_func(**arrays)
             return self.loss_func(arrays)
         except KeyError as exc:
-            # chainer/reporter.py:172 (Chainer 7.8.1): a link of another model reported.
-            if 'not registered to the reporter' not in str(exc):
+            if not is_unregistered_observer_error(exc):   # a link of another model reported
                 raise
             raise RuntimeError(
                 f'{self.name}: loss_func ({_describe(self.loss_func)}) reported through a '

@@ -37,6 +37,7 @@ import numpy
 
 import chainer
 
+from .._chainer_private import chainermn_nccl_comm
 from .base import BufferSpec, Communicator, Issued, check_spec
 
 __all__ = ['MpiCommunicator']
@@ -75,9 +76,8 @@ class MpiCommunicator(Communicator):
         self._on_gpu = xp is not numpy
         self._nccl: Any = None
         if self._on_gpu and hasattr(communicator, 'nccl_comm'):
-            with chainer.using_device(self.device):
-                communicator._init_comms()   # ChainerMN's lazy NCCL set-up, this device
-            self._nccl = communicator.nccl_comm
+            with chainer.using_device(self.device):   # ChainerMN's lazy NCCL set-up
+                self._nccl = chainermn_nccl_comm(communicator)
         self._buffers: Dict[str, Any] = {}
         self._host: Dict[str, numpy.ndarray] = {}
         self._issued: List[Issued] = []
