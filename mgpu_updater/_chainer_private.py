@@ -12,7 +12,7 @@ and that no other module of the package uses these names.
 | `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
 | `convert._call_converter` | updater, _loader | chainer/dataset/convert.py:125-144 | none (b) |
-| `link._persistent`, `link.__dict__` | _flat_buffers | chainer/link.py:149, 361-362, 381, 663-664 | none (c) |
+| `link._persistent`, `link.__dict__` | _flat_buffers | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `order_sampler._random` | _checkpoint | chainer/iterators/order_samplers.py:56, 59 | none (e) |
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
@@ -120,7 +120,7 @@ def named_persistents(link: chainer.Link) -> Iterator[Tuple[str, Any]]:
     Reads ``link._persistent``, the set of names (chainer/link.py:149, filled by
     ``add_persistent`` chainer/link.py:361 and ``register_persistent``
     chainer/link.py:381), and the values from ``link.__dict__`` where ``add_persistent``
-    puts them (chainer/link.py:362) and ``Link.serialize`` reads them
+    puts them (chainer/link.py:363) and ``Link.serialize`` reads them
     (chainer/link.py:663-664). ChainerMN does the same
     (chainermn/extensions/allreduce_persistent.py:5-10).
     """
@@ -148,9 +148,10 @@ def multiprocess_iterator_state(it: chainer.iterators.MultiprocessIterator) -> D
     when it does not shuffle) and ``previous_epoch_detail``.
 
     Its ``serialize`` (chainer/iterators/multiprocess_iterator.py:216-238) resets the
-    iterator (``_reset_state``, multiprocess_iterator.py:253-255, resets the worker pool's
-    communicator, discarding what it prefetched) and fails without an order. This reads the
-    state it keeps instead: ``_state`` and ``_previous_epoch_detail``, set on every batch
+    iterator (``_reset_state``, chainer/iterators/multiprocess_iterator.py:253-255, resets
+    the worker pool's communicator, discarding what it prefetched) and fails without an
+    order. This reads the state it keeps instead: ``_state`` and
+    ``_previous_epoch_detail``, set on every batch
     (chainer/iterators/multiprocess_iterator.py:157-158) and by ``_reset_state``
     (chainer/iterators/multiprocess_iterator.py:253).
     """
