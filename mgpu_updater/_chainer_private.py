@@ -11,7 +11,7 @@ and that no other module of the package uses these names.
 | `optimizer._loss_scale` | updater | chainer/optimizer.py:560, 750, 757, 879 | none (setter only) |
 | `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
-| `convert._call_converter` | updater, _loader | chainer/dataset/convert.py:125-144 | none (b) |
+| `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
 | `link._persistent`, `link.__dict__` | _flat_buffers | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `order_sampler._random` | _checkpoint | chainer/iterators/order_samplers.py:56, 59 | none (e) |

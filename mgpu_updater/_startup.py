@@ -19,9 +19,9 @@ import copy
 from typing import Any, Callable, List, NamedTuple, Optional
 
 import chainer
-from chainer.dataset import convert
 
 from . import _inherit, _loss_binding
+from ._chainer_private import call_converter
 from ._chunks import Chunking
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -140,7 +140,7 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
         batch = [dataset[0]]
     else:
         batch = copy.deepcopy(iterator).next()
-    arrays = convert._call_converter(converter, batch, device)
+    arrays = call_converter(converter, batch, device)
     func = loss_func if loss_func is not None else model
     reporter = chainer.Reporter()   # what the model reports here is thrown away
     observers(reporter, model)

@@ -509,11 +509,9 @@ _PRIVATE_ON_SELF_TOO = frozenset({'_iterators', '_optimizers'})
 _REPORTER_TEXT = 'not registered to the reporter'
 
 # The exceptions left. TODO(lead): updater.py switches to the seam (loss_scale,
-# loss_scaling_is_dynamic, set_update_loss_scale, call_converter) and to get_iterator /
-# get_optimizer; then empty this.
+# loss_scaling_is_dynamic, set_update_loss_scale); then empty this.
 _ALLOWED: Dict[str, Set[str]] = {
-    'updater.py': {'_loss_scale', '_loss_scaling_is_dynamic', '_call_converter',
-                   '_iterators', '_optimizers'},
+    'updater.py': {'_loss_scale', '_loss_scaling_is_dynamic'},
 }
 
 
