@@ -9,6 +9,7 @@ import chainer
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
+from . import _chainer_private as chainer_private
 from . import _checkpoint, _loss_binding, _startup, _step, _validate
 from ._checkpoint import capture_state
 from ._groups import ClosedGroup, Group
@@ -216,7 +217,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._replica is None:
             self._start()
         optimizer = self.get_optimizer('main')
-        loss_scale = optimizer._loss_scale
+        loss_scale = chainer_private.loss_scale(optimizer)
         parity = self._step.parity(self.iteration)
         watch = Stopwatch()
         with watch('comm'):
@@ -251,15 +252,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     param.grad *= factor
         # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
         # the scale), exactly as on one device; otherwise the nonfinite policy decides.
-        if not math.isfinite(step.loss) and not optimizer._loss_scaling_is_dynamic:
+        dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
+        if not math.isfinite(step.loss) and not dynamic:
             if self.nonfinite == 'raise':
                 raise NonFiniteLossError(self.iteration + 1, step.loss)
             self._skipped += 1
             warnings.warn(f'skipping update {self.iteration + 1}: the loss is {step.loss}',
                           RuntimeWarning)
             return
-        for param in model.params():
-            param._loss_scale = step.loss_scale
+        chainer_private.set_update_loss_scale(model, step.loss_scale)
         optimizer.update()
 
     def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
