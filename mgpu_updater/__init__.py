@@ -1,5 +1,9 @@
 """mgpu_updater: a data-parallel, gradient-accumulating updater for Chainer.
 
+Words: a *rank* is a process, a *replica* a copy of the model that one rank trains. The
+master (the user's process) is rank 0 and holds replica 0, the user's model; workers are
+ranks 1..N-1, one per extra device. See docs/design.md for the rest of the glossary.
+
 Importing this package first applies :mod:`mgpu_updater._compat`, the narrow shim that
 lets Chainer 7.8.1 import on Python 3.12+ and numpy 2.
 """
