@@ -121,7 +121,7 @@ class MpiCommunicator(Communicator):
 
     # ------------------------------------------------------------------ NCCL
     def _nccl_args(self, name: str):
-        from mgpu_updater.comm.nccl import nccl_type_name
+        from .nccl import nccl_type_name
         import cupy
         from cupy.cuda import nccl
         buf = self._buffers[name]

@@ -36,8 +36,8 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy
 
-from mgpu_updater import _cuda
-from mgpu_updater.comm.base import BufferSpec, Communicator, check_spec, named_buffer
+from .. import _cuda
+from .base import BufferSpec, Communicator, check_spec, named_buffer
 
 __all__ = ['NcclCommunicator']
 
