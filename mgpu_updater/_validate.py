@@ -315,7 +315,23 @@ def one_device_per_rank(communicator: Any, labels: List[str]) -> None:
                          'pass devices=[comm.intra_rank] (GPU) or ["@numpy"]')
 
 
+def blas_threads(value: Any) -> Any:
+    """``'auto'``, None, or the BLAS/OpenMP threads of each replica (an int >= 1)."""
+    if value is None or (isinstance(value, str) and value == 'auto'):
+        return value
+    hint = ("pass 'auto' (the default: the cores divided among the replicas on this host, "
+            'unless OMP_NUM_THREADS or a like variable is set), e.g. blas_threads=2 for 2 '
+            'threads per replica, or None to leave the libraries as they are')
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"blas_threads must be 'auto', an int >= 1 or None ({value!r} of "
+                        f'type {type(value).__name__} given); {hint}')
+    if value < 1:
+        raise ValueError(f"blas_threads must be 'auto', an int >= 1 or None ({value!r} "
+                         f'given); {hint}')
+    return int(value)
+
+
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank']
+           'converter', 'one_device_per_rank', 'blas_threads']

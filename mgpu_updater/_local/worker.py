@@ -43,6 +43,7 @@ class WorkerInit(NamedTuple):
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
     config: Any = None          # the master's chainer.config entries (_inherit)
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
+    blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -194,6 +195,7 @@ def _build(init: 'WorkerInit') -> Any:
     from .._flat_buffers import ModelLayouts
     from .._replica import Replica
     from .._loader import make_loader
+    from .._threads import limit_process
 
     _inherit.apply_config(init.config or {})
     if init.seed is not None:
@@ -209,6 +211,8 @@ def _build(init: 'WorkerInit') -> Any:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
     # Before any BLAS call: the first read may fork the iterator's pool (_loader.Prefetcher).
     loader = make_loader(init.iterator, init.converter, device, init.prefetch)
+    # After that read, before the first BLAS call: for the rest of this process.
+    limit_process(init.blas_threads)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
                       name=f'replica {init.rank} ({init.device})',
                       chunking=init.chunking)
