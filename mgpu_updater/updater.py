@@ -10,7 +10,7 @@ from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from . import _chainer_private as chainer_private
-from . import _checkpoint, _loss_binding, _startup, _step, _validate
+from . import _checkpoint, _loss_binding, _startup, _step, _threads, _validate
 from ._checkpoint import capture_state
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
@@ -93,6 +93,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             update t+1's gradient was computed on parameters one step stale (no
             overlap is realised yet: see README, "Pipelined update"). The first update applies nothing. Reports stay
             those of the window just computed.
+        blas_threads: the BLAS/OpenMP threads of each replica, so that N replicas on C
+            cores do not run N * C threads. ``'auto'`` (default): ``max(1, C // N)``, N
+            being the replicas on this host (under MPI its ranks), unless the environment
+            sets ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``,
+            ``BLIS_NUM_THREADS`` or ``VECLIB_MAXIMUM_THREADS`` (then the libraries stay as
+            those say); on one replica, no change. An int: that many per replica. None:
+            the libraries stay as they are. Workers keep the limit for their life; the
+            master (your process) only while it computes its own micro-batches.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -113,7 +121,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  auto_new_epoch: bool = True,
                  loss_reduction: str = 'mean',
                  replica_reduction: str = 'mean',
-                 micro_batch_size: Union[None, int, str] = None) -> None:
+                 micro_batch_size: Union[None, int, str] = None,
+                 blas_threads: Union[None, int, str] = 'auto') -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -122,6 +131,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.loss_reduction = _validate.loss_reduction(loss_reduction)
         self.replica_reduction = _validate.replica_reduction(replica_reduction)
         self.micro_batch_size = _validate.micro_batch_size(micro_batch_size)
+        self.blas_threads = _validate.blas_threads(blas_threads)
         #: under micro_batch_size='auto': every replica's chunk size as of the last
         #: update (0: the whole batch), in replica order (MPI: rank order); saved in
         #: snapshots
@@ -188,6 +198,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
+        threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
+            len(self._devices), self._communicator))
+        self._window_threads = _threads.WindowLimit(threads)
         started = _startup.start(_startup.Settings(
             model=self.get_optimizer('main').target, loss_func=self.loss_func,
             bound_loss=self._bound_loss, converter=self.converter,
@@ -198,7 +211,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             start_method=self.start_method, start_timeout=self.start_timeout,
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
-            micro_batch_sizes=list(self.micro_batch_sizes)))
+            micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads))
         self._loader, self._replica, self._group, self._nominal_samples = started
 
     # ------------------------------------------------------------------ one update
@@ -222,7 +235,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         watch = Stopwatch()
         with watch('comm'):
             self._group.begin(loss_scale, parity)
-        own = self._replica.run_window(loss_scale)
+        with self._window_threads:
+            own = self._replica.run_window(loss_scale)
         with watch('comm'):
             results, fresh = self._step.reduce(self._group, own, loss_scale, parity)
         if fresh.count == 0:
