@@ -212,7 +212,7 @@ def test_one_replica_auto_changes_nothing(cores):
     (0, ValueError, '0 given'), (-2, ValueError, '-2 given'),
     (1.5, TypeError, '1.5 of type float'), (True, TypeError, 'True of type bool'),
     ('many', TypeError, "'many' of type str"), ('AUTO', TypeError, "'AUTO' of type str"),
-    (np.int64(0), ValueError, '0 given')])
+    (np.int64(0), ValueError, f'{np.int64(0)!r} given')])
 def test_bad_values_are_refused_at_construction(value, error, shown):
     model = _models.classifier(seed=0)
     optimizer = _models.setup_optimizer('sgd', model)
