@@ -9,6 +9,9 @@ Methods (all train the same model on the same data for the same global batch ``n
 - ``standard``: ``StandardUpdater``, one batch of ``n*k*b`` samples per update.
 - ``hand``: the hand-written accumulation loop: ``cleargrads``; ``n*k`` micro-batches of ``b``,
   each ``forward``, loss scaled by ``1/(n*k)``, ``backward``; one ``optimizer.update()``.
+- ``limit``: what ``n`` replicas could reach at best: ``n`` independent processes, each the
+  hand-written loop with ``k`` micro-batches of ``b`` (no communication, nothing shared),
+  started together; samples/s summed over them. BLAS threads as for ``n`` replicas.
 - ``parallel``: Chainer's ``ParallelUpdater`` over ``n`` replicas, ``k*b`` samples each.
 - ``multiprocess``: Chainer's ``MultiprocessParallelUpdater`` (NCCL, GPUs only).
 - ``ours``: ``ParallelAccumulatingUpdater`` with ``n`` devices, ``k`` micro-batches of ``b``.
@@ -19,7 +22,9 @@ Methods (all train the same model on the same data for the same global batch ``n
 """
 import gc
 import json
+import multiprocessing
 import os
+import queue
 import sys
 import time
 import traceback
@@ -109,6 +114,72 @@ def run_hand(case, common, dataset, kind):
             update()
     return {'samples_per_s': _run_timed(step, n * k * b, common,
                                         lambda: _common.synchronize(kind))}
+
+
+def _limit_rank(rank, case, common, kind, barrier, results):
+    """One of the ``limit`` case's independent loops: the hand-written loop at ``k`` x ``b``,
+    each timed round started together with the other ranks' (a barrier), timed on its own.
+    Puts (rank, samples/s of every round) or (rank, traceback) on ``results``."""
+    try:
+        k, b = case['k'], common['micro_batch']
+        dataset = _common.make_dataset(common['dataset_size'], seed=0)
+        model = _common.make_model(common['model'])
+        device = _common.device_spec(kind, 0)
+        model.to_device(device)
+        optimizer = _common.make_optimizer(model)
+        iterator = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
+        update = _hand_step(model, optimizer, iterator, k, device)
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+
+        def step():
+            with reporter.scope({}):
+                update()
+        for _ in range(common['warmup']):
+            step()
+        rates = []
+        for _ in range(common['rounds']):
+            barrier.wait(timeout=_LIMIT_WAIT)
+            rates += _common.time_rounds(step, k * b, 0, 1, common['updates'],
+                                         sync=lambda: _common.synchronize(kind))
+        results.put((rank, rates))
+    except BaseException:  # noqa: BLE001 - reported to rank 0, which raises it
+        barrier.abort()
+        results.put((rank, traceback.format_exc()))
+
+
+_LIMIT_WAIT = 600.0   # seconds a rank of the limit case waits for the others
+
+
+def run_limit(case, common, dataset, kind):
+    """``n`` independent hand-written loops (this process is rank 0, the others are spawned,
+    inheriting the BLAS thread setting); samples/s of each round summed over the ranks."""
+    n = case['n']
+    ctx = multiprocessing.get_context('spawn')
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_limit_rank, args=(r, case, common, kind, barrier, results))
+             for r in range(1, n)]
+    for p in procs:
+        p.start()
+    try:
+        _limit_rank(0, case, common, kind, barrier, results)
+        by_rank = {}
+        while len(by_rank) < n:
+            try:
+                rank, rates = results.get(timeout=_LIMIT_WAIT)
+            except queue.Empty:
+                raise RuntimeError('a rank of the limit case sent nothing') from None
+            if isinstance(rates, str):
+                raise RuntimeError('limit rank {} failed:\n{}'.format(rank, rates))
+            by_rank[rank] = rates
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return {'samples_per_s': [sum(r) for r in zip(*by_rank.values())],
+            'samples_per_s_by_rank': [by_rank[r] for r in sorted(by_rank)]}
 
 
 def run_parallel(case, common, dataset, kind):
@@ -294,6 +365,7 @@ RUNNERS = {
     'standard': run_standard,
     'standard_1t': run_standard,  # the orchestrator runs it with one BLAS thread
     'hand': run_hand,
+    'limit': run_limit,
     'parallel': run_parallel,
     'multiprocess': run_multiprocess,
     'ours': run_ours,

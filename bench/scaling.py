@@ -6,7 +6,7 @@ Grid: devices 1..available (GPU ids when CuPy sees GPUs, else CPU replicas up to
 count) x accumulate_steps k, with a fixed per-device micro-batch b, so every method runs the
 same global batch N*k*b per update. Each group of cases runs in a fresh process whose BLAS
 thread count is set before numpy loads: single-process methods get every core's threads, each
-of N replicas (or ChainerMN ranks) gets cores // N. Writes a Markdown table to stdout and
+of N replicas (or ChainerMN ranks, or the limit's N independent loops) gets cores // N. Writes a Markdown table to stdout and
 ``scaling.json``, ``scaling.png``, ``scaling.md`` to ``--out``.
 """
 import argparse
@@ -228,6 +228,9 @@ def build_groups(args, kind, ns, cores):
             for n in ns:
                 if n >= 2:
                     add('multiprocess', n, {}, n)
+    if 'limit' in args.methods:
+        for n in ns:
+            add('limit', n, per_replica(n), n)
     if 'ours' in args.methods:
         if importlib.util.find_spec('mgpu_updater') is None:
             skipped.append({'method': _report.LABELS['ours'],
@@ -409,8 +412,8 @@ def main(argv=None):
                for r in rows]
     if spreads:
         notes.append('Spread of the rounds, (max - min) / median: {:.0%} for the median row, '
-                     '{:.0%} at worst. Differences smaller than that (such as the 3% of the '
-                     'one-replica goal) are not resolved by this run; more --passes help.'
+                     '{:.0%} at worst. Differences smaller than that (such as the 2% of the '
+                     'one-replica goals) are not resolved by this run; more --passes help.'
                      .format(statistics.median(spreads), max(spreads)))
     if (machine['loadavg_start'] or 0) > 0.5:
         notes.append('The machine was not idle (1-minute load average {} on {} cores before '
@@ -446,7 +449,7 @@ def main(argv=None):
         },
         'rows': rows,
         'memory': memory,
-        'goals': _report.goals(rows, memory, args.ks),
+        'goals': _report.goals(rows, args.ks),
         'skipped': skipped,
         'errors': errors,
         'notes': notes,

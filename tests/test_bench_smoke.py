@@ -20,11 +20,12 @@ DEVICES = (1, 2)
 KS = (1, 2)
 ROW_KEYS = {'method', 'n', 'k', 'micro_batch', 'global_batch', 'samples_per_s',
             'samples_per_s_min', 'samples_per_s_max', 'rounds', 'speedup_vs_standard',
-            'speedup_vs_best_standard', 'efficiency', 'processes', 'thread_env', 'passes'}
+            'speedup_vs_best_standard', 'efficiency', 'vs_limit', 'processes', 'thread_env',
+            'passes'}
 
 
 def _expected_methods(result):
-    methods = {'standard', 'hand', 'parallel', 'ours'}
+    methods = {'standard', 'hand', 'limit', 'parallel', 'ours'}
     if result['config']['device_kind'] == 'cpu' and result['machine']['cores_usable'] > 1:
         methods.add('standard_1t')
     mpiexec = Path(sys.executable).parent / 'mpiexec'
@@ -140,3 +141,60 @@ def test_passes_are_pooled_and_alternate():
     assert row['samples_per_s'] == 2.0 and row['global_batch'] == 64
     assert row['step_time'] == pytest.approx(32.0)  # 64 samples at 2 samples/s
     assert row['comm_share'] == pytest.approx(0.2 / 32.0)
+
+
+@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+def test_limit_rows_and_goals(smoke):
+    _, result, _ = smoke
+    per_replica = result['threads']['per_replica']
+    limits = [r for r in result['rows'] if r['method'] == 'limit']
+    assert sorted((r['n'], r['k']) for r in limits) == sorted(
+        (n, k) for n in DEVICES for k in KS)
+    for row in limits:
+        assert row['processes'] == row['n']
+        assert row['vs_limit'] == pytest.approx(1.0)
+        if result['config']['device_kind'] == 'cpu':
+            assert row['thread_env']['OPENBLAS_NUM_THREADS'] == str(per_replica[str(row['n'])])
+    names = [g['goal'] for g in result['goals']]
+    for k in KS:
+        assert '2 replicas vs the limit (2 independent loops), k={}'.format(k) in names
+    assert '1 replica vs StandardUpdater, k=1' in names
+    assert '1 replica vs hand-written accumulation, k=2' in names
+    for g in result['goals']:
+        low, high = g['range']
+        assert low <= g['value'] <= high
+        assert isinstance(g['met'], bool) and isinstance(g['resolved'], bool)
+
+
+def _rate_row(method, n, k, median, low, high):
+    return {'method': method, 'n': n, 'k': k, 'samples_per_s': median,
+            'samples_per_s_min': low, 'samples_per_s_max': high}
+
+
+def test_goals_ratio_range_and_resolved():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import _report
+    rows = [
+        _rate_row('ours', 2, 1, 110.0, 105.0, 115.0),
+        _rate_row('chainermn', 2, 1, 100.0, 98.0, 102.0),    # ahead, beyond the spread
+        _rate_row('limit', 2, 1, 112.0, 100.0, 125.0),       # 0.98x, but the spread is wide
+        _rate_row('ours', 1, 1, 90.0, 89.0, 91.0),
+        _rate_row('standard', 1, 1, 100.0, 99.0, 101.0),     # 0.90x: clearly missed
+        _rate_row('ours', 1, 4, 99.0, 98.0, 100.0),
+        _rate_row('hand', 1, 4, 100.0, 99.0, 101.0),
+    ]
+    goals = {g['goal']: g for g in _report.goals(rows, [1, 4])}
+    mn = goals['2 replicas vs ChainerMN (naive), k=1']
+    assert mn['value'] == pytest.approx(1.1) and mn['met'] and mn['resolved']
+    assert mn['range'] == [pytest.approx(105 / 102, abs=1e-3), pytest.approx(115 / 98, abs=1e-3)]
+    limit = goals['2 replicas vs the limit (2 independent loops), k=1']
+    assert limit['met'] and not limit['resolved']
+    assert limit['detail'] == {'ChainerMN (naive) vs limit': pytest.approx(100 / 112, abs=1e-3)}
+    standard = goals['1 replica vs StandardUpdater, k=1']
+    assert not standard['met'] and standard['resolved']
+    hand = goals['1 replica vs hand-written accumulation, k=4']
+    assert hand['met'] and not hand['resolved']   # 0.99x; 98/101 = 0.970 < 0.98
+    assert '2 replicas vs ChainerMN (naive), k=4' not in goals   # not measured: no goal
+    table = _report.goals_table(list(goals.values()))
+    assert table.count('no: the spread is larger than the difference') == 2
