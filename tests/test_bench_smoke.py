@@ -58,7 +58,7 @@ def smoke(tmp_path_factory):
     return out, result, proc
 
 
-@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+@pytest.mark.slow  # ~30 s alone: about 35 fresh processes and two mpiexec runs
 def test_outputs_written(smoke):
     out, result, proc = smoke
     assert (out / 'scaling.md').read_text().startswith('# Scaling benchmark')
@@ -67,7 +67,7 @@ def test_outputs_written(smoke):
     assert '[' in proc.stderr  # progress lines
 
 
-@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+@pytest.mark.slow  # ~30 s alone: about 35 fresh processes and two mpiexec runs
 def test_every_row_present_and_sane(smoke):
     _, result, _ = smoke
     assert result['schema'] == 'mgpu_updater.bench.scaling/1'
@@ -89,7 +89,7 @@ def test_every_row_present_and_sane(smoke):
     assert all(r['speedup_vs_standard'] == pytest.approx(1.0) for r in standard)
 
 
-@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+@pytest.mark.slow  # ~30 s alone: about 35 fresh processes and two mpiexec runs
 def test_ours_reports_times_and_comm_share(smoke):
     _, result, _ = smoke
     ours = [r for r in result['rows'] if r['method'] == 'ours']
@@ -101,7 +101,7 @@ def test_ours_reports_times_and_comm_share(smoke):
         assert 0 <= row['comm_share'] <= 1.5 and 0 <= row['comm_share_mean'] <= 1.5
 
 
-@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+@pytest.mark.slow  # ~30 s alone: about 35 fresh processes and two mpiexec runs
 def test_memory_and_environment_recorded(smoke):
     _, result, _ = smoke
     assert [m['k'] for m in result['memory']] == list(KS)
@@ -143,7 +143,7 @@ def test_passes_are_pooled_and_alternate():
     assert row['comm_share'] == pytest.approx(0.2 / 32.0)
 
 
-@pytest.mark.slow  # ~20 s: about 25 fresh processes and two mpiexec runs
+@pytest.mark.slow  # ~30 s alone: about 35 fresh processes and two mpiexec runs
 def test_limit_rows_and_goals(smoke):
     _, result, _ = smoke
     per_replica = result['threads']['per_replica']
