@@ -124,7 +124,7 @@ def _limit_rank(rank, case, common, kind, barrier, results):
         k, b = case['k'], common['micro_batch']
         dataset = _common.make_dataset(common['dataset_size'], seed=0)
         model = _common.make_model(common['model'])
-        device = _common.device_spec(kind, 0)
+        device = _common.device_spec(kind, rank)   # GPU: one device per rank
         model.to_device(device)
         optimizer = _common.make_optimizer(model)
         iterator = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
