@@ -278,11 +278,17 @@ def write_results(out_dir, stem, result, markdown, plot):
     out_dir = Path(out_dir)
     if not plot(result, out_dir / (stem + '.png')):
         result['notes'].append('matplotlib is not installed: no {}.png'.format(stem))
-    md = markdown(result)
+    md = without_local_paths(markdown(result))
     (out_dir / (stem + '.md')).write_text(md)
-    with open(out_dir / (stem + '.json'), 'w') as f:
-        json.dump(result, f, indent=1)
+    (out_dir / (stem + '.json')).write_text(
+        without_local_paths(json.dumps(result, indent=1)) + '\n')
     print(md)
+
+
+def without_local_paths(text):
+    """``text`` with this checkout's path dropped (results are committed: no machine paths)."""
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    return text.replace(root, '')
 
 
 def emit(record, stream=None):
