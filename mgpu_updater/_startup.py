@@ -52,6 +52,7 @@ class Settings(NamedTuple):
     micro_batch_size: Any           # None, an int or 'auto'
     micro_batch_sizes: List[int]    # under 'auto': the sizes found before (a resumed run)
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
+    reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
 
 
 class Started(NamedTuple):
@@ -123,7 +124,8 @@ def _local_group(s: Settings) -> LocalGroup:
             iterator=it, prefetch=s.prefetch,
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
-            blas_threads=s.blas_threads, comm_name=backend), s.model)
+            blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
+            comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
                       s.start_method, s.start_timeout)

@@ -331,7 +331,18 @@ def blas_threads(value: Any) -> Any:
     return int(value)
 
 
+def reuse_host_memory(value: Any) -> Any:
+    """``'auto'``, True or False (see :mod:`mgpu_updater._host_memory`)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == 'auto'):
+        return value
+    raise TypeError(f"reuse_host_memory must be 'auto', True or False ({value!r} of type "
+                    f"{type(value).__name__} given); pass 'auto' (the default: every replica "
+                    'process keeps the host memory it frees for its next micro-batch, unless '
+                    'the environment configures malloc), True to do so anyway, or False to '
+                    'leave malloc as it is')
+
+
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank', 'blas_threads']
+           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory']

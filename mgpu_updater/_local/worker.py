@@ -44,6 +44,7 @@ class WorkerInit(NamedTuple):
     config: Any = None          # the master's chainer.config entries (_inherit)
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
+    reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -196,7 +197,9 @@ def _build(init: 'WorkerInit') -> Any:
     from .._replica import Replica
     from .._loader import make_loader
     from .._threads import limit_process
+    from .._host_memory import reuse_freed_memory
 
+    reuse_freed_memory(init.reuse_host_memory)   # before its first window
     _inherit.apply_config(init.config or {})
     if init.seed is not None:
         _inherit.seed_process(init.seed)
