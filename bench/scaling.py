@@ -34,7 +34,7 @@ SCHEMA = 'mgpu_updater.bench.scaling/1'
 
 PROFILES = {
     #            model   b   ks         warmup rounds updates passes
-    'default': ('cnn', 32, (1, 4, 8), 1, 2, 2, 5),
+    'default': ('cnn', 32, (1, 4, 8), 3, 2, 2, 5),
     'quick': ('cnn', 32, (1, 4, 8), 1, 3, 1, 1),
     'smoke': ('tiny', 4, (1, 2), 1, 2, 1, 1),
 }
@@ -56,6 +56,11 @@ def parse_args(argv=None):
     p.add_argument('--passes', type=int,
                    help='times the whole grid runs (rounds pooled; alternate passes reversed)')
     p.add_argument('--methods', help='comma-separated subset of ' + ','.join(_report.LABELS))
+    p.add_argument('--same-malloc', action='store_true',
+                   help='give every method the malloc thresholds that ours sets by default '
+                        '(reuse_host_memory), through MALLOC_MMAP_THRESHOLD_ and '
+                        'MALLOC_TRIM_THRESHOLD_ in every process\'s environment: compares '
+                        'the methods with that gain taken out')
     p.add_argument('--settle', type=float, default=0.0,
                    help='seconds to pause before each case, so that the kernel finishes '
                         'reclaiming the previous case\'s memory (default 0)')
@@ -199,8 +204,10 @@ def build_groups(args, kind, ns, cores):
     of its later ones (by up to 60% here for 32-sample micro-batches)."""
     groups, skipped = [], []
     all_threads = _common.thread_env(cores) if kind == 'cpu' else {}
+    malloc = same_malloc_env() if args.same_malloc else {}
 
     def add(method, n, env, processes, **extra):
+        env = dict(env, **malloc)
         for k in args.ks:
             groups.append(dict(label='{} N={}'.format(_report.LABELS[method], n), env=env,
                                processes=processes, n=n,
@@ -253,6 +260,14 @@ def build_groups(args, kind, ns, cores):
     groups.append({'label': 'memory', 'env': all_threads, 'processes': 1, 'n': 1,
                    'cases': [{'method': 'memory', 'n': 1, 'k': k} for k in args.ks]})
     return groups, skipped
+
+
+def same_malloc_env():
+    """glibc's variables for the thresholds ``reuse_host_memory`` sets (``_host_memory``);
+    under them ours leaves malloc alone ('auto'), so every method runs with the same."""
+    from mgpu_updater import _host_memory
+    return {'MALLOC_MMAP_THRESHOLD_': str(_host_memory.MMAP_THRESHOLD),
+            'MALLOC_TRIM_THRESHOLD_': str(_host_memory.TRIM_THRESHOLD)}
 
 
 def _child_env(extra):
@@ -419,6 +434,15 @@ def main(argv=None):
         notes.append('The machine was not idle (1-minute load average {} on {} cores before '
                      'the benchmark started): other work skews these figures.'
                      .format(machine['loadavg_start'], cores))
+    if args.same_malloc:
+        notes.append('--same-malloc: every method ran with `{}` in its environment, the '
+                      'thresholds that ours sets by default, so none of them gives freed '
+                      'memory back to the kernel each micro-batch.'.format(' '.join(
+                          '{}={}'.format(k, v) for k, v in same_malloc_env().items())))
+    elif 'ours' in args.methods:
+        notes.append('Ours ran with its default `reuse_host_memory=\'auto\'` (its processes '
+                     'keep the memory they free); the other methods with glibc\'s defaults. '
+                     '`--same-malloc` gives them all the same thresholds.')
     if 'parallel' in args.methods:
         notes.append('ParallelUpdater in Chainer {} runs its replicas one after another in one '
                      'process (no threads), then sums their gradients on the main replica.'
@@ -438,6 +462,7 @@ def main(argv=None):
             'device_kind': kind, 'warmup': args.warmup, 'rounds': args.rounds,
             'updates_per_round': args.updates, 'passes': args.passes,
             'dataset_size': common['dataset_size'], 'methods': args.methods,
+            'same_malloc': args.same_malloc,
         },
         'machine': machine,
         'versions': _common.versions(mpiexec),
