@@ -8,7 +8,8 @@ communicator; packing and unpacking reuse them across updates.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import (Any, Callable, Collection, Dict, Iterable, List, Mapping, NamedTuple,
+                    Optional, Tuple)
 
 import numpy
 
@@ -74,17 +75,30 @@ class FlatLayout:
                     _xp(dst).multiply(src.reshape(-1), scale, out=dst, casting='unsafe')
 
     def unpack(self, buffer: Callable[[str], Any], arrays: Mapping[str, Any],
-               scale: Optional[float] = None) -> None:
-        """Copy each slice back into the existing arrays, in place."""
+               scale: Optional[float] = None, skip: Collection[str] = ()) -> None:
+        """Copy each slice back into the existing arrays, in place (but those in ``skip``)."""
         for dtype, entries in self.groups.items():
             flat = buffer(f'{self.prefix}/{dtype}')
             for e in entries:
+                if e.name in skip:
+                    continue
                 dst = arrays[e.name]
                 src = flat[e.offset:e.offset + e.size].reshape(e.shape)
                 if scale is None:
                     dst[...] = src
                 else:
                     _xp(dst).multiply(src, scale, out=dst, casting='unsafe')
+
+
+    def views(self, buffer: Callable[[str], Any], names: Collection[str]) -> Dict[str, Any]:
+        """The slices of the entries named, shaped as their arrays: views, no copy."""
+        out = {}
+        for dtype, entries in self.groups.items():
+            flat = buffer(f'{self.prefix}/{dtype}')
+            for e in entries:
+                if e.name in names:
+                    out[e.name] = flat[e.offset:e.offset + e.size].reshape(e.shape)
+        return out
 
 
 def _xp(array: Any) -> Any:

@@ -21,7 +21,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import Done, Failed, Hello, Ready, State, StateRequest, Step, Stop, worker_step
+from .protocol import (Done, Failed, Hello, ParamViews, Ready, State, StateRequest, Step, Stop,
+                       worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -159,7 +160,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         if not isinstance(init, WorkerInit):   # stopped before its payload came: no error
             init = None
             return
-        replica, comm, layouts = _build(init)
+        replica, comm, layouts, views = _build(init)
         conn.send(Ready())
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
@@ -169,7 +170,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
             orphaned()
         return
     try:
-        _serve(conn, init, replica, comm, layouts)
+        _serve(conn, init, replica, comm, layouts, views)
     finally:
         if replica is not None:
             replica.loader.close()
@@ -221,10 +222,12 @@ def _build(init: 'WorkerInit') -> Any:
                       chunking=init.chunking)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     comm.init()   # NCCL: every rank joins while the master waits for Ready
-    return replica, comm, ModelLayouts(model)
+    layouts = ModelLayouts(model)
+    return replica, comm, layouts, ParamViews(comm, layouts, model)
 
 
-def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any) -> None:
+def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
+           views: ParamViews) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
     while True:
         try:
@@ -236,7 +239,7 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any)
             return
         try:
             if kind == Step.KIND:
-                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size)))
+                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views)))
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:

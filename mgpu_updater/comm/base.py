@@ -152,6 +152,14 @@ class Communicator(abc.ABC):
         can block (NCCL) calls it between polls. Default: kept as ``check_peer_alive``."""
         self.check_peer_alive = check_alive
 
+    def shared_slot(self, name: str) -> bool:
+        """Whether ``buffer(name)`` is, on every rank, the one memory the root writes (a
+        broadcast-only buffer of the shared-memory backend): a rank may then read it in
+        place from one ``bcast`` until the root writes it again, which under the ordering
+        contract it does only before the next ``bcast``. Default: False (each rank has its
+        own copy, which ``bcast`` fills)."""
+        return False
+
     def begin_update(self) -> None:
         """The collectives issued from now on, until :meth:`end_update`, are one update's:
         the unit in which the issue order is compared across ranks. Default: nothing."""

@@ -139,6 +139,9 @@ class ShmCommunicator(Communicator):
         slots = self._slots[name]
         return slots[0] if len(slots) == 1 else slots[self.rank]
 
+    def shared_slot(self, name: str) -> bool:
+        return name in self._broadcast
+
     def reduce(self, name: str, root: int = 0) -> None:
         if name in self._broadcast:
             raise ValueError(f'buffer {name!r} was created broadcast-only (one shared '

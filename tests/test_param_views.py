@@ -1,0 +1,155 @@
+"""A worker reads its parameters in place from the shared broadcast slot (``ParamViews``).
+
+On the shared-memory backend the parameter buffer is one slot that the master writes
+before every Step; a worker's parameter arrays are read-only views of it, so receiving the
+parameters copies nothing. Persistents (which the forward updates) are still copied. A
+backend without a shared slot binds nothing and copies as before.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import chainer
+
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, shard_iterators
+from mgpu_updater._flat_buffers import ModelLayouts, persistent_arrays
+from mgpu_updater._local.protocol import (ParamViews, broadcast_only, master_begin,
+                                          master_finish, worker_step)
+from mgpu_updater._replica import Replica, Scaling
+from mgpu_updater._loader import make_loader
+from mgpu_updater.comm.shm import ShmCommunicator
+
+import _models
+
+
+class _Workers:
+    """The master's view of no worker at all: Step goes nowhere (the test runs the worker)."""
+
+    def send(self, msg):
+        self.last = msg
+
+    def gather(self, kind):
+        return {}
+
+
+def _pair(shared=True):
+    master_model = _models.classifier(seed=3, batchnorm=True)
+    worker_model = copy.deepcopy(master_model)
+    layouts = ModelLayouts(master_model)
+    master = ShmCommunicator.create(2, layouts.spec(),
+                                    broadcast=broadcast_only(layouts) if shared else ())
+    worker = ShmCommunicator.attach(master.handle, 1)
+    return master_model, worker_model, layouts, master, worker
+
+
+def _perturb(model, seed):
+    rng = np.random.RandomState(seed)
+    for p in model.params():
+        p.array[...] = rng.standard_normal(p.shape).astype(p.dtype)
+    for _, a in persistent_arrays(model):
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype)
+
+
+def _replica(model):
+    it = chainer.iterators.SerialIterator(_models.dataset(16, seed=1), 4, shuffle=False)
+    loader = make_loader(it, chainer.dataset.concat_examples, chainer.get_device('@numpy'), 0)
+    return Replica(model, None, loader, accumulate_steps=1,
+                   scaling=Scaling('mean', 'mean', update_norm=8.0, window_norm=4.0))
+
+
+def _one_update(master_model, layouts, master, worker, worker_model, views):
+    workers = _Workers()
+    master_begin(workers, master, layouts, master_model, None, None)
+    worker_step(workers.last, _replica(worker_model), worker, ModelLayouts(worker_model), 2,
+                views)
+    master_finish(workers, master, layouts, master_model, None, 2)
+
+
+def test_worker_parameters_are_read_only_views_of_the_shared_slot():
+    master_model, worker_model, layouts, master, worker = _pair()
+    try:
+        views = ParamViews(worker, ModelLayouts(worker_model), worker_model)
+        assert views.names == {name for name, _ in worker_model.namedparams()}
+        for rounds in range(2):
+            _perturb(master_model, seed=rounds)
+            _one_update(master_model, layouts, master, worker, worker_model, views)
+            slot = worker.buffer('param/<f4')
+            for (name, p), (_, q) in zip(sorted(worker_model.namedparams()),
+                                         sorted(master_model.namedparams())):
+                assert np.shares_memory(p.array, slot), name
+                assert not p.array.flags.writeable, name
+                np.testing.assert_array_equal(p.array, q.array)
+            # persistents are the worker's own arrays, copied, and writable
+            for (name, a), (_, b) in zip(persistent_arrays(worker_model),
+                                         persistent_arrays(master_model)):
+                assert not np.shares_memory(a, slot) and a.flags.writeable, name
+        with pytest.raises(ValueError, match='read-only'):
+            next(worker_model.params()).array[...] = 0
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+def test_a_replaced_parameter_array_is_bound_again():
+    master_model, worker_model, layouts, master, worker = _pair()
+    try:
+        views = ParamViews(worker, ModelLayouts(worker_model), worker_model)
+        param = next(worker_model.params())
+        param.array = np.zeros_like(param.array)        # e.g. a load that rebinds
+        _perturb(master_model, seed=5)
+        _one_update(master_model, layouts, master, worker, worker_model, views)
+        assert np.shares_memory(param.array, worker.buffer('param/<f4'))
+        np.testing.assert_array_equal(
+            param.array, dict(master_model.namedparams())[
+                dict((id(p), n) for n, p in worker_model.namedparams())[id(param)]].array)
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+def test_without_a_shared_slot_nothing_is_bound_and_parameters_are_copied():
+    master_model, worker_model, layouts, master, worker = _pair(shared=False)
+    try:
+        views = ParamViews(worker, ModelLayouts(worker_model), worker_model)
+        assert views.names == frozenset()
+        _perturb(master_model, seed=7)
+        _one_update(master_model, layouts, master, worker, worker_model, views)
+        slot = worker.buffer('param/<f4')
+        for (name, p), (_, q) in zip(sorted(worker_model.namedparams()),
+                                     sorted(master_model.namedparams())):
+            assert not np.shares_memory(p.array, slot) and p.array.flags.writeable, name
+            np.testing.assert_array_equal(p.array, q.array)
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+class _WritesItsWeight(chainer.Chain):
+    """A model whose forward changes a parameter in place: a worker must not do that to
+    the slot every worker reads."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = chainer.links.Linear(5, 3)
+
+    def forward(self, x, t):
+        self.l.W.array[...] = self.l.W.array * 1.0
+        return chainer.functions.softmax_cross_entropy(self.l(x), t)
+
+
+def test_a_worker_writing_its_parameters_fails_loudly():
+    model = _WritesItsWeight()
+    optimizer = chainer.optimizers.SGD(lr=0.1)
+    optimizer.setup(model)
+    its = shard_iterators(_models.dataset(16, seed=1), 2, 4)
+    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    try:
+        with pytest.raises(WorkerError, match='read-only') as info:
+            _models.run_updates(updater, model, 1)
+        assert 'replica 1' in str(info.value) and 'forward' in str(info.value)
+    finally:
+        updater.finalize()
