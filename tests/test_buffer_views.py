@@ -1,9 +1,12 @@
-"""A worker reads its parameters in place from the shared broadcast slot (``ParamViews``).
+"""Arrays read in place from the communicator's buffers instead of copied every update.
 
-On the shared-memory backend the parameter buffer is one slot that the master writes
-before every Step; a worker's parameter arrays are read-only views of it, so receiving the
-parameters copies nothing. Persistents (which the forward updates) are still copied. A
-backend without a shared slot binds nothing and copies as before.
+- A worker's parameters (``protocol.ParamViews``): on the shared-memory backend the
+  parameter buffer is one slot that the master writes before every Step; a worker's
+  parameter arrays are read-only views of it. Persistents (which the forward updates) are
+  still copied. A backend without a shared slot binds nothing and copies as before.
+- The master's summed gradient (``group.SummedGrads``): on the CPU each ``param.grad`` is
+  a view of the master's slot, where the reduction left the sum, until the next update's
+  window clears it; finalize copies the views off the buffers.
 """
 from __future__ import annotations
 
@@ -153,3 +156,22 @@ def test_a_worker_writing_its_parameters_fails_loudly():
         assert 'replica 1' in str(info.value) and 'forward' in str(info.value)
     finally:
         updater.finalize()
+
+
+def test_master_gradients_are_the_summed_slot_until_finalize_copies_them():
+    model = _models.classifier(seed=0)
+    optimizer = _models.setup_optimizer('sgd', model)
+    its = shard_iterators(_models.dataset(32, seed=1), 2, 4)
+    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    try:
+        _models.run_updates(updater, model, 2)
+        slot = updater._group.comm.buffer('grad/<f4')
+        grads = {name: p.grad for name, p in model.namedparams()}
+        for name, g in grads.items():
+            assert np.shares_memory(g, slot), name
+        kept = {name: g.copy() for name, g in grads.items()}
+    finally:
+        updater.finalize()
+    for name, p in model.namedparams():
+        assert p.grad is not grads[name] and not np.shares_memory(p.grad, slot), name
+        np.testing.assert_array_equal(p.grad, kept[name])
