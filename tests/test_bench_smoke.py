@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,28 @@ def test_goals_ratio_range_and_resolved():
     assert '2 replicas vs ChainerMN (naive), k=4' not in goals   # not measured: no goal
     table = _report.goals_table(list(goals.values()))
     assert table.count('no: the spread is larger than the difference') == 2
+
+
+def test_same_malloc_gives_every_method_the_thresholds_ours_sets():
+    """``--same-malloc``: every group's environment carries glibc's variables for the
+    thresholds of ``reuse_host_memory`` (ours then leaves malloc alone); without it none."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import scaling
+    from mgpu_updater import _host_memory
+    wanted = {'MALLOC_MMAP_THRESHOLD_': str(_host_memory.MMAP_THRESHOLD),
+              'MALLOC_TRIM_THRESHOLD_': str(_host_memory.TRIM_THRESHOLD)}
+    for flag in ([], ['--same-malloc']):
+        args = scaling.parse_args(['--devices', '1,2', '--ks', '1'] + flag)
+        groups, _ = scaling.build_groups(args, 'cpu', [1, 2], 2)
+        ran = [g for g in groups if g['label'] != 'memory']
+        assert {g['cases'][0]['method'] for g in ran} >= {'standard', 'limit', 'ours'}
+        for g in ran:
+            env = g['env']
+            if flag:
+                assert {k: env.get(k) for k in wanted} == wanted, g['label']
+                with mock.patch.dict(os.environ, env):   # ours then leaves malloc alone
+                    assert _host_memory.decide('auto') is False
+            else:
+                assert not set(wanted) & set(env), g['label']
+    assert scaling.parse_args([]).warmup == 3
