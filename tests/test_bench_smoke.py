@@ -224,3 +224,23 @@ def test_same_malloc_gives_every_method_the_thresholds_ours_sets():
             else:
                 assert not set(wanted) & set(env), g['label']
     assert scaling.parse_args([]).warmup == 3
+
+
+def test_paired_bench_writes_one_row_per_k(tmp_path):
+    """``bench/paired.py``: ours and the hand-written loop alternating in one process."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    cmd = [sys.executable, str(ROOT / 'bench' / 'paired.py'), '--model', 'tiny',
+           '--ks', '1,2', '--pairs', '2', '--warmup', '1', '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'paired.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.paired/1'
+    assert [r['k'] for r in result['rows']] == [1, 2]
+    for row in result['rows']:
+        assert len(row['ratios']) == row['pairs'] == 2
+        assert all(r > 0 and math.isfinite(r) for r in row['ratios'])
+        assert row['ratio_q1'] <= row['ratio_median'] <= row['ratio_q3']
+        assert row['hand_ms'] > 0 and row['ours_ms'] > 0
+    assert '| 2 | 2 |' in (tmp_path / 'paired.md').read_text()
