@@ -123,8 +123,9 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / 'paired.json').write_text(json.dumps(result, indent=1) + '\n')
-        (out / 'paired.md').write_text(text)
+        (out / 'paired.json').write_text(
+            _common.without_local_paths(json.dumps(result, indent=1)) + '\n')
+        (out / 'paired.md').write_text(_common.without_local_paths(text))
     return 0
 
 

@@ -244,3 +244,4 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
         assert row['ratio_q1'] <= row['ratio_median'] <= row['ratio_q3']
         assert row['hand_ms'] > 0 and row['ours_ms'] > 0
     assert '| 2 | 2 |' in (tmp_path / 'paired.md').read_text()
+    assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
