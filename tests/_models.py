@@ -55,6 +55,18 @@ def setup_optimizer(kind, model):
     return opt
 
 
+def two_cpu_replicas(n_samples=32, model=None, **kwargs):
+    """``model`` (default: ``classifier(seed=0)``) with SGD on two '@numpy' replicas, each
+    reading its shard of ``dataset(n_samples, seed=1)`` in micro-batches of 4; ``kwargs`` go
+    to the updater. Returns (model, updater)."""
+    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+    model = classifier(seed=0) if model is None else model
+    optimizer = setup_optimizer('sgd', model)
+    its = shard_iterators(dataset(n_samples, seed=1), 2, 4)
+    return model, ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'],
+                                              **kwargs)
+
+
 def params(model):
     return {name: np.array(p.array) for name, p in model.namedparams()}
 

@@ -17,7 +17,7 @@ import pytest
 
 import chainer
 
-from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, shard_iterators
+from mgpu_updater import WorkerError
 from mgpu_updater._flat_buffers import ModelLayouts, persistent_arrays
 from mgpu_updater._local.protocol import (ParamViews, broadcast_only, master_begin,
                                           master_finish, worker_step)
@@ -145,11 +145,7 @@ class _WritesItsWeight(chainer.Chain):
 
 
 def test_a_worker_writing_its_parameters_fails_loudly():
-    model = _WritesItsWeight()
-    optimizer = chainer.optimizers.SGD(lr=0.1)
-    optimizer.setup(model)
-    its = shard_iterators(_models.dataset(16, seed=1), 2, 4)
-    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    model, updater = _models.two_cpu_replicas(16, model=_WritesItsWeight())
     try:
         with pytest.raises(WorkerError, match='read-only') as info:
             _models.run_updates(updater, model, 1)
@@ -159,10 +155,7 @@ def test_a_worker_writing_its_parameters_fails_loudly():
 
 
 def test_master_gradients_are_the_summed_slot_until_finalize_copies_them():
-    model = _models.classifier(seed=0)
-    optimizer = _models.setup_optimizer('sgd', model)
-    its = shard_iterators(_models.dataset(32, seed=1), 2, 4)
-    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    model, updater = _models.two_cpu_replicas()
     try:
         _models.run_updates(updater, model, 2)
         slot = updater._group.comm.buffer('grad/<f4')

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import chainer
 
-from mgpu_updater import ParallelAccumulatingUpdater, _host_memory, shard_iterators
+from mgpu_updater import _host_memory
 import _models
 
 TESTS = Path(__file__).resolve().parent
@@ -79,7 +78,6 @@ TRAIN = PROBE + textwrap.dedent('''
     import json, multiprocessing, sys
     import chainer
     import _models
-    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
 
     class ProbingLoss:
         """The model's loss; reports this process's probe under a key of its own."""
@@ -94,10 +92,8 @@ TRAIN = PROBE + textwrap.dedent('''
     if __name__ == '__main__':
         kwargs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
         model = _models.classifier(seed=0)
-        optimizer = _models.setup_optimizer('sgd', model)
-        its = shard_iterators(_models.dataset(32, seed=1), 2, 4)
-        updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'],
-                                              loss_func=ProbingLoss(model), **kwargs)
+        model, updater = _models.two_cpu_replicas(model=model, loss_func=ProbingLoss(model),
+                                                  **kwargs)
         before = probe_faults()
         try:
             obs = _models.run_updates(updater, model, 2)[-1]
@@ -161,13 +157,9 @@ def test_glibc_tunables_count_only_for_malloc(monkeypatch):
 
 @pytest.mark.parametrize('value', ['yes', 'AUTO', 1, 0, None, 2.0])
 def test_bad_values_are_refused_at_construction(value):
-    model = _models.classifier(seed=0)
-    optimizer = _models.setup_optimizer('sgd', model)
-    its = shard_iterators(_models.dataset(16, seed=1), 2, 4)
     with pytest.raises(TypeError, match=r"reuse_host_memory must be 'auto', True or False") \
             as e:
-        ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'],
-                                    reuse_host_memory=value)
+        _models.two_cpu_replicas(16, reuse_host_memory=value)
     message = str(e.value)
     assert f'{value!r} of type {type(value).__name__} given' in message
     assert 'False to leave malloc as it is' in message

@@ -21,7 +21,7 @@ import threadpoolctl
 
 import chainer
 
-from mgpu_updater import ParallelAccumulatingUpdater, _threads, shard_iterators
+from mgpu_updater import ParallelAccumulatingUpdater, _threads
 import _models
 
 
@@ -59,10 +59,7 @@ def _train(n_updates=2, **kwargs):
     """Two '@numpy' replicas; returns the last update's report and the master's BLAS
     threads before and after training."""
     model = _models.classifier(seed=0)
-    optimizer = _models.setup_optimizer('sgd', model)
-    its = shard_iterators(_models.dataset(32, seed=1), 2, 4)
-    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'],
-                                          loss_func=_Loss(model), **kwargs)
+    model, updater = _models.two_cpu_replicas(model=model, loss_func=_Loss(model), **kwargs)
     before = _blas_threads()
     try:
         observations = _models.run_updates(updater, model, n_updates)
@@ -214,12 +211,8 @@ def test_one_replica_auto_changes_nothing(cores):
     ('many', TypeError, "'many' of type str"), ('AUTO', TypeError, "'AUTO' of type str"),
     (np.int64(0), ValueError, f'{np.int64(0)!r} given')])
 def test_bad_values_are_refused_at_construction(value, error, shown):
-    model = _models.classifier(seed=0)
-    optimizer = _models.setup_optimizer('sgd', model)
-    its = shard_iterators(_models.dataset(16, seed=1), 2, 4)
     with pytest.raises(error, match=r"blas_threads must be 'auto', an int >= 1 or None") as e:
-        ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'],
-                                    blas_threads=value)
+        _models.two_cpu_replicas(16, blas_threads=value)
     message = str(e.value)
     assert shown in message
     assert 'blas_threads=2' in message and 'None to leave' in message

@@ -104,11 +104,10 @@ class SummedGrads:
     """
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
-        names = [name for name, _ in model.namedparams()]
+        self.params = dict(model.namedparams())
         buffers = [comm.buffer(name) for name in layouts.grad.buffer_names().values()]
         on_host = all(isinstance(b, numpy.ndarray) for b in buffers)
-        self.views = layouts.grad.views(comm.buffer, names) if on_host else {}
-        self.params = dict(model.namedparams())
+        self.views = layouts.grad.views(comm.buffer, self.params) if on_host else {}
         self.layouts, self.comm, self.model = layouts, comm, model
 
     def receive(self) -> None:
