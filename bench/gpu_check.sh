@@ -34,8 +34,12 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
     # already be there (they are the machine's own, matched to its CUDA)
     missing=$("$PY" - <<'EOF'
 import importlib.util
+# pkg_resources: Chainer imports it at import time and setuptools 82 dropped it, so a
+# setuptools < 82 wheel in .whl/ is installed (and shadows the system's) where it is absent
 need = {'chainer': 'chainer', 'filelock': 'filelock', 'google.protobuf': 'protobuf',
-        'six': 'six', 'typing_extensions': 'typing_extensions', 'pytest': 'pytest',
+        'six': 'six', 'typing_extensions': 'typing_extensions',
+        'cloudpickle': 'cloudpickle', 'threadpoolctl': 'threadpoolctl',
+        'pkg_resources': 'setuptools', 'pytest': 'pytest',
         'pluggy': 'pluggy', 'iniconfig': 'iniconfig', 'packaging': 'packaging',
         'pygments': 'pygments', 'pytest_timeout': 'pytest-timeout'}
 def absent(name):
