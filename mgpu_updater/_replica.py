@@ -101,6 +101,33 @@ def _host(value: Any) -> Any:
     return float(value)
 
 
+def read_on_host(values: List[Any]) -> List[Any]:
+    """``_host`` of each of ``values``, with one device-to-host read per GPU.
+
+    Reading a GPU array on the host waits for the device to finish all the work queued
+    before it; one read per window (not one per micro-batch and reported key) is the only
+    time a replica's host waits for its device before the gradient reduction. The
+    one-element arrays of each device are stacked (one kernel) and read together; a
+    float32 value reads as the same float either way.
+    """
+    out: List[Any] = [None] * len(values)
+    on_gpu: Dict[Any, List[Tuple[int, Any]]] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, chainer.Variable):
+            value = value.array
+        if isinstance(value, chainer.backends.cuda.ndarray) and value.size == 1:
+            on_gpu.setdefault(value.device.id, []).append((i, value))
+        else:
+            out[i] = _host(value)
+    for device_id, items in on_gpu.items():
+        xp = chainer.backends.cuda.cupy
+        with xp.cuda.Device(device_id):
+            stacked = xp.stack([a.reshape(()) for _, a in items])
+        for (i, _), v in zip(items, stacked.get().tolist()):
+            out[i] = float(v)
+    return out
+
+
 class Replica:
     """One model replica with its loader, running ``accumulate_steps`` micro-batches.
 
@@ -170,8 +197,8 @@ class Replica:
         self.graph_roots = {}
         keep_graphs = self.keep_graphs and bool(chainer.config.keep_graph_on_report)
         count = 0
-        loss_sum: Any = 0.0
-        sums: Dict[str, Any] = {}
+        # (key or None for the loss, value, factor): read on the host once, at the end
+        terms: List[Tuple[Optional[str], Any, float]] = []
         weights: Dict[str, float] = {}
         summed: Dict[str, None] = {}
         epochs: List[EpochInfo] = []
@@ -189,7 +216,7 @@ class Replica:
                         if loss_scale is not None:
                             scale *= loss_scale
                         loss.backward(loss_scale=scale)
-                    loss_sum = loss_sum + loss.array * size  # stays on the device
+                    terms.append((None, loss.array, size))
                     if keep_graphs:   # the first chunk's graphs only
                         keep_graphs = False
                         self.graph_roots = {k: v for k, v in observation.items()
@@ -199,8 +226,7 @@ class Replica:
                             value = value.array
                         if self.scaling.loss_reduction == 'sum' and value is loss.array:
                             summed[key] = None
-                        factor = 1 if key in summed else size
-                        sums[key] = sums.get(key, 0.0) + value * factor
+                        terms.append((key, value, 1 if key in summed else size))
                         weights[key] = weights.get(key, 0.0) + size
                     del loss
             count += batch.size
@@ -212,10 +238,17 @@ class Replica:
                 for param in self.model.params():
                     if param.grad is not None:
                         param.grad *= factor
+        loss_sum: Any = 0.0
+        sums: Dict[str, Any] = {}
+        for (key, _, factor), value in zip(terms, read_on_host([t[1] for t in terms])):
+            if key is None:
+                loss_sum = loss_sum + value * factor
+            else:
+                sums[key] = sums.get(key, 0.0) + value * factor
         return WindowResult(
             count=count,
-            loss_sum=_host(loss_sum) if count else 0.0,
-            sums={k: _host(v) for k, v in sums.items()},
+            loss_sum=float(loss_sum),
+            sums=sums,
             weights=weights, times=dict(watch.times), epochs=epochs,
             summed=tuple(summed),
             micro_batch_size=window.chunk_size(self.chunking.size) if count else None)

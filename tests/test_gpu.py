@@ -137,3 +137,19 @@ def test_two_replicas_on_one_gpu_match_the_large_batch(gpu, prefetch):
     got = params(_to_cpu(model))
     for name, value in params(_to_cpu(ref)).items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_read_on_host_reads_every_value_as_float_does(gpu):
+    """One stacked read per device gives what ``float()`` of each value gives."""
+    from mgpu_updater._replica import read_on_host
+    loss = gpu.asarray(np.float32(0.1234567))
+    values = [loss, chainer.Variable(gpu.asarray(np.float32(-2.5e-8))),
+              gpu.asarray(np.float16(3.14)), gpu.asarray([7], dtype=np.int32),
+              np.float32(1.1), 2, gpu.asarray([1.0, 2.0], dtype=np.float32)]
+    got = read_on_host(values)
+    expected = [float(loss), float(np.float32(-2.5e-8)), float(np.float16(3.14)), 7.0,
+                float(np.float32(1.1)), 2.0]
+    assert got[:6] == expected
+    assert all(type(v) is float for v in got[:6])
+    np.testing.assert_array_equal(got[6], np.array([1.0, 2.0]))
+    assert got[6].dtype == np.float64

@@ -1,0 +1,201 @@
+"""One replica on one GPU: where ours loses time against StandardUpdater and a hand loop.
+
+    python bench/gpu_overhead.py --out DIR [--ks 1,4] [--batch 256] [--seconds 2.5]
+    python bench/gpu_overhead.py --out DIR --dry-run      # the same on '@numpy'
+
+On a GPU the host only enqueues kernels; a loop that never reads a result on the host
+runs ahead of the device, and one read per update (``float(loss)``) makes the host wait
+for the device every update. This bench measures, in one process, rounds interleaved,
+samples/s of the example's MNIST CNN with the global batch ``--batch`` split into k
+micro-batches of batch/k:
+
+- ``standard``: Chainer's StandardUpdater (k = 1);
+- ``hand_k``: the hand-written accumulation loop (``bench._case``'s, as bench/paired.py);
+- ``hand_k_read``: the same plus one host read of the update's loss (what one sync per
+  update costs by itself);
+- ``ours_k``: ours with defaults, and ``ours_k_prefetch0`` with ``prefetch=0``.
+
+Every update runs inside a reporter scope, as under a Trainer. Then it profiles (cProfile,
+host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each, and
+writes their top functions.
+Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out``.
+"""
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common  # noqa: E402  (imports Chainer through the shim)
+from bench._case import _hand_step  # noqa: E402
+
+import chainer  # noqa: E402
+
+SCHEMA = 'mgpu_updater.bench.gpu_overhead/1'
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--out', required=True)
+    p.add_argument('--ks', default='1,4')
+    p.add_argument('--batch', type=int, default=256, help='global batch (default 256)')
+    p.add_argument('--seconds', type=float, default=2.5, help='timed seconds per run')
+    p.add_argument('--rounds', type=int, default=3)
+    p.add_argument('--budget', type=float, default=240.0, help='stop starting runs after')
+    p.add_argument('--profile', default='hand_1_read,ours_1_prefetch0,ours_1',
+                   help='configs to profile (comma-separated; empty: none)')
+    p.add_argument('--dry-run', action='store_true', help="run on '@numpy'")
+    args = p.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(',') if k]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = 'cpu' if args.dry_run else 'gpu'
+    device = _common.device_spec(kind, 0)
+    dataset = _common.make_dataset(max(args.batch * 16, 4096), seed=0)
+    start = time.monotonic()
+
+    def sync():
+        _common.synchronize(kind)
+
+    def build(config):
+        """(step, finalize) for ``config``."""
+        name, k = config.split('_')[0], int(config.split('_')[1])
+        b = args.batch // k
+        model = _common.make_model('cnn')
+        reporter = chainer.Reporter()
+        reporter.add_observer('main', model)
+        reporter.add_observers('main', model.namedlinks(skipself=True))
+        if name == 'standard':
+            model.to_device(device)
+            optimizer = _common.make_optimizer(model)
+            it = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
+            updater = chainer.training.updaters.StandardUpdater(it, optimizer, device=device)
+            run, fin = updater.update, updater.finalize
+        elif name == 'hand':
+            model.to_device(device)
+            optimizer = _common.make_optimizer(model)
+            it = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
+            run, fin = _hand_step(model, optimizer, it, k, device), (lambda: None)
+            if config.endswith('_read'):
+                inner = run
+
+                def run():
+                    inner()
+                    float(model.loss.array)   # one host read of the last loss
+        else:
+            from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+            optimizer = _common.make_optimizer(model)
+            its = shard_iterators(dataset, n=1, batch_size=b,
+                                  iterator_class=chainer.iterators.SerialIterator,
+                                  seed=0, shuffle=True)
+            kwargs = {'prefetch': 0} if config.endswith('_prefetch0') else {}
+            updater = ParallelAccumulatingUpdater(its, optimizer, devices=[device],
+                                                  accumulate_steps=k, **kwargs)
+            run, fin = updater.update, updater.finalize
+
+        def step():
+            with reporter.scope({}):
+                run()
+        return step, fin
+
+    configs = ['standard_1']
+    for k in args.ks:
+        configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0']
+    runs, errors = [], []
+    for round_ in range(1, args.rounds + 1):
+        for config in configs:
+            if time.monotonic() - start > args.budget:
+                errors.append(f'{config} round {round_}: skipped, out of time')
+                continue
+            fin = None
+            try:
+                step, fin = build(config)
+                for _ in range(10):
+                    step()
+                sync()
+                t0, count = time.perf_counter(), 0
+                while True:
+                    step()
+                    count += 1
+                    if count % 5 == 0 and time.perf_counter() - t0 >= args.seconds:
+                        break
+                sync()
+                elapsed = time.perf_counter() - t0
+                runs.append({'config': config, 'round': round_, 'updates': count,
+                             'ms_per_update': 1e3 * elapsed / count,
+                             'samples_per_s': count * args.batch / elapsed})
+                print(json.dumps(runs[-1]), flush=True)
+            except Exception as e:
+                errors.append(f'{config} round {round_}: {type(e).__name__}: {e}')
+                traceback.print_exc()
+            finally:
+                if fin is not None:
+                    fin()
+
+    profiles = {}
+    for config in [c for c in args.profile.split(',') if c]:
+        fin = None
+        try:
+            step, fin = build(config)
+            for _ in range(10):
+                step()
+            sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(300):
+                step()
+            sync()
+            prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text).strip_dirs()
+            stats.sort_stats('tottime').print_stats(40)
+            stats.sort_stats('cumulative').print_stats(90)
+            (out / f'profile_{config}.txt').write_text(text.getvalue())
+            profiles[config] = f'profile_{config}.txt'
+        except Exception as e:
+            errors.append(f'profile {config}: {type(e).__name__}: {e}')
+            traceback.print_exc()
+        finally:
+            if fin is not None:
+                fin()
+
+    summary = {}
+    for config in configs:
+        rates = [r['samples_per_s'] for r in runs if r['config'] == config]
+        if rates:
+            summary[config] = {'median_samples_per_s': statistics.median(rates),
+                               'min': min(rates), 'max': max(rates), 'runs': len(rates)}
+    base = summary.get('standard_1', {}).get('median_samples_per_s')
+    result = {'schema': SCHEMA, 'device': device, 'global_batch': args.batch,
+              'ks': args.ks, 'seconds': args.seconds, 'rounds': args.rounds,
+              'model': _common.model_source('cnn'), 'chainer': chainer.__version__,
+              'runs': runs, 'summary': summary, 'profiles': profiles, 'errors': errors}
+    (out / 'gpu_overhead.json').write_text(json.dumps(result, indent=1))
+    lines = [f'# One replica on {device}: global batch {args.batch}, samples/s (median of '
+             f'{args.rounds} interleaved rounds, min-max)', '',
+             '| config | samples/s | min-max | / standard |', '|---|---|---|---|']
+    for config, s in summary.items():
+        ratio = f"{s['median_samples_per_s'] / base:.3f}" if base else ''
+        lines.append(f"| {config} | {s['median_samples_per_s']:.0f} | "
+                     f"{s['min']:.0f}-{s['max']:.0f} | {ratio} |")
+    if errors:
+        lines += ['', 'Errors:', ''] + [f'- {e}' for e in errors]
+    (out / 'gpu_overhead.md').write_text('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+    return 1 if errors else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
