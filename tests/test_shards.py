@@ -1,0 +1,67 @@
+"""``shard_iterators``' shards: a partition of the dataset that indexes as SubDataset does."""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import chainer
+
+from mgpu_updater import shard_iterators
+from mgpu_updater._iterators import Shard
+
+from _models import dataset
+
+
+def _shards(data, n, seed=0):
+    return [it.dataset for it in shard_iterators(data, n, 4, seed=seed)]
+
+
+def _same(a, b):
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+        return
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize('seed', [0, None])
+def test_shards_partition_the_dataset(seed):
+    data = dataset(23, seed=3)
+    shards = _shards(data, 3, seed)
+    assert sorted(len(s) for s in shards) == [7, 8, 8]
+    seen = [tuple(np.asarray(s[i][0]).tolist()) for s in shards for i in range(len(s))]
+    everything = [tuple(np.asarray(data[i][0]).tolist()) for i in range(len(data))]
+    assert sorted(seen) == sorted(everything)
+
+
+def test_a_shard_indexes_exactly_as_the_sub_dataset_it_is():
+    data = dataset(23, seed=3)
+    order = np.random.RandomState(0).permutation(len(data))
+    shard = Shard(data, 8, 16, order=order)
+    reference = chainer.datasets.SubDataset(data, 8, 16, order=order)
+    assert isinstance(shard, chainer.datasets.SubDataset) and len(shard) == len(reference)
+    for i in list(range(-8, 8)) + [np.int64(3), np.int32(-2)]:
+        _same(shard[i], reference[i])
+    for index in (slice(1, 6, 2), [0, 7, -1], np.array([5, 2])):
+        _same(shard[index], reference[index])
+    for bad in (8, -9, np.int64(100)):
+        with pytest.raises(IndexError):
+            reference[bad]
+        with pytest.raises(IndexError):
+            shard[bad]
+    copy = pickle.loads(pickle.dumps(shard))
+    _same([copy[i] for i in range(8)], [shard[i] for i in range(8)])
+
+
+def test_shard_iterators_batches_follow_the_shard_order():
+    data = dataset(16, seed=4)
+    it = shard_iterators(data, 2, 4, seed=5)[1]
+    order = np.random.RandomState(5).permutation(16)
+    batch = it.next()
+    within = it._state.order[:4]   # the iterator's own shuffle of its shard
+    _same(batch, [data[int(order[8 + j])] for j in within])
