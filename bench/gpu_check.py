@@ -124,6 +124,10 @@ def collect_versions() -> Dict[str, Any]:
     attempt('git_commit', lambda: subprocess.run(
         ['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True,
         timeout=10).stdout.strip() or None)
+    # the tree that ran can differ from HEAD (a copied working tree): name what differs
+    attempt('git_changed_files', lambda: sorted(filter(None, subprocess.run(
+        ['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT,
+        capture_output=True, text=True, timeout=10).stdout.splitlines())))
     import numpy
     v['numpy'] = numpy.__version__
     attempt('compat_patches', _apply_compat)
