@@ -16,7 +16,7 @@ micro-batches of batch/k:
 - ``ours_k``: ours with defaults, and ``ours_k_prefetch0`` with ``prefetch=0``.
 
 Every update runs inside a reporter scope, as under a Trainer. Then it profiles (cProfile,
-host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each, and
+host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
 writes their top functions.
 Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out``.
 """
@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument('--budget', type=float, default=240.0, help='stop starting runs after')
     p.add_argument('--profile', default='hand_1_read,ours_1_prefetch0,ours_1',
                    help='configs to profile (comma-separated; empty: none)')
+    p.add_argument('--profile-updates', type=int, default=300)
     p.add_argument('--dry-run', action='store_true', help="run on '@numpy'")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(',') if k]
@@ -154,7 +155,7 @@ def main(argv=None):
             sync()
             prof = cProfile.Profile()
             prof.enable()
-            for _ in range(300):
+            for _ in range(args.profile_updates):
                 step()
             sync()
             prof.disable()

@@ -245,3 +245,27 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
         assert row['hand_ms'] > 0 and row['ours_ms'] > 0
     assert '| 2 | 2 |' in (tmp_path / 'paired.md').read_text()
     assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
+
+
+def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
+    """``bench/gpu_overhead.py --dry-run`` (on '@numpy'): every config timed, one profile."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    cmd = [sys.executable, str(ROOT / 'bench' / 'gpu_overhead.py'), '--dry-run',
+           '--batch', '8', '--ks', '1,2', '--seconds', '0.05', '--rounds', '1',
+           '--profile', 'ours_2', '--profile-updates', '20', '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'gpu_overhead.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.gpu_overhead/1'
+    assert result['device'] == '@numpy' and result['errors'] == []
+    expected = ['standard_1'] + [f'{name}_{k}{suffix}' for k in (1, 2)
+                                 for name, suffix in (('hand', ''), ('hand', '_read'),
+                                                      ('ours', ''), ('ours', '_prefetch0'))]
+    assert list(result['summary']) == expected
+    for row in result['runs']:
+        assert row['updates'] >= 5 and row['samples_per_s'] > 0
+    profile = (tmp_path / 'profile_ours_2.txt').read_text()
+    assert '_attempt' in profile and str(ROOT) not in profile
+    assert '| ours_2 |' in (tmp_path / 'gpu_overhead.md').read_text()
