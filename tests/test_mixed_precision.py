@@ -70,3 +70,34 @@ def test_float16_with_loss_scaling_matches_the_reference(dynamic, initial_scale,
         assert got.dtype == np.float16
         np.testing.assert_allclose(got.astype(np.float32), value.astype(np.float32),
                                    rtol=2e-2, atol=2e-3, err_msg=name)
+
+
+def test_float16_loss_summed_over_a_large_window_stays_finite():
+    """The window's loss sum (loss x samples over its micro-batches) is taken in float64 on
+    the host. Summed on the device in the loss's dtype (as before read_on_host), under
+    numpy 2's and CuPy's promotion rules it stayed float16, passed 65504 and made a finite
+    loss look infinite (NonFiniteLossError); numpy 1's value-based casting hid it."""
+    b, k = 1024, 4
+    data = dataset(b * k, seed=5, dtype=np.float16)
+    model, ref = _fp16_model(5), _fp16_model(5)
+    expected = []
+    for i in range(k):
+        x, t = chainer.dataset.concat_examples(data[i * b:(i + 1) * b])
+        expected.append(float(ref(x, t).array))
+    assert 40 * expected[0] * b * k > 65504     # the sum overflows float16
+
+    def loss_func(x, t):
+        return model(x, t) * 40
+
+    opt = chainer.optimizers.SGD(0.01)
+    opt.setup(model)
+    opt.use_fp32_update()
+    it = chainer.iterators.SerialIterator(data, b, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], accumulate_steps=k,
+                                          loss_func=loss_func)
+    try:
+        obs = run_updates(updater, model, 1)[0]     # NonFiniteLossError if it overflowed
+    finally:
+        updater.finalize()
+    np.testing.assert_allclose(float(obs['main/loss']), np.mean(expected), rtol=1e-3)
+    assert np.isfinite(params(model)['/predictor/l1/W']).all()
