@@ -13,7 +13,8 @@ micro-batches of batch/k:
 - ``hand_k``: the hand-written accumulation loop (``bench._case``'s, as bench/paired.py);
 - ``hand_k_read``: the same plus one host read of the update's loss (what one sync per
   update costs by itself);
-- ``ours_k``: ours with defaults, and ``ours_k_prefetch0`` with ``prefetch=0``.
+- ``ours_k``: ours with defaults, ``ours_k_prefetch0`` with ``prefetch=0`` and
+  ``ours_k_ignore`` with ``nonfinite='ignore'`` (no host read in the update).
 
 Every update runs inside a reporter scope, as under a Trainer. Then it profiles (cProfile,
 host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
@@ -102,6 +103,8 @@ def main(argv=None):
                                   iterator_class=chainer.iterators.SerialIterator,
                                   seed=0, shuffle=True)
             kwargs = {'prefetch': 0} if config.endswith('_prefetch0') else {}
+            if config.endswith('_ignore'):
+                kwargs['nonfinite'] = 'ignore'
             updater = ParallelAccumulatingUpdater(its, optimizer, devices=[device],
                                                   accumulate_steps=k, **kwargs)
             run, fin = updater.update, updater.finalize
@@ -113,7 +116,8 @@ def main(argv=None):
 
     configs = ['standard_1']
     for k in args.ks:
-        configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0']
+        configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
+                    f'ours_{k}_ignore']
     runs, errors = [], []
     for round_ in range(1, args.rounds + 1):
         for config in configs:

@@ -23,7 +23,8 @@ from ._timing import Stopwatch
 class WindowResult(NamedTuple):
     """What a replica tells the master about its window (small and picklable)."""
     count: int                           # samples in the window
-    loss_sum: float                      # sum over micro-batches of loss * samples
+    loss_sum: Any                        # sum over micro-batches of loss * samples: a
+                                         # float (a 0-dim array: Replica.read_values False)
     sums: Dict[str, Any]                 # reported key -> sum of value * samples
     weights: Dict[str, float]            # reported key -> samples that reported it
     times: Dict[str, float]              # seconds: 'data', 'compute'
@@ -128,6 +129,21 @@ def read_on_host(values: List[Any]) -> List[Any]:
     return out
 
 
+def keep_on_device(values: List[Any]) -> List[Any]:
+    """Each of ``values`` as float64 where it is: a one-element array as a 0-dim float64
+    array on its device (float16 sums would overflow), anything else as ``_host`` gives
+    it. No host read; each array costs one kernel (the cast)."""
+    out: List[Any] = []
+    for value in values:
+        if isinstance(value, chainer.Variable):
+            value = value.array
+        if isinstance(value, chainer.get_array_types()) and value.size == 1:
+            out.append(value.reshape(()).astype(numpy.float64))
+        else:
+            out.append(_host(value))
+    return out
+
+
 class Replica:
     """One model replica with its loader, running ``accumulate_steps`` micro-batches.
 
@@ -139,12 +155,17 @@ class Replica:
         keep_graphs: keep, when ``chainer.config.keep_graph_on_report`` is on, the
             Variables (with their graphs) that the window's first micro-batch reported,
             in :attr:`graph_roots` (the master does, for ``DumpGraph``).
+        read_values: read the window's loss and reported values on the host at its end
+            (:func:`read_on_host`, a wait for the device); False keeps them where they
+            are, summed in float64 (the master of one host under ``nonfinite='ignore'``:
+            nothing needs them on the host before the step, and ``chainer.report`` takes
+            device arrays, as under StandardUpdater).
     """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
                  name: str = 'replica 0', keep_graphs: bool = False,
-                 chunking: Chunking = Chunking()) -> None:
+                 chunking: Chunking = Chunking(), read_values: bool = True) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -152,6 +173,7 @@ class Replica:
         self.scaling = scaling
         self.name = name
         self.keep_graphs = keep_graphs
+        self.read_values = read_values
         self.chunking = chunking
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
@@ -240,14 +262,16 @@ class Replica:
                         param.grad *= factor
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
-        for (key, _, factor), value in zip(terms, read_on_host([t[1] for t in terms])):
+        values = [t[1] for t in terms]
+        values = read_on_host(values) if self.read_values else keep_on_device(values)
+        for (key, _, factor), value in zip(terms, values):
             if key is None:
                 loss_sum = loss_sum + value * factor
             else:
                 sums[key] = sums.get(key, 0.0) + value * factor
         return WindowResult(
             count=count,
-            loss_sum=float(loss_sum),
+            loss_sum=float(loss_sum) if self.read_values else loss_sum,
             sums=sums,
             weights=weights, times=dict(watch.times), epochs=epochs,
             summed=tuple(summed),
@@ -363,7 +387,10 @@ class AggregatedOverUpdate(chainer.FunctionNode):
 
     def forward(self, inputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
         device = chainer.backend.get_device_from_array(inputs[0])
-        return device.send(numpy.asarray(self.value)),
+        value = self.value
+        if not isinstance(value, chainer.get_array_types()):
+            value = numpy.asarray(value)
+        return device.send(value),
 
     def backward(self, indexes: Tuple[int, ...], grad_outputs: Tuple[Any, ...]) -> Any:
         raise RuntimeError('AggregatedOverUpdate is a reported value, not part of the '

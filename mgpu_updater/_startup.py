@@ -53,6 +53,7 @@ class Settings(NamedTuple):
     micro_batch_sizes: List[int]    # under 'auto': the sizes found before (a resumed run)
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
     reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
+    read_values: bool = True        # the master reads its window's values on the host
 
 
 class Started(NamedTuple):
@@ -80,7 +81,9 @@ def start(s: Settings) -> Started:
         replica = Replica(s.model, s.loss_func, loader, s.accumulate_steps,
                           scaling(s, s.iterator, nominal),
                           name=f'replica 0 ({s.device_labels[0]})', keep_graphs=True,
-                          chunking=chunking(s, own_index))
+                          chunking=chunking(s, own_index),
+                          # MPI ranks exchange their results pickled: read them first
+                          read_values=s.read_values or s.communicator is not None)
     except BaseException:
         loader.close()
         raise

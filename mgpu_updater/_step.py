@@ -101,7 +101,7 @@ class OneLateStep:
         for name, _ in model.namedparams():
             node(name, grads[name])
         serializer('count', self.in_flight.count)
-        serializer('loss', self.in_flight.loss)
+        serializer('loss', float(self.in_flight.loss))   # a 0-dim array under 'ignore'
         serializer('loss_scale', -1.0 if self.in_flight.loss_scale is None
                    else self.in_flight.loss_scale)
 

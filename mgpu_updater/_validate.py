@@ -235,7 +235,7 @@ def _show(value: Any, limit: int = 80) -> str:
 
 
 def non_finite_policy(value: Any) -> str:
-    return choice('nonfinite', value, ('raise', 'skip'))
+    return choice('nonfinite', value, ('raise', 'skip', 'ignore'))
 
 
 _REDUCTION_HINTS = {

@@ -85,7 +85,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
-            ``'skip'`` warns and skips that update. With dynamic loss scaling
+            ``'skip'`` warns and skips that update; ``'ignore'`` does not look, as
+            StandardUpdater does not. ``'raise'`` and ``'skip'`` need the loss on the
+            host before the step: on a GPU, one wait for the device per update. Under
+            ``'ignore'`` the master on one host never waits for its own device during an
+            update, and reports its values as 0-dim float64 arrays on the device (workers
+            still read theirs, to send them). With dynamic loss scaling
             (``optimizer.loss_scaling()``) Chainer itself skips such steps and lowers the
             scale, so the policy does not apply.
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
@@ -226,7 +231,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
-            reuse_host_memory=reuse))
+            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore'))
         self._loader, self._replica, self._group, self._nominal_samples = started
 
     # ------------------------------------------------------------------ one update
@@ -282,7 +287,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
         # the scale), exactly as on one device; otherwise the nonfinite policy decides.
         dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
-        if not math.isfinite(step.loss) and not dynamic:
+        if self.nonfinite != 'ignore' and not dynamic and not math.isfinite(step.loss):
             if self.nonfinite == 'raise':
                 raise NonFiniteLossError(self.iteration + 1, step.loss)
             self._skipped += 1

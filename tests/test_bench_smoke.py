@@ -262,7 +262,8 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
     assert result['device'] == '@numpy' and result['errors'] == []
     expected = ['standard_1'] + [f'{name}_{k}{suffix}' for k in (1, 2)
                                  for name, suffix in (('hand', ''), ('hand', '_read'),
-                                                      ('ours', ''), ('ours', '_prefetch0'))]
+                                                      ('ours', ''), ('ours', '_prefetch0'),
+                                                      ('ours', '_ignore'))]
     assert list(result['summary']) == expected
     for row in result['runs']:
         assert row['updates'] >= 5 and row['samples_per_s'] > 0

@@ -153,3 +153,36 @@ def test_read_on_host_reads_every_value_as_float_does(gpu):
     assert all(type(v) is float for v in got[:6])
     np.testing.assert_array_equal(got[6], np.array([1.0, 2.0]))
     assert got[6].dtype == np.float64
+
+
+@pytest.mark.parametrize('nonfinite,prefetch', [('raise', 0), ('ignore', 0), ('ignore', 2)])
+def test_the_master_waits_for_its_device_only_to_check_the_loss(gpu, nonfinite, prefetch):
+    """``'raise'`` reads the window's loss before the step, so ``update()`` returns only
+    after the device finished what was queued before it. ``'ignore'`` reads nothing: it
+    returns while a long computation queued before it still runs, and reports device
+    arrays."""
+    b, k = 8, 2
+    data = dataset(b * k * 4, seed=3)
+    model = classifier(seed=3)
+    opt = setup_optimizer('momentum+decay', model)
+    it = chainer.iterators.SerialIterator(data, b, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@cupy:0'], accumulate_steps=k,
+                                          prefetch=prefetch, nonfinite=nonfinite)
+    try:
+        run_updates(updater, model, 1)    # start-up, lazy parameters, the first step
+        gpu.cuda.Device(0).synchronize()
+        busy = gpu.ones((4096, 4096), dtype=np.float32)
+        for _ in range(60):               # about 0.1 s of matrix products on the null stream
+            busy = (busy @ busy) * np.float32(1e-4)
+        queued = gpu.cuda.Event()
+        queued.record()
+        observation = run_updates(updater, model, 1)[0]
+        finished = queued.done
+        gpu.cuda.Device(0).synchronize()
+    finally:
+        updater.finalize()
+    assert finished == (nonfinite == 'raise')
+    if nonfinite == 'ignore':
+        assert isinstance(observation['main/loss'], gpu.ndarray)
+    else:
+        assert type(observation['main/loss']) is float

@@ -61,24 +61,25 @@ def test_pipelined_applies_each_gradient_one_update_late(n_devices):
         np.testing.assert_allclose(params(model)[name], value, rtol=1e-5, atol=1e-6)
 
 
-def _trainer(out, stop):
+def _trainer(out, stop, nonfinite='raise'):
     model = classifier(seed=9)
     its = shard_iterators(dataset(100, seed=9), 2, 4, seed=3)
     updater = ParallelAccumulatingUpdater(its, setup_optimizer('adam', model),
                                           devices=['@numpy'] * 2, accumulate_steps=3,
-                                          pipelined=True)
+                                          pipelined=True, nonfinite=nonfinite)
     trainer = training.Trainer(updater, (stop, 'iteration'), out=str(out))
     trainer.extend(extensions.snapshot(filename='snap_{.updater.iteration}'),
                    trigger=(5, 'iteration'))
     return trainer, model
 
 
-def test_pipelined_resume_keeps_the_gradient_in_flight(tmp_path):
-    straight, model_a = _trainer(tmp_path / 'a', 10)
+@pytest.mark.parametrize('nonfinite', ['raise', 'ignore'])   # 'ignore': a 0-dim loss in flight
+def test_pipelined_resume_keeps_the_gradient_in_flight(tmp_path, nonfinite):
+    straight, model_a = _trainer(tmp_path / 'a', 10, nonfinite)
     straight.run()
-    first, _ = _trainer(tmp_path / 'b', 5)
+    first, _ = _trainer(tmp_path / 'b', 5, nonfinite)
     first.run()
-    resumed, model_b = _trainer(tmp_path / 'b', 10)
+    resumed, model_b = _trainer(tmp_path / 'b', 10, nonfinite)
     chainer.serializers.load_npz(str(tmp_path / 'b' / 'snap_5'), resumed)
     resumed.run()
     for name, value in params(model_a).items():

@@ -19,6 +19,8 @@ from chainer.backends import cuda
 import mgpu_updater
 from mgpu_updater import NonFiniteLossError, ParallelAccumulatingUpdater
 
+from _models import run_updates
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
 import faulty  # noqa: E402
 
@@ -69,8 +71,8 @@ def test_accumulate_steps(value, error):
 
 def test_prefetch_and_policies():
     rejected(ValueError, r'^prefetch must be an int >= 0 \(-1 given\)', prefetch=-1)
-    rejected(ValueError, r"^nonfinite must be one of 'raise', 'skip' \('ignore' given\)",
-             nonfinite='ignore')
+    rejected(ValueError, r"^nonfinite must be one of 'raise', 'skip', 'ignore' \('warn' given\)",
+             nonfinite='warn')
     rejected(ValueError, r"^start_method must be one of 'spawn', 'forkserver' \('fork' given\)",
              start_method='fork')
 
@@ -331,6 +333,36 @@ def test_nonfinite_loss_skip():
     finally:
         updater.finalize()
     assert multiprocessing.active_children() == []
+
+
+def test_nonfinite_loss_ignore_steps_as_standard_updater_does():
+    """``nonfinite='ignore'``: no error, no warning; the NaN step is applied, as
+    StandardUpdater applies it. The master keeps its values as float64 arrays (on a GPU
+    no host read: tests/test_gpu.py checks that), the same values ``'raise'`` reads as
+    floats; numpy turns 0-dim results into numpy.float64, which is what a CPU shows."""
+    runs = {}
+    for policy in ('raise', 'ignore'):
+        numpy.random.seed(0)   # the same initial parameters and shuffles in both runs
+        updater = faulty.build(2, faulty.Fault('forward', 'nan', replica=1, at=5),
+                               nonfinite=policy)
+        try:
+            runs[policy] = run_updates(updater, updater.get_optimizer('main').target, 2)
+            if policy == 'ignore':
+                with numpy.errstate(invalid='ignore'):
+                    poisoned = run_updates(updater, updater.get_optimizer('main').target, 1)
+                assert numpy.isnan(poisoned[0]['main/loss'])
+                assert any(numpy.isnan(p).any() for p in params(updater).values())
+        finally:
+            updater.finalize()
+    for raised, ignored in zip(runs['raise'], runs['ignore']):
+        assert set(raised) == set(ignored) and raised
+        for key, value in ignored.items():
+            if key.startswith('main/time/'):   # wall-clock seconds: floats, not equal
+                continue
+            assert type(raised[key]) is float, key
+            assert type(value) is not float, key      # never read into a Python float
+            assert numpy.asarray(value).dtype == numpy.float64 and numpy.ndim(value) == 0
+            assert float(value) == raised[key], key
 
 
 def test_public_names():
