@@ -8,7 +8,8 @@
 #    ($MGPU_GPU_SITE, default /tmp/mgpu_gpu_site) put on PYTHONPATH: never from an index,
 #    never into the system's environment.
 # 2. Runs bench/gpu_check.py, which writes OUTDIR/gpu_check.json (versions, pytest -m gpu,
-#    samples/s of ours against StandardUpdater) even when parts fail.
+#    samples/s of ours against StandardUpdater) even when parts fail; then
+#    bench/gpu_micro_batch.py and bench/gpu_overhead.py (OUTDIR/overhead/).
 # Finishes within about 5 minutes; the exit status is 0 only when every part passed.
 set -u
 
@@ -83,4 +84,14 @@ timeout -k 10 180 "$PY" "$ROOT/bench/gpu_micro_batch.py" "${mb_args[@]}" \
 mb_rc=${PIPESTATUS[0]}
 echo "== gpu_micro_batch.py exited with $mb_rc; report: $OUT/gpu_micro_batch.json" | tee -a "$LOG"
 [ "$rc" -eq 0 ] && rc=$mb_rc
+
+# one replica against StandardUpdater and the hand loop on a device-bound batch, with and
+# without prefetch and the per-update host read (nonfinite='ignore'): bench/results/gpu/README.md
+ov_args=(--batch 4096 --ks 1,4 --rounds 2 --seconds 2 --budget 90 --profile '')
+case " $* " in *" --dry-run "*) ov_args=(--dry-run --batch 16 --ks 1,2 --rounds 1 --seconds 0.2 --profile '') ;; esac
+timeout -k 10 150 "$PY" -W ignore "$ROOT/bench/gpu_overhead.py" --out "$OUT/overhead" "${ov_args[@]}" \
+    2>&1 | grep -v '^{' | tee -a "$LOG"
+ov_rc=${PIPESTATUS[0]}
+echo "== gpu_overhead.py exited with $ov_rc; report: $OUT/overhead/gpu_overhead.md" | tee -a "$LOG"
+[ "$rc" -eq 0 ] && rc=$ov_rc
 exit "$rc"
