@@ -119,17 +119,31 @@ def main(argv=None):
         configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
                     f'ours_{k}_ignore']
     runs, errors = [], []
+
+    def warmed(label, config, work):
+        """Build ``config``, warm it up, then ``work(step)``; a failure becomes a line in
+        ``errors`` under ``label``; the updater is finalized either way."""
+        fin = None
+        try:
+            step, fin = build(config)
+            for _ in range(10):
+                step()
+            sync()
+            work(step)
+        except Exception as e:
+            errors.append(f'{label}: {type(e).__name__}: {e}')
+            traceback.print_exc()
+        finally:
+            if fin is not None:
+                fin()
+
     for round_ in range(1, args.rounds + 1):
         for config in configs:
             if time.monotonic() - start > args.budget:
                 errors.append(f'{config} round {round_}: skipped, out of time')
                 continue
-            fin = None
-            try:
-                step, fin = build(config)
-                for _ in range(10):
-                    step()
-                sync()
+
+            def timed(step, config=config, round_=round_):
                 t0, count = time.perf_counter(), 0
                 while True:
                     step()
@@ -142,21 +156,11 @@ def main(argv=None):
                              'ms_per_update': 1e3 * elapsed / count,
                              'samples_per_s': count * args.batch / elapsed})
                 print(json.dumps(runs[-1]), flush=True)
-            except Exception as e:
-                errors.append(f'{config} round {round_}: {type(e).__name__}: {e}')
-                traceback.print_exc()
-            finally:
-                if fin is not None:
-                    fin()
+            warmed(f'{config} round {round_}', config, timed)
 
     profiles = {}
     for config in [c for c in args.profile.split(',') if c]:
-        fin = None
-        try:
-            step, fin = build(config)
-            for _ in range(10):
-                step()
-            sync()
+        def profiled(step, config=config):
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.profile_updates):
@@ -169,12 +173,7 @@ def main(argv=None):
             stats.sort_stats('cumulative').print_stats(90)
             (out / f'profile_{config}.txt').write_text(text.getvalue())
             profiles[config] = f'profile_{config}.txt'
-        except Exception as e:
-            errors.append(f'profile {config}: {type(e).__name__}: {e}')
-            traceback.print_exc()
-        finally:
-            if fin is not None:
-                fin()
+        warmed(f'profile {config}', config, profiled)
 
     summary = {}
     for config in configs:

@@ -271,7 +271,7 @@ class Replica:
                 sums[key] = sums.get(key, 0.0) + value * factor
         return WindowResult(
             count=count,
-            loss_sum=float(loss_sum) if self.read_values else loss_sum,
+            loss_sum=loss_sum,   # a float, or a 0-dim array when kept on the device
             sums=sums,
             weights=weights, times=dict(watch.times), epochs=epochs,
             summed=tuple(summed),
