@@ -59,11 +59,14 @@ class FlatLayout:
         return {f'{self.prefix}/{dtype}': (dtype, n) for dtype, n in self.sizes.items()}
 
     def pack(self, arrays: Mapping[str, Any], buffer: Callable[[str], Any],
-             scale: Optional[float] = None) -> None:
-        """Copy each array into its slice (zeros where an array is ``None``)."""
+             scale: Optional[float] = None, skip: Collection[str] = ()) -> None:
+        """Copy each array into its slice (zeros where an array is ``None``), but those
+        in ``skip``."""
         for dtype, entries in self.groups.items():
             flat = buffer(f'{self.prefix}/{dtype}')
             for e in entries:
+                if e.name in skip:
+                    continue
                 dst = flat[e.offset:e.offset + e.size]
                 src = arrays[e.name]
                 if src is None:

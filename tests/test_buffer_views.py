@@ -4,6 +4,12 @@
   parameter buffer is one slot that the master writes before every Step; a worker's
   parameter arrays are read-only views of it. Persistents (which the forward updates) are
   still copied. A backend without a shared slot binds nothing and copies as before.
+- The master's parameters (``group.SlotParams``): on the shared-memory backend they are
+  views of that same slot, so the optimizer steps them in place and Step copies nothing;
+  a parameter whose array was replaced between updates is copied in and bound again;
+  finalize copies the views off.
+- A view the user kept past finalize (``g = param.grad`` during training) stays readable:
+  the segment stays mapped until the last view is gone (``comm.shm._array``).
 - The master's summed gradient (``group.SummedGrads``): on the CPU each ``param.grad`` is
   a view of the master's slot, where the reduction left the sum, until the next update's
   window clears it; finalize copies the views off the buffers.
@@ -11,6 +17,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -19,6 +29,7 @@ import chainer
 
 from mgpu_updater import WorkerError
 from mgpu_updater._flat_buffers import ModelLayouts, persistent_arrays
+from mgpu_updater._local.group import SlotParams
 from mgpu_updater._local.protocol import (ParamViews, broadcast_only, master_begin,
                                           master_finish, worker_step)
 from mgpu_updater._replica import Replica, Scaling
@@ -63,9 +74,9 @@ def _replica(model):
                    scaling=Scaling('mean', 'mean', update_norm=8.0, window_norm=4.0))
 
 
-def _one_update(master_model, layouts, master, worker, worker_model, views):
+def _one_update(master_model, layouts, master, worker, worker_model, views, in_place=()):
     workers = _Workers()
-    master_begin(workers, master, layouts, master_model, None, None)
+    master_begin(workers, master, layouts, master_model, None, None, in_place=in_place)
     worker_step(workers.last, _replica(worker_model), worker, ModelLayouts(worker_model), 2,
                 views)
     master_finish(workers, master, layouts, master_model, None, 2)
@@ -168,3 +179,138 @@ def test_master_gradients_are_the_summed_slot_until_finalize_copies_them():
     for name, p in model.namedparams():
         assert p.grad is not grads[name] and not np.shares_memory(p.grad, slot), name
         np.testing.assert_array_equal(p.grad, kept[name])
+
+
+def _worker_sees_master(master_model, worker_model):
+    for (name, p), (_, q) in zip(sorted(worker_model.namedparams()),
+                                 sorted(master_model.namedparams())):
+        np.testing.assert_array_equal(p.array, q.array, err_msg=name)
+
+
+def test_master_parameters_are_views_of_the_slot_until_finalize_copies_them():
+    model, updater = _models.two_cpu_replicas()
+    try:
+        before = {name: p.array.copy() for name, p in model.namedparams()}
+        _models.run_updates(updater, model, 2)
+        slot = updater._group.comm.buffer('param/<f4')
+        arrays = {name: p.array for name, p in model.namedparams()}
+        for name, a in arrays.items():
+            # the optimizer stepped the parameters where the workers read them
+            assert np.shares_memory(a, slot) and a.flags.writeable, name
+            assert not np.array_equal(a, before[name]), name
+        kept = {name: a.copy() for name, a in arrays.items()}
+    finally:
+        updater.finalize()
+    for name, p in model.namedparams():
+        assert p.array is not arrays[name] and not np.shares_memory(p.array, slot), name
+        assert p.array.flags.writeable, name
+        np.testing.assert_array_equal(p.array, kept[name])
+
+
+def test_a_master_parameter_replaced_between_updates_is_copied_in_and_bound_again():
+    master_model, worker_model, layouts, master, worker = _pair()
+    try:
+        params = SlotParams(layouts, master, master_model)
+        views = ParamViews(worker, ModelLayouts(worker_model), worker_model)
+        _perturb(master_model, seed=1)
+        _one_update(master_model, layouts, master, worker, worker_model, views,
+                    in_place=params.bind())
+        _worker_sees_master(master_model, worker_model)
+        slot = master.buffer('param/<f4')
+        param = next(master_model.params())
+        assert np.shares_memory(param.array, slot)
+        # between updates, something assigns a new array (a deserializer, an update rule
+        # with use_fp32_update, ...): its values must reach the workers at the next Step
+        param.array = param.array * 2 + 1
+        assert not np.shares_memory(param.array, slot)
+        replaced = param.array.copy()
+        _one_update(master_model, layouts, master, worker, worker_model, views,
+                    in_place=params.bind())
+        assert np.shares_memory(param.array, slot)
+        np.testing.assert_array_equal(param.array, replaced)
+        _worker_sees_master(master_model, worker_model)
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+def test_a_master_parameter_that_cannot_be_a_view_is_copied_as_before():
+    master_model, worker_model, layouts, master, worker = _pair()
+    try:
+        params = SlotParams(layouts, master, master_model)
+        views = ParamViews(worker, ModelLayouts(worker_model), worker_model)
+        param = next(master_model.params())
+        # not a float32 array like its slice (as a device array on a host buffer is not):
+        # the master keeps it, and begin copies its values into the slot
+        other = np.arange(param.size, dtype=np.float64).reshape(param.shape) / 7
+        param.array = other
+        in_place = params.bind()
+        assert param.array is other and len(in_place) == len(params.views) - 1
+        _one_update(master_model, layouts, master, worker, worker_model, views,
+                    in_place=in_place)
+        assert param.array is other
+        for (name, p), (_, q) in zip(sorted(worker_model.namedparams()),
+                                     sorted(master_model.namedparams())):
+            np.testing.assert_array_equal(p.array, q.array.astype(p.dtype), err_msg=name)
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+def test_without_a_shared_slot_the_master_parameters_stay_its_own():
+    master_model, worker_model, layouts, master, worker = _pair(shared=False)
+    try:
+        params = SlotParams(layouts, master, master_model)
+        assert params.bind() == frozenset()
+        arrays = [p.array for p in master_model.params()]
+        _perturb(master_model, seed=2)
+        _one_update(master_model, layouts, master, worker, worker_model,
+                    ParamViews(worker, ModelLayouts(worker_model), worker_model))
+        assert [p.array for p in master_model.params()] == arrays
+        _worker_sees_master(master_model, worker_model)
+    finally:
+        worker.finalize()
+        master.finalize()
+
+
+_KEPT_PAST_FINALIZE = textwrap.dedent('''
+    import gc, os, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    import _models
+
+    def mapped(names):
+        with open('/proc/self/maps') as f:
+            return [line for line in f if any(n in line for n in names)]
+
+    if __name__ == '__main__':
+        model, updater = _models.two_cpu_replicas()
+        _models.run_updates(updater, model, 2)
+        names = updater._group.comm.owned_segments
+        kept = [(p.array, p.grad) for p in model.params()]   # views of the slots
+        copies = [(a.copy(), g.copy()) for a, g in kept]
+        updater.finalize()
+        assert not any(os.path.exists('/dev/shm/' + n) for n in names), 'not unlinked'
+        assert mapped(names), 'the views outlived their mapping'
+        for (a, g), (a0, g0) in zip(kept, copies):
+            a[...] += 1      # reading and writing a kept view must not crash
+            np.testing.assert_array_equal(a, a0 + 1)
+            np.testing.assert_array_equal(g, g0)
+        del kept, a, g
+        gc.collect()
+        assert not mapped(names), mapped(names)
+        print('OK')
+''')
+
+
+def test_views_kept_past_finalize_stay_readable_until_the_last_one_goes(tmp_path):
+    """A subprocess, because the failure this guards against is a segfault."""
+    script = tmp_path / 'kept_past_finalize.py'
+    script.write_text(_KEPT_PAST_FINALIZE)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(tests), tests, os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run([sys.executable, str(script), tests], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and 'OK' in proc.stdout, (proc.returncode, proc.stderr[-3000:])
+    assert 'Exception ignored' not in proc.stderr, proc.stderr[-3000:]

@@ -47,7 +47,8 @@ tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import (Any, ClassVar, Collection, Dict, List, NamedTuple, Optional, Protocol,
+                    Tuple)
 
 import numpy
 
@@ -213,11 +214,14 @@ class Workers(Protocol):
 
 
 def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
-                 loss_scale: Optional[float], parity: Optional[int]) -> None:
-    """The master's half, before its window: parameters out, then the workers start."""
+                 loss_scale: Optional[float], parity: Optional[int],
+                 in_place: Collection[str] = ()) -> None:
+    """The master's half, before its window: parameters out, then the workers start.
+    ``in_place``: parameters whose arrays already are their slices of the broadcast buffer
+    (:class:`mgpu_updater._local.group.SlotParams`), not copied."""
     order = collective_order(layouts, parity)
     comm.begin_update()
-    layouts.state.pack(state_arrays(model), comm.buffer)
+    layouts.state.pack(state_arrays(model), comm.buffer, skip=in_place)
     issue(comm, before_window(order))
     workers.send(Step(loss_scale, persistent_scalars(model), parity))
 

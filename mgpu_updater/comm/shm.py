@@ -20,6 +20,7 @@ runs replicas on this backend checks the order of every update.
 """
 from __future__ import annotations
 
+import ctypes
 import secrets
 import sys
 import threading
@@ -40,15 +41,43 @@ _UPDATE, _COUNT, _FIRST = 0, 1, 2   # columns of a ledger row: update number, co
 _SUM_BLOCK_BYTES = 1 << 18   # reduce sums the slots 256 KiB of the root's slot at a time
 
 
-def _open(name: str, size: int = 0, create: bool = False) -> shared_memory.SharedMemory:
+class _Segment(shared_memory.SharedMemory):
+    """A segment that stays mapped while any array over it lives (see :func:`_array`):
+    closing it then fails, quietly also when it is garbage-collected, and the mapping goes
+    with the last array."""
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, BufferError):
+            pass
+
+
+def _open(name: str, size: int = 0, create: bool = False) -> _Segment:
     if create:
-        return shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+        return _Segment(name=name, create=True, size=max(size, 1))
     if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)
+        return _Segment(name=name, track=False)
     # Before 3.13 attaching registers the name with the resource tracker again. Spawned
     # workers share the master's tracker, whose registry is a set: a no-op. (Unregistering
     # here would make the master's own unlink fail in the tracker.)
-    return shared_memory.SharedMemory(name=name)
+    return _Segment(name=name)
+
+
+def _array(segment: shared_memory.SharedMemory, shape: Tuple[int, ...],
+           dtype: str) -> numpy.ndarray:
+    """An array over ``segment`` that keeps it mapped for as long as it, or any view of it,
+    lives.
+
+    The master hands views of its slots to the model (``param.grad``, ``param.array``:
+    :mod:`mgpu_updater._local.group`), and a user may keep one past :meth:`finalize`.
+    ``numpy.ndarray(buffer=segment.buf)`` keeps a reference to the memoryview but not its
+    buffer export, so closing the segment would unmap memory those views still point at
+    (the next read is a segfault). A ctypes array made ``from_buffer`` holds the export:
+    the close fails instead, and the memory is unmapped when the last view is gone.
+    """
+    holder = (ctypes.c_char * len(segment.buf)).from_buffer(segment.buf)
+    return numpy.ndarray(shape, dtype=dtype, buffer=holder)
 
 
 class ShmCommunicator(Communicator):
@@ -74,7 +103,7 @@ class ShmCommunicator(Communicator):
         self._slots: Dict[str, List[numpy.ndarray]] = {}
         for key, (dtype, count) in spec.items():
             n = 1 if key in broadcast else size
-            whole = numpy.ndarray((n, count), dtype=dtype, buffer=segments[key].buf)
+            whole = _array(segments[key], (n, count), dtype)
             self._slots[key] = [whole[i] for i in range(n)]
         self._names = sorted(spec)   # a buffer is recorded as its index here
         self._codes = {key: i for i, key in enumerate(self._names)}
@@ -261,7 +290,7 @@ class ShmCommunicator(Communicator):
         for seg in list(self._segments.values()) + [self._ledger_segment]:
             try:
                 seg.close()
-            except BufferError:  # a view is still alive somewhere; the unlink still works
+            except BufferError:  # a view is still alive: unmapped with the last one
                 pass
             if self._owner:
                 try:
