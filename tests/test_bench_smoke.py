@@ -270,3 +270,33 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
     profile = (tmp_path / 'profile_ours_2.txt').read_text()
     assert '_attempt' in profile and str(ROOT) not in profile
     assert '| ours_2 |' in (tmp_path / 'gpu_overhead.md').read_text()
+
+
+def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
+    """``bench/timeline.py``: ours' master and worker stamp their phases (the worker wraps
+    them when it imports the file as its main module); ChainerMN's where it can run."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    cmd = [sys.executable, str(ROOT / 'bench' / 'timeline.py'), '--model', 'tiny',
+           '--micro-batch', '4', '--updates', '4', '--warmup', '1', '--repeats', '2',
+           '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'timeline.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.timeline/1'
+    ours = result['ours']
+    assert ours['updates'] == 8 and len(result['repeats']) == 2   # 2 repeats pooled
+    for key in ('update', 'window', 'outside', 'master begin', 'master pack', 'master gather',
+                'master reduce', 'master receive', 'master step', 'worker window',
+                'worker idle'):
+        assert ours[key] is not None and ours[key] >= 0, key
+    assert ours['window'] < ours['update']
+    if 'chainermn' in result:
+        mn = result['chainermn']
+        assert mn['updates'] == 8
+        assert 0 <= mn['allreduce'] < mn['update'] and 0 <= mn['step'] < mn['update']
+        assert 'ours / ChainerMN' in (tmp_path / 'timeline.md').read_text()
+    else:
+        assert result['chainermn_skipped']
+    assert str(ROOT) not in (tmp_path / 'timeline.json').read_text()

@@ -29,6 +29,8 @@ One update, side by side::
 
     master (rank 0)                              worker (rank r)
     begin_update; pack param; bcast param/*
+    (on shm the master's parameters already are
+    the slot: :class:`~.group.SlotParams`)
     send Step(loss_scale, scalars, parity)  -->  begin_update; bcast param/*; unpack param
                                                  (on shm the parameters are read in place:
                                                  :class:`ParamViews`; persistents unpacked)

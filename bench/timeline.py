@@ -1,0 +1,357 @@
+"""Where an update's time goes on two CPU replicas: ours against ChainerMN, by timestamps.
+
+    python bench/timeline.py [--updates 100] [--k 1] [--model cnn] [--out DIR]
+
+On a VM whose speed drifts, samples/s of separate runs cannot resolve the few percent that
+issue 15 is about (``scaling.py``'s rounds spread by 10-40%). The time an update spends
+outside forward/backward can be resolved: it is made of short phases, each rarely
+preempted in the middle, so their medians over 100 updates are stable. Both methods here
+run two processes with one BLAS thread each and ours' malloc thresholds, on the same model
+and micro-batch:
+
+- **ours** (``ParallelAccumulatingUpdater``, two ``'@numpy'`` replicas): every process
+  stamps the start and end of its phases (``time.perf_counter``, the same monotonic clock
+  in every process) by wrapping the package's functions. The worker processes import this
+  file as their main module, so they wrap theirs too. Outside forward/backward = the
+  master's update minus its window.
+- **ChainerMN** (``naive`` communicator, ``mpiexec -n 2``): rank 0 times the update, the
+  wait for the other rank (a ``Barrier`` before the allreduce), the allreduce and the
+  optimizer step. Outside forward/backward = the update minus forward/backward.
+
+Prints a Markdown table; with ``--out`` writes ``timeline.json`` and ``timeline.md``.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SCHEMA = 'mgpu_updater.bench.timeline/1'
+STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its stamps
+MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
+
+# What each process of ours stamps: (module, attribute, phase). The master runs all but
+# the last; a worker runs ``worker_step``, and within it ``window`` and ``pack``.
+PHASES = (
+    ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
+    ('mgpu_updater._replica', 'Replica.run_window', 'window'),
+    ('mgpu_updater._local.group', 'master_begin', 'begin'),
+    ('mgpu_updater._local.group', 'master_finish', 'finish'),
+    ('mgpu_updater._local.protocol', 'pack_window', 'pack'),
+    ('mgpu_updater._local.pool', 'WorkerPool.gather', 'gather'),
+    ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce', 'reduce'),
+    ('mgpu_updater._local.group', 'SummedGrads.receive', 'receive'),
+    ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
+    ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
+    ('mgpu_updater._local.worker', 'worker_step', 'worker_step'),
+)
+
+
+def install_stamps(folder):
+    """Wrap every function of :data:`PHASES` to append '<phase>> t' and '<phase>< t' to
+    this process's file in ``folder``."""
+    import importlib
+    out = open(os.path.join(folder, '{}.txt'.format(os.getpid())), 'a', buffering=1)
+
+    def wrap(fn, phase):
+        def stamped(*args, **kwargs):
+            out.write('{}> {:.7f}\n'.format(phase, time.perf_counter()))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                out.write('{}< {:.7f}\n'.format(phase, time.perf_counter()))
+        return stamped
+
+    for module, attribute, phase in PHASES:
+        owner = importlib.import_module(module)
+        *path, name = attribute.split('.')
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, name, wrap(getattr(owner, name), phase))
+
+
+if os.environ.get(STAMPS):      # the ours part and its workers (which import this file)
+    install_stamps(os.environ[STAMPS])
+
+
+# ------------------------------------------------------------------------------ the parts
+def run_ours(args):
+    from bench import _case, _common
+    dataset = _common.make_dataset(_common.dataset_size(2 * args.k * args.micro_batch))
+    model = _common.make_model(args.model)
+    updater = _case._our_updater(model, dataset, 'cpu', 2, args.micro_batch,
+                                 accumulate_steps=args.k, prefetch=args.prefetch)
+    step = _case._observed_step(updater, model)
+    try:
+        for _ in range(args.warmup + args.updates):
+            step()
+    finally:
+        updater.finalize()
+
+
+def run_chainermn(args):
+    from bench import _common
+    import chainer
+    import chainermn
+    comm = chainermn.create_communicator('naive')
+    b, k = args.micro_batch, args.k
+    dataset = _common.make_dataset(_common.dataset_size(2 * k * b)) if comm.rank == 0 else None
+    dataset = chainermn.scatter_dataset(dataset, comm, shuffle=True, seed=0)
+    model = _common.make_model(args.model)
+    optimizer = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(lr=0.01), comm)
+    optimizer.setup(model)
+    times = {'update': [], 'wait': [], 'allreduce': [], 'step': [], 'optimizer': []}
+
+    def timed(name, fn):
+        def run(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times[name].append(time.perf_counter() - start)
+        return run
+
+    mean_grad = comm.multi_node_mean_grad
+
+    def allreduce(*a, **kw):
+        timed('wait', comm.mpi_comm.Barrier)()
+        return timed('allreduce', mean_grad)(*a, **kw)
+    comm.multi_node_mean_grad = allreduce
+    inner = optimizer.actual_optimizer
+    inner.update = timed('step', inner.update)
+    # forward/backward and the above (past the wrapper's __setattr__, which would set the
+    # inner optimizer's)
+    optimizer.__dict__['update'] = timed('optimizer', optimizer.update)
+    # StandardUpdater, as ChainerMN's examples use it, at k*b samples per rank
+    iterator = chainer.iterators.SerialIterator(dataset, k * b, shuffle=True)
+    updater = chainer.training.updaters.StandardUpdater(iterator, optimizer)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', model)
+    for i in range(args.warmup + args.updates):
+        if i == args.warmup:
+            for values in times.values():
+                values.clear()
+        start = time.perf_counter()
+        with reporter.scope({}):
+            updater.update()
+        times['update'].append(time.perf_counter() - start)
+    if comm.rank == 0:
+        Path(args.json).write_text(json.dumps(times))
+
+
+# ------------------------------------------------------------------------------ analysis
+def _spans(events, phase):
+    starts = [t for p, t in events if p == phase + '>']
+    ends = [t for p, t in events if p == phase + '<']
+    return list(zip(starts, ends))
+
+
+def _ms(values):
+    return round(1e3 * statistics.median(values), 3) if values else None
+
+
+def analyse_ours(folder, warmup):
+    """Seconds of each of ours' phases, one value per timed update (per call for the
+    master's ``pack`` and ``reduce``), from the stamp files in ``folder``."""
+    events = {}
+    for path in Path(folder).glob('*.txt'):
+        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        events[path.stem] = [(p, float(t)) for p, t in rows]
+    masters = [e for e in events.values() if _spans(e, 'update')]
+    workers = [e for e in events.values() if _spans(e, 'worker_step')]
+    if len(masters) != 1 or len(workers) != 1:
+        raise RuntimeError('expected the stamps of one master and one worker, found {} '
+                           'and {}'.format(len(masters), len(workers)))
+    master, worker = masters[0], workers[0]
+    updates = _spans(master, 'update')[warmup:]
+    windows = _spans(master, 'window')[warmup:]
+    out = {'update': [e - s for s, e in updates],
+           'window': [e - s for s, e in windows],
+           'outside': [(ue - us) - (we - ws) for (us, ue), (ws, we) in zip(updates, windows)]}
+    first = updates[0][0]
+    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
+        out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
+    steps = _spans(worker, 'worker_step')[warmup:]
+    out['worker window'] = [e - s for s, e in _spans(worker, 'window')[warmup:]]
+    out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    return out
+
+
+def analyse_chainermn(times):
+    """Seconds of each of ChainerMN's phases on rank 0, one value per timed update."""
+    n = min(len(v) for v in times.values())
+    fwd_bwd = [times['optimizer'][i] - times['wait'][i] - times['allreduce'][i]
+               - times['step'][i] for i in range(n)]
+    return {'update': times['update'][:n], 'window': fwd_bwd,
+            'outside': [times['update'][i] - fwd_bwd[i] for i in range(n)],
+            'wait': times['wait'][:n], 'allreduce': times['allreduce'][:n],
+            'step': times['step'][:n]}
+
+
+def medians(values):
+    """{phase: median in ms} of pooled per-update seconds, plus the count of updates."""
+    out = {key: _ms(v) for key, v in values.items()}
+    out['updates'] = len(values['update'])
+    return out
+
+
+def pooled(parts):
+    return {key: [x for part in parts for x in part[key]] for key in parts[0]}
+
+
+ROWS = (   # (label, key of ours, key of ChainerMN)
+    ('update', 'update', 'update'),
+    ('rank 0 forward/backward (ours: the master\'s window)', 'window', 'window'),
+    ('**outside forward/backward (rank 0)**', 'outside', 'outside'),
+    ('wait for the other replica', 'master gather', 'wait'),
+    ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',
+     None, 'allreduce'),
+    ('  master packs its gradient', 'master pack', None),
+    ('  master sums the slots (shm reduce)', 'master reduce', None),
+    ('  master takes the sum (param.grad = views)', 'master receive', None),
+    ('optimizer step', 'master step', 'step'),
+    ('report', 'master report', None),
+    ('parameters out, Step sent (begin)', 'master begin', None),
+    ('worker window', 'worker window', None),
+    ('worker idle between its updates', 'worker idle', None),
+)
+
+
+def markdown(result):
+    ours, mn = result['ours'], result.get('chainermn')
+    lines = ['# Where an update\'s time goes: 2 CPU replicas, ours and ChainerMN', '',
+             '`python bench/timeline.py{}`'.format(
+                 ' --k {}'.format(result['config']['k']) if result['config']['k'] != 1
+                 else ''), '',
+             'Model `{model}`, micro-batch {micro_batch} per replica, k = {k}, ours with '
+             'prefetch={prefetch}; {repeats} repeats, alternating ours and ChainerMN, each '
+             '{updates} timed updates after {warmup} warm-up; 1 BLAS thread per process, '
+             'ours\' malloc thresholds for both. Milliseconds, medians over every timed '
+             'update of the repeats.'.format(
+                 **result['config']), '',
+             '- Machine: {cpu} ({cores} usable cores); load average {load_start} at start, '
+             '{load_end} at the end'.format(**result['machine']), '',
+             '| per update (ms) | ours | ChainerMN (naive) |', '|---|---:|---:|']
+    for label, ours_key, mn_key in ROWS:
+        a = ours.get(ours_key) if ours_key else None
+        b = mn.get(mn_key) if (mn and mn_key) else None
+        lines.append('| {} | {} | {} |'.format(label, '-' if a is None else a,
+                                               '-' if b is None else b))
+    lines.append('')
+    lines += ['Each repeat, in the order run (medians, ms): update / forward-backward / '
+              'outside.', '', '| repeat | ours | ChainerMN (naive) |', '|---:|---|---|']
+    for i, rep in enumerate(result['repeats']):
+        cells = []
+        for name in ('ours', 'chainermn'):
+            r = rep.get(name)
+            cells.append('-' if r is None else '{update} / {window} / {outside}'.format(**r))
+        lines.append('| {} | {} | {} |'.format(i + 1, *cells))
+    lines.append('')
+    if mn:
+        lines.append('Outside forward/backward, ours / ChainerMN: **{:.2f}x** '
+                     '({} ms against {} ms).'.format(ours['outside'] / mn['outside'],
+                                                    ours['outside'], mn['outside']))
+    else:
+        lines.append('ChainerMN did not run: {}.'.format(result.get('chainermn_skipped')))
+    return '\n'.join(lines) + '\n'
+
+
+# ------------------------------------------------------------------------------ driver
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--updates', type=int, default=100, help='timed updates (default 100)')
+    p.add_argument('--warmup', type=int, default=5, help='untimed updates first (default 5)')
+    p.add_argument('--k', type=int, default=1, help='accumulate_steps (default 1)')
+    p.add_argument('--repeats', type=int, default=3,
+                   help='ours and ChainerMN alternate this many times (default 3)')
+    p.add_argument('--prefetch', type=int, default=2, help="ours' prefetch (default 2)")
+    p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
+    p.add_argument('--micro-batch', type=int, default=32)
+    p.add_argument('--out', help='folder for timeline.json and timeline.md')
+    p.add_argument('--part', choices=('ours', 'chainermn'), help=argparse.SUPPRESS)
+    p.add_argument('--json', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if (args.updates < 2 or min(args.warmup, args.k, args.micro_batch, args.repeats) < 1
+            or args.prefetch < 0):
+        p.error('--updates must be >= 2, --warmup, --k, --micro-batch and --repeats >= 1, '
+                '--prefetch >= 0')
+    return args
+
+
+def _child(args, part, env, prefix=(), timeout=600, **extra):
+    cmd = list(prefix) + [sys.executable, str(Path(__file__).resolve()), '--part', part,
+                          '--updates', str(args.updates), '--warmup', str(args.warmup),
+                          '--k', str(args.k), '--model', args.model,
+                          '--prefetch', str(args.prefetch),
+                          '--micro-batch', str(args.micro_batch)]
+    for key, value in extra.items():
+        cmd += ['--' + key, value]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError('{} part failed ({}):\n{}'.format(part, proc.returncode,
+                                                             proc.stderr[-5000:]))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.part == 'ours':
+        return run_ours(args)
+    if args.part == 'chainermn':
+        return run_chainermn(args)
+    from bench import _common
+    env = dict(os.environ, **_common.thread_env(1), **MALLOC)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(_common.ROOT),
+                                                      os.environ.get('PYTHONPATH')]))
+    env.setdefault('OMPI_ALLOW_RUN_AS_ROOT', '1')
+    env.setdefault('OMPI_ALLOW_RUN_AS_ROOT_CONFIRM', '1')
+    load_start = _common.loadavg()
+    result = {'schema': SCHEMA, 'config': {
+        'model': args.model, 'micro_batch': args.micro_batch, 'k': args.k,
+        'updates': args.updates, 'warmup': args.warmup, 'repeats': args.repeats,
+        'prefetch': args.prefetch}}
+    import importlib.util
+    import shutil
+    candidate = Path(sys.executable).parent / 'mpiexec'
+    mpiexec = str(candidate) if candidate.exists() else shutil.which('mpiexec')
+    if importlib.util.find_spec('mpi4py') is None or mpiexec is None:
+        result['chainermn_skipped'] = 'mpi4py or mpiexec is not installed'
+        mpiexec = None
+    ours, mn, result['repeats'] = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            stamps = os.path.join(tmp, 'stamps{}'.format(r))
+            os.mkdir(stamps)
+            _child(args, 'ours', dict(env, **{STAMPS: stamps}))
+            ours.append(analyse_ours(stamps, args.warmup))
+            rep = {'ours': medians(ours[-1])}
+            if mpiexec is not None:
+                out = os.path.join(tmp, 'chainermn{}.json'.format(r))
+                _child(args, 'chainermn', env, json=out, prefix=(
+                    mpiexec, '-n', '2', '--oversubscribe', '--bind-to', 'none'))
+                mn.append(analyse_chainermn(json.loads(Path(out).read_text())))
+                rep['chainermn'] = medians(mn[-1])
+            result['repeats'].append(rep)
+    result['ours'] = medians(pooled(ours))
+    if mn:
+        result['chainermn'] = medians(pooled(mn))
+    result['machine'] = {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
+                         'load_start': load_start, 'load_end': _common.loadavg()}
+    md = _common.without_local_paths(markdown(result))
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / 'timeline.md').write_text(md)
+        (out / 'timeline.json').write_text(json.dumps(result, indent=1) + '\n')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
