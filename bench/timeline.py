@@ -179,7 +179,11 @@ def analyse_ours(folder, warmup):
     for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
     steps = _spans(worker, 'worker_step')[warmup:]
-    out['worker window'] = [e - s for s, e in _spans(worker, 'window')[warmup:]]
+    worker_windows = _spans(worker, 'window')[warmup:]
+    begins = _spans(master, 'begin')[warmup:]
+    out['step latency'] = [w[0] - b[1] for b, w in zip(begins, steps)]
+    out['worker start'] = [w[0] - s[0] for s, w in zip(steps, worker_windows)]
+    out['worker window'] = [e - s for s, e in worker_windows]
     out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
     return out
 
@@ -219,6 +223,8 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('optimizer step', 'master step', 'step'),
     ('report', 'master report', None),
     ('parameters out, Step sent (begin)', 'master begin', None),
+    ('Step sent -> the worker has it', 'step latency', None),
+    ('the worker has Step -> its window starts', 'worker start', None),
     ('worker window', 'worker window', None),
     ('worker idle between its updates', 'worker idle', None),
 )

@@ -288,8 +288,8 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     ours = result['ours']
     assert ours['updates'] == 8 and len(result['repeats']) == 2   # 2 repeats pooled
     for key in ('update', 'window', 'outside', 'master begin', 'master pack', 'master gather',
-                'master reduce', 'master receive', 'master step', 'worker window',
-                'worker idle'):
+                'master reduce', 'master receive', 'master step', 'step latency',
+                'worker start', 'worker window', 'worker idle'):
         assert ours[key] is not None and ours[key] >= 0, key
     assert ours['window'] < ours['update']
     if 'chainermn' in result:
