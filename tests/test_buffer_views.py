@@ -314,3 +314,21 @@ def test_views_kept_past_finalize_stay_readable_until_the_last_one_goes(tmp_path
                           text=True, env=env, timeout=120)
     assert proc.returncode == 0 and 'OK' in proc.stdout, (proc.returncode, proc.stderr[-3000:])
     assert 'Exception ignored' not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_model_copied_before_training_sees_the_trained_parameters():
+    """Chainer's PTB example evaluates ``eval_model = model.copy()``, made before training:
+    its parameters share their array with the model's, and must follow it into the slot
+    at the first update and out of it at finalize, as under StandardUpdater."""
+    model, updater = _models.two_cpu_replicas()
+    eval_model = model.copy()
+    try:
+        _models.run_updates(updater, model, 2)
+        slot = updater._group.comm.buffer('param/<f4')
+        for (name, p), (_, q) in zip(sorted(model.namedparams()),
+                                     sorted(eval_model.namedparams())):
+            assert q.array is p.array and np.shares_memory(q.array, slot), name
+    finally:
+        updater.finalize()
+    for (name, p), (_, q) in zip(sorted(model.namedparams()), sorted(eval_model.namedparams())):
+        assert q.array is p.array and not np.shares_memory(q.array, slot), name
