@@ -17,7 +17,8 @@ from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
 from .pool import WorkerPool
-from .protocol import State, StateRequest, broadcast_only, master_begin, master_finish
+from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
+                       slot_views)
 from .worker import WorkerInit, main as worker_main
 
 
@@ -150,11 +151,7 @@ class SlotParams:
     """
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
-        shared = {dtype for dtype, name in layouts.state.buffer_names().items()
-                  if comm.shared_slot(name) and isinstance(comm.buffer(name), numpy.ndarray)}
-        self.params = {name: p for name, p in model.namedparams()
-                       if numpy.dtype(p.dtype).str in shared}
-        self.views = layouts.state.views(comm.buffer, self.params)
+        self.params, self.views = slot_views(comm, layouts, model)
 
     def bind(self) -> FrozenSet[str]:
         """The parameters whose arrays are their slices now (binding any that were

@@ -244,6 +244,17 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
 
 
 # ------------------------------------------------------------------------------ the worker
+def slot_views(comm: Any, layouts: ModelLayouts,
+               model: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """The model's parameters whose broadcast buffer is one slot every rank reads
+    (:meth:`~mgpu_updater.comm.base.Communicator.shared_slot`), by name, and a view of
+    each one's slice of that slot (none where the backend has no shared slot)."""
+    shared = {dtype for dtype, name in layouts.state.buffer_names().items()
+              if comm.shared_slot(name)}
+    params = {name: p for name, p in model.namedparams() if numpy.dtype(p.dtype).str in shared}
+    return params, layouts.state.views(comm.buffer, params)
+
+
 class ParamViews:
     """A worker's parameters, read in place from the broadcast parameter buffer.
 
@@ -259,11 +270,7 @@ class ParamViews:
     """
 
     def __init__(self, comm: Any, layouts: ModelLayouts, model: Any) -> None:
-        shared = {dtype for dtype, name in layouts.state.buffer_names().items()
-                  if comm.shared_slot(name)}
-        params = {name: p for name, p in model.namedparams()
-                  if numpy.dtype(p.dtype).str in shared}
-        self.views = layouts.state.views(comm.buffer, params)
+        params, self.views = slot_views(comm, layouts, model)
         for view in self.views.values():
             if isinstance(view, numpy.ndarray):
                 view.flags.writeable = False
