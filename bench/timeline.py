@@ -37,19 +37,25 @@ STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its sta
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 
 # What each process of ours stamps: (module, attribute, phase). The master runs all but
-# the last; a worker runs ``worker_step``, and within it ``window`` and ``pack``.
+# the last two; a worker runs ``worker_step``, and within it ``window`` and ``pack``, and in
+# a sharded update (the default) then ``worker_shard`` (its sum and step, within it
+# ``reduce``). The master's 'reduce' and 'step' are, when sharded, its slice's.
 PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
     ('mgpu_updater._replica', 'Replica.run_window', 'window'),
     ('mgpu_updater._local.group', 'master_begin', 'begin'),
     ('mgpu_updater._local.group', 'master_finish', 'finish'),
+    ('mgpu_updater._local.group', 'master_finish_sharded', 'finish'),
     ('mgpu_updater._local.protocol', 'pack_window', 'pack'),
     ('mgpu_updater._local.pool', 'WorkerPool.gather', 'gather'),
     ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce', 'reduce'),
+    ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce_scatter', 'reduce'),
     ('mgpu_updater._local.group', 'SummedGrads.receive', 'receive'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
+    ('mgpu_updater._local.sharded_step', 'MasterShards.step', 'step'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
     ('mgpu_updater._local.worker', 'worker_step', 'worker_step'),
+    ('mgpu_updater._local.worker', 'worker_shard_step', 'worker_shard'),
 )
 
 
@@ -86,7 +92,8 @@ def run_ours(args):
     dataset = _common.make_dataset(_common.dataset_size(2 * args.k * args.micro_batch))
     model = _common.make_model(args.model)
     updater = _case._our_updater(model, dataset, 'cpu', 2, args.micro_batch,
-                                 accumulate_steps=args.k, prefetch=args.prefetch)
+                                 accumulate_steps=args.k, prefetch=args.prefetch,
+                                 shard_optimizer=bool(args.shard_optimizer))
     step = _case._observed_step(updater, model)
     try:
         for _ in range(args.warmup + args.updates):
@@ -185,6 +192,11 @@ def analyse_ours(folder, warmup):
     out['worker start'] = [w[0] - s[0] for s, w in zip(steps, worker_windows)]
     out['worker window'] = [e - s for s, e in worker_windows]
     out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
+    shards = _spans(worker, 'worker_shard')[warmup:]
+    if shards:   # the idle time is then between its step's end and its next Step
+        out['worker shard'] = [e - s for s, e in shards]
+        out['worker idle'] = [steps[i + 1][0] - shards[i][1]
+                              for i in range(min(len(steps) - 1, len(shards)))]
     return out
 
 
@@ -220,7 +232,8 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('  master packs its gradient', 'master pack', None),
     ('  master sums the slots (shm reduce)', 'master reduce', None),
     ('  master takes the sum (param.grad = views)', 'master receive', None),
-    ('optimizer step', 'master step', 'step'),
+    ('optimizer step (ours sharded: the master\'s slice)', 'master step', 'step'),
+    ('worker sums and steps its slice (sharded)', 'worker shard', None),
     ('report', 'master report', None),
     ('parameters out, Step sent (begin)', 'master begin', None),
     ('Step sent -> the worker has it', 'step latency', None),
@@ -237,7 +250,7 @@ def markdown(result):
                  ' --k {}'.format(result['config']['k']) if result['config']['k'] != 1
                  else ''), '',
              'Model `{model}`, micro-batch {micro_batch} per replica, k = {k}, ours with '
-             'prefetch={prefetch}; {repeats} repeats, alternating ours and ChainerMN, each '
+             'prefetch={prefetch}, shard_optimizer={shard_optimizer}; {repeats} repeats, alternating ours and ChainerMN, each '
              '{updates} timed updates after {warmup} warm-up; 1 BLAS thread per process, '
              'ours\' malloc thresholds for both. Milliseconds, medians over every timed '
              'update of the repeats.'.format(
@@ -278,6 +291,8 @@ def parse_args(argv=None):
     p.add_argument('--repeats', type=int, default=3,
                    help='ours and ChainerMN alternate this many times (default 3)')
     p.add_argument('--prefetch', type=int, default=2, help="ours' prefetch (default 2)")
+    p.add_argument('--shard-optimizer', type=int, default=1, choices=(0, 1),
+                   help="ours' shard_optimizer (default 1)")
     p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
     p.add_argument('--micro-batch', type=int, default=32)
     p.add_argument('--out', help='folder for timeline.json and timeline.md')
@@ -296,6 +311,7 @@ def _child(args, part, env, prefix=(), timeout=600, **extra):
                           '--updates', str(args.updates), '--warmup', str(args.warmup),
                           '--k', str(args.k), '--model', args.model,
                           '--prefetch', str(args.prefetch),
+                          '--shard-optimizer', str(args.shard_optimizer),
                           '--micro-batch', str(args.micro_batch)]
     for key, value in extra.items():
         cmd += ['--' + key, value]
@@ -321,7 +337,7 @@ def main(argv=None):
     result = {'schema': SCHEMA, 'config': {
         'model': args.model, 'micro_batch': args.micro_batch, 'k': args.k,
         'updates': args.updates, 'warmup': args.warmup, 'repeats': args.repeats,
-        'prefetch': args.prefetch}}
+        'prefetch': args.prefetch, 'shard_optimizer': args.shard_optimizer}}
     import importlib.util
     import shutil
     candidate = Path(sys.executable).parent / 'mpiexec'

@@ -56,8 +56,16 @@ class Group(abc.ABC):
     size = 1
     model: chainer.Link
 
-    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
-        """Send the parameters out and start the others' windows (no-op alone)."""
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
+              optimizer: Any = None) -> bool:
+        """Send the parameters out and start the others' windows (no-op alone). True when
+        this update's optimizer step is sharded: then :meth:`finish_sharded` follows, which
+        steps too (only :class:`~mgpu_updater._local.group.LocalGroup` shards)."""
+        return False
+
+    def finish_sharded(self, own: WindowResult, optimizer: Any, factor_of: Any,
+                       watch: Any) -> List[WindowResult]:
+        raise NotImplementedError(f'{type(self).__name__} never shards the step')
 
     @abc.abstractmethod
     def finish(self, own: WindowResult) -> List[WindowResult]:

@@ -92,9 +92,11 @@ class MpiGroup(Group):
         self.layouts.state.unpack(self.comm.buffer, arrays)
 
     # ------------------------------------------------------------------ each update
-    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
+              optimizer: Any = None) -> bool:
         if chainer.is_debug():
             self._check_in_sync()
+        return False
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         model, layouts, comm = self.model, self.layouts, self.comm

@@ -14,7 +14,7 @@ from . import _checkpoint, _host_memory, _loss_binding, _startup, _step, _thread
 from ._checkpoint import capture_state
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
-from ._replica import Replica, WindowResult, combine, with_graph
+from ._replica import Replica, WindowResult, combine, total_loss, with_graph
 from ._timing import Stopwatch
 from .errors import NonFiniteLossError
 
@@ -34,7 +34,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        identical to ``StandardUpdater`` on one batch holding all those samples (with the
        defaults; ``loss_reduction`` and ``replica_reduction`` say otherwise).
     4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
-       The optimizer and its hyperparameters are never modified.
+       The optimizer and its hyperparameters are never modified. (On CPU replicas an
+       elementwise step is split by slices over the replicas instead, bitwise the same:
+       ``shard_optimizer``.)
 
     BatchNorm running statistics (float persistents) are averaged over the replicas with
     equal weights after each update; integer and scalar persistents keep the master's
@@ -116,6 +118,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (your process) from the first update on, for the rest of its life (glibc has
             no way back). Results do not change; a process keeps its peak heap. No effect
             where the C library is not glibc.
+        shard_optimizer: True (default): on CPU replicas, where the optimizer's step is
+            elementwise (Chainer's optimizers but MSVAG; hooks ``WeightDecay``, ``Lasso``,
+            ``GradientHardClipping`` only), every replica sums and steps its own slice of
+            the parameters, with its slice of the optimizer's state, in shared memory
+            (ZeRO stage 1; :mod:`mgpu_updater._local.sharded_step`): bitwise the master's
+            step, without the workers waiting for it. Any other update (another hook,
+            loss scaling, pipelined, GPUs, across hosts) is the master's step, as with
+            False.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -138,7 +148,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  replica_reduction: str = 'mean',
                  micro_batch_size: Union[None, int, str] = None,
                  blas_threads: Union[None, int, str] = 'auto',
-                 reuse_host_memory: Union[bool, str] = 'auto') -> None:
+                 reuse_host_memory: Union[bool, str] = 'auto',
+                 shard_optimizer: bool = True) -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -158,6 +169,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.report_times = bool(report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
+        self.shard_optimizer = _validate.flag('shard_optimizer', shard_optimizer)
         self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
@@ -231,7 +243,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
-            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore'))
+            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
+            optimizer=self.get_optimizer('main'), shard_optimizer=self.shard_optimizer))
         self._loader, self._replica, self._group, self._nominal_samples = started
 
     # ------------------------------------------------------------------ one update
@@ -254,11 +267,18 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         parity = self._step.parity(self.iteration)
         watch = Stopwatch()
         with watch('comm'):
-            self._group.begin(loss_scale, parity)
+            sharded = self._group.begin(loss_scale, parity, optimizer)
         with self._window_threads:
             own = self._replica.run_window(loss_scale)
-        with watch('comm'):
-            results, fresh = self._step.reduce(self._group, own, loss_scale, parity)
+        if sharded:   # the group steps too (_local/sharded_step), with the factor decided here
+            results = self._group.finish_sharded(
+                own, optimizer, lambda rs: self._factor(optimizer, sum(r.count for r in rs),
+                                                        total_loss(rs)), watch)
+            fresh = _step.GradientStep(sum(r.count for r in results), total_loss(results),
+                                       loss_scale, None)
+        else:
+            with watch('comm'):
+                results, fresh = self._step.reduce(self._group, own, loss_scale, parity)
         if fresh.count == 0:
             raise StopIteration
         if own.epochs:
@@ -267,7 +287,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
                                     any(e.is_new_epoch for e in own.epochs))
         with watch('comm'):
-            due = self._step.due(fresh, optimizer.target)
+            due = None if sharded else self._step.due(fresh, optimizer.target)
         if due is not None:
             with watch('update'):
                 self._apply(optimizer, due)
@@ -275,25 +295,36 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             optimizer.new_epoch(auto=True)
         self._report(results, own, watch)
 
+    def _factor(self, optimizer: chainer.Optimizer, count: int,
+                loss: float) -> Optional[float]:
+        """The factor on the summed gradient of an update over ``count`` samples whose
+        loss is ``loss``, or None when it steps on nothing (no sample; the nonfinite
+        policy 'skip'). Raises :class:`NonFiniteLossError` under 'raise'."""
+        if count == 0:
+            return None
+        # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
+        # the scale), exactly as on one device; otherwise the nonfinite policy decides.
+        dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
+        if self.nonfinite != 'ignore' and not dynamic and not math.isfinite(loss):
+            if self.nonfinite == 'raise':
+                raise NonFiniteLossError(self.iteration + 1, loss)
+            self._skipped += 1
+            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {loss}',
+                          RuntimeWarning)
+            return None
+        # The update's own factor, decided by Scaling with the others (see _replica).
+        return self._replica.scaling.update(count)
+
     def _apply(self, optimizer: chainer.Optimizer, step: '_step.GradientStep') -> None:
         """One optimizer step on the model's summed gradient of ``step``."""
         model = optimizer.target
-        # The update's own factor, decided by Scaling with the others (see _replica).
-        factor = self._replica.scaling.update(step.count)
+        factor = self._factor(optimizer, step.count, step.loss)
+        if factor is None:
+            return
         if factor != 1.0:
             for param in model.params():
                 if param.grad is not None:
                     param.grad *= factor
-        # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
-        # the scale), exactly as on one device; otherwise the nonfinite policy decides.
-        dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
-        if self.nonfinite != 'ignore' and not dynamic and not math.isfinite(step.loss):
-            if self.nonfinite == 'raise':
-                raise NonFiniteLossError(self.iteration + 1, step.loss)
-            self._skipped += 1
-            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {step.loss}',
-                          RuntimeWarning)
-            return
         chainer_private.set_update_loss_scale(model, step.loss_scale)
         optimizer.update()
 

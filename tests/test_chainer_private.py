@@ -71,6 +71,13 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/link.py', '363'): 'd[name] = value',
     ('chainer/link.py', '381'): 'self._persistent.add(name)',
     ('chainer/link.py', '663-664'): 'd[name] = serializer(name, d[name])',
+    ('chainer/optimizer.py', '29-30'): 'self._post_update_hooks = collections.OrderedDict()',
+    ('chainer/optimizer.py', '192'): 'self._state = None',
+    ('chainer/optimizer.py', '196'): 'self._use_fp32_update = False',
+    ('chainer/optimizer.py', '198'): 'self._hookable = _Hookable()',
+    ('chainer/optimizer.py', '447-452'): 'self_copy.init_state(variable.Variable(arr, grad=arr))',
+    ('chainer/optimizer.py', '473-484'): 'def _init_states(self, param)',
+    ('chainer/optimizer.py', '591'): 'self._hookable = _OptimizerHookable(self)',
     ('chainer/optimizer.py', '259'): 'loss_scale = param._loss_scale',
     ('chainer/optimizer.py', '291'): 'param_.grad /= loss_scale',
     ('chainer/optimizer.py', '560'): '_loss_scale = None',
@@ -503,7 +510,8 @@ def test_link_metaclass_is_every_links_and_importable_by_no_name():
 _PRIVATE = frozenset({
     '_loss_scale', '_loss_scaling_is_dynamic', '_call_converter', '_persistent', '_state',
     '_previous_epoch_detail', '_prefetch_loop', '_random', '_init_comms',
-    '_resolution_error', '_iterators', '_optimizers'})
+    '_resolution_error', '_iterators', '_optimizers', '_hookable', '_pre_update_hooks',
+    '_post_update_hooks', '_init_states', '_use_fp32_update'})
 # On ``self`` these name the package's own attributes, except StandardUpdater's.
 _PRIVATE_ON_SELF_TOO = frozenset({'_iterators', '_optimizers'})
 _REPORTER_TEXT = 'not registered to the reporter'

@@ -22,9 +22,9 @@ from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 from mgpu_updater._local import protocol as _protocol
 from mgpu_updater._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays,
                                 set_persistent_scalars, state_arrays)
-from mgpu_updater._local.protocol import (Done, Failed, Ready, State, StateRequest, Step,
-                                    Stop, collective_order, master_begin, master_finish,
-                                    worker_step)
+from mgpu_updater._local.protocol import (Done, Failed, Ready, ShardStep, State, StateRequest,
+                                    Step, Stepped, Stop, collective_order, master_begin,
+                                    master_finish, worker_step)
 from mgpu_updater._replica import Replica, Scaling
 from mgpu_updater.comm.base import CollectiveOrderError, check_same_order
 from mgpu_updater.comm.shm import ShmCommunicator
@@ -59,12 +59,13 @@ def test_several_dtypes_go_in_sorted_buffer_order():
 def test_messages_are_named_tuples_whose_first_field_is_the_kind():
     import pickle
     step = Step(0.5, {'/bn/N': 3}, 1)
-    assert step == ('step', 0.5, {'/bn/N': 3}, 1) and step[0] == step.kind == 'step'
+    assert step == ('step', 0.5, {'/bn/N': 3}, 1, False) and step[0] == step.kind == 'step'
     assert (step.loss_scale, step.scalars, step.parity) == (0.5, {'/bn/N': 3}, 1)
     again = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert type(again) is Step and again == step
     assert [m[0] for m in (StateRequest(), Stop(), Ready(), Done(None), State({}),
-                           Failed('tb'))] == ['state', 'stop', 'ready', 'done', 'state', 'error']
+                           Failed('tb'), ShardStep(1.0, {}, ()), Stepped())] == [
+        'state', 'stop', 'ready', 'done', 'state', 'error', 'shard_step', 'stepped']
     assert Failed('tb')[1] == 'tb' and Done('r').result == 'r'
 
 
@@ -198,7 +199,7 @@ def todays_replica_step(msg, replica, comm, layouts, size):
     """The worker's step as it was (mgpu_updater/_local/group.py before the protocol module):
     gradients reduced before the statistics, where the master reduces the statistics first.
     Only the update's brackets (begin_update, end_update) are new."""
-    _, loss_scale, scalars, parity = msg
+    _, loss_scale, scalars, parity = msg[:4]
     model = replica.model
     comm.begin_update()
     for name in layouts.state.buffer_names().values():
@@ -299,11 +300,12 @@ class _MixedDtypes(chainer.Chain):
         return F.softmax_cross_entropy(self.predictor(x), t)
 
 
-def _updater(model, pipelined, n=2):
+def _updater(model, pipelined, n=2, shard_optimizer=True):
     its = [chainer.iterators.SerialIterator(dataset(64, seed=50 + r), 4, shuffle=False)
            for r in range(n)]
     return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                       devices=['@numpy'] * n, pipelined=pipelined)
+                                       devices=['@numpy'] * n, pipelined=pipelined,
+                                       shard_optimizer=shard_optimizer)
 
 
 def _misorder_master(monkeypatch, parity, reorder):
@@ -311,8 +313,8 @@ def _misorder_master(monkeypatch, parity, reorder):
     this parity; the workers keep the declared order."""
     declared = _protocol.collective_order
 
-    def order(layouts, p=None, across_hosts=False):
-        out = declared(layouts, p, across_hosts)
+    def order(layouts, p=None, across_hosts=False, sharded=False):
+        out = declared(layouts, p, across_hosts, sharded)
         return tuple(reorder(out)) if p == parity else out
     monkeypatch.setattr(_protocol, 'collective_order', order)
 
@@ -341,7 +343,8 @@ def _gone_within(pids, seconds):
 @pytest.mark.parametrize('parity', SYNC_AND_PARITIES)
 def test_updater_with_the_old_order_raises_and_every_worker_is_stopped(monkeypatch, parity):
     model = classifier(seed=4, batchnorm=True)
-    updater = _updater(model, pipelined=parity is not None)
+    # the master's step (the sharded one's order: tests/test_sharded_step.py)
+    updater = _updater(model, pipelined=parity is not None, shard_optimizer=False)
     try:
         updater.update()       # the declared order on every rank: passes (parity 0)
         pids = updater.worker_pids()

@@ -155,7 +155,7 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
 
     class Capture:
         def __init__(self, model, layouts, backend, master_device, devices, payloads,
-                     *args):
+                     *args, **kwargs):
             captured.update(payloads)
 
         def close(self, abort=False):

@@ -17,8 +17,9 @@ from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
 from .pool import WorkerPool
-from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
-                       slot_views)
+from .protocol import (ShardStep, State, StateRequest, broadcast_only, master_begin,
+                       master_finish, master_finish_sharded, slot_views)
+from .sharded_step import MasterShards, StateLayout
 from .worker import WorkerInit, main as worker_main
 
 
@@ -32,14 +33,23 @@ class LocalGroup(Group):
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
                  master_device: Any, devices: List[Any], payloads: Dict[int, Any],
-                 start_method: str, start_timeout: float) -> None:
+                 start_method: str, start_timeout: float,
+                 shard_keys: Optional[Tuple[str, ...]] = None) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
-        self.comm, handle = comm_module.create(backend, self.size, layouts.spec(), master_device,
-                                               broadcast=broadcast_only(layouts))
+        states = None if shard_keys is None else StateLayout(layouts.grad, shard_keys)
+        spec = layouts.spec()
+        spec.update(states.spec() if states is not None else {})
+        self.comm, handle = comm_module.create(
+            backend, self.size, spec, master_device,
+            broadcast=broadcast_only(layouts) + sorted(states.spec() if states else ()))
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
+        #: the sharded step's master side (:mod:`.sharded_step`); None: never sharded
+        self.shards = None
+        if states is not None and self.comm.can_reduce_scatter and self.grads.views:
+            self.shards = MasterShards(self.comm, layouts, states, model)
         self.pool = WorkerPool(devices, start_method)
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
@@ -49,9 +59,46 @@ class LocalGroup(Group):
             self.close(abort=True)
             raise
 
-    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
+              optimizer: Any = None) -> bool:
+        bound = self.params.bind()
+        sharded = (self.shards is not None and parity is None and optimizer is not None
+                   and self.shards.prepare(optimizer, loss_scale, bound))
         master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                     in_place=self.params.bind())
+                     in_place=bound, sharded=sharded)
+        return sharded
+
+    def finish_sharded(self, own: WindowResult, optimizer: Any,
+                       factor_of: Callable[[List[WindowResult]], Optional[float]],
+                       watch: Any) -> List[WindowResult]:
+        """As :meth:`finish`, and the optimizer's step, sharded (after :meth:`begin`
+        said so): ``factor_of(results)`` is the update's gradient factor, or None to skip
+        the step (it may raise). Times the own step under ``watch('update')``."""
+        shards = self.shards
+        decided: List[Optional[float]] = []
+        hooks = shards.hooks(optimizer)
+
+        def orders(others: List[WindowResult]) -> Dict[int, tuple]:
+            factor = factor_of([own] + others)
+            decided.append(factor)
+            if factor is not None:
+                shards.count(optimizer)
+            return {rank: ShardStep(factor, shards.rules_for(rank) if factor is not None
+                                    else {}, hooks)
+                    for rank in range(1, self.size)}
+
+        def own_step() -> None:
+            if decided[0] is not None:
+                with watch('update'):
+                    shards.step(optimizer, decided[0], hooks)
+
+        with watch('comm'):
+            others = master_finish_sharded(self.pool, self.comm, self.layouts, self.model,
+                                           self.size, orders, own_step)
+            self.grads.receive()
+        if decided[0] is not None:   # ``update`` was counted inside ``comm``
+            watch.times['comm'] -= watch.times['update']
+        return [own] + others
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
@@ -85,6 +132,8 @@ class LocalGroup(Group):
 
     def close(self, abort: bool = False) -> None:
         try:
+            if self.shards is not None:
+                self.shards.detach()
             self.params.detach()
             self.grads.detach()
             self.pool.close()

@@ -10,7 +10,9 @@ declares, in that order, from one thread (the main one), and nothing else:
 2. the update's window runs (no collective);
 3. ``reduce`` of each ``stat`` buffer: float persistents (BatchNorm statistics), averaged;
 4. ``reduce`` of each buffer of the update's gradient set: ``grad``, or in pipelined mode
-   ``grad0`` and ``grad1`` alternating with the update's parity.
+   ``grad0`` and ``grad1`` alternating with the update's parity. In a sharded update
+   (:mod:`.sharded_step`) ``reduce_scatter`` instead, each rank summing its own slice,
+   issued after :class:`ShardStep`.
 
 Within a step, buffers go in sorted name order (one buffer per dtype). Across hosts
 (:mod:`mgpu_updater._multihost`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
@@ -41,16 +43,22 @@ One update, side by side::
     reduce stat/*, grad/*; end_update
     unpack stat (and grad, or keep it pending)
 
-The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
-worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
-:class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
+A sharded update (``Step.sharded``): the worker issues only ``reduce stat/*`` before Done;
+the master, after every Done, reduces ``stat/*``, sends each worker a :class:`ShardStep`,
+then every rank issues ``reduce_scatter grad/*`` and steps its slice; the workers answer
+:class:`Stepped` and end the update, the master ends it after every Stepped
+(:func:`master_finish_sharded`, :func:`worker_shard_step`).
+
+The messages (master -> worker: :class:`Step`, :class:`ShardStep`, :class:`StateRequest`,
+:class:`Stop`; worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`,
+:class:`Stepped`, :class:`State`, :class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
 :mod:`mgpu_updater._local.pool`) are named
 tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
 """
 from __future__ import annotations
 
-from typing import (Any, ClassVar, Collection, Dict, List, NamedTuple, Optional, Protocol,
-                    Tuple)
+from typing import (Any, Callable, ClassVar, Collection, Dict, List, NamedTuple, Optional,
+                    Protocol, Tuple)
 
 import numpy
 
@@ -78,11 +86,25 @@ class _StepFields(NamedTuple):
     loss_scale: Optional[float]      # the optimizer's loss scale (mixed precision)
     scalars: Dict[str, Any]          # the master's non-array persistents (BatchNorm's N)
     parity: Optional[int]            # the gradient set: None, or 0/1 in pipelined mode
+    sharded: bool = False            # this update's step is sharded (:mod:`.sharded_step`)
 
 
 class Step(_Kind, _StepFields):
-    """master -> worker: run one update (``Step(loss_scale, scalars, parity)``)."""
+    """master -> worker: run one update (``Step(loss_scale, scalars, parity, sharded)``)."""
     KIND = 'step'
+
+
+class _ShardStepFields(NamedTuple):
+    kind: str
+    factor: Optional[float]          # the update's gradient factor; None: no step (skipped)
+    rules: Dict[str, Any]            # parameter -> sharded_step.RuleSpec (None: rule off)
+    hooks: Tuple[Any, ...]           # the optimizer's (elementwise) hooks, in order
+
+
+class ShardStep(_Kind, _ShardStepFields):
+    """master -> worker, in a sharded update after every Done: sum your slice of the
+    gradients and step it (``ShardStep(factor, rules, hooks)``)."""
+    KIND = 'shard_step'
 
 
 class _NoFields(NamedTuple):
@@ -120,6 +142,11 @@ class Done(_Kind, _DoneFields):
     KIND = 'done'
 
 
+class Stepped(_Kind, _NoFields):
+    """worker -> master, in a sharded update: my slice is summed and stepped."""
+    KIND = 'stepped'
+
+
 class _StateFields(NamedTuple):
     kind: str
     state: Dict[str, Any]
@@ -148,18 +175,20 @@ class Collective(NamedTuple):
 
 
 def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
-                     across_hosts: bool = False) -> Tuple[Collective, ...]:
+                     across_hosts: bool = False, sharded: bool = False) -> Tuple[Collective, ...]:
     """THE collectives of one update, in the order every rank issues them.
 
     ``parity`` picks the gradient set (``None``: ``grad``; 0 or 1: pipelined mode's
     ``grad0``/``grad1``). ``across_hosts``: the MPI group's form, every rank ends with the
     sums (``allreduce``) and no parameters travel (they stay equal by construction).
+    ``sharded``: the gradient is summed slice by slice, each rank its own
+    (``reduce_scatter``), after :class:`ShardStep` (see :func:`before_shard_step`).
     """
     reduce = 'allreduce' if across_hosts else 'reduce'
     order = [] if across_hosts else [
         Collective('bcast', name) for name in sorted(layouts.state.buffer_names().values())]
     order += [Collective(reduce, name) for name in sorted(layouts.stat.buffer_names().values())]
-    order += [Collective(reduce, name)
+    order += [Collective('reduce_scatter' if sharded else reduce, name)
               for name in sorted(layouts.grad_set(parity).buffer_names().values())]
     return tuple(order)
 
@@ -185,6 +214,18 @@ def after_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
     return order[len(before_window(order)):]
 
 
+def before_shard_step(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
+    """Of the collectives after the window, those a rank issues before the sharded step's
+    :class:`ShardStep`: every one but the gradient's ``reduce_scatter``, which come last."""
+    return tuple(c for c in after_window(order) if c.verb != 'reduce_scatter')
+
+
+def shard_step_collectives(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
+    """The gradient's ``reduce_scatter`` collectives: issued after :class:`ShardStep`,
+    before the step."""
+    return tuple(c for c in after_window(order) if c.verb == 'reduce_scatter')
+
+
 def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
     """Issue ``collectives`` on ``comm``, in order, from this thread."""
     for verb, name in collectives:
@@ -194,6 +235,8 @@ def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
             comm.reduce(name)
         elif verb == 'allreduce':
             comm.allreduce(name)
+        elif verb == 'reduce_scatter':
+            comm.reduce_scatter(name)
         else:
             raise ValueError(f'unknown collective verb {verb!r} for buffer {name!r}')
 
@@ -210,14 +253,14 @@ def pack_window(comm: Any, layouts: ModelLayouts, model: Any, parity: Optional[i
 class Workers(Protocol):
     """What the master's half needs of the worker pool."""
 
-    def send(self, msg: tuple) -> None: ...
+    def send(self, msg: tuple, ranks: Optional[List[int]] = None) -> None: ...
 
     def gather(self, kind: str) -> Dict[int, Any]: ...
 
 
 def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
                  loss_scale: Optional[float], parity: Optional[int],
-                 in_place: Collection[str] = ()) -> None:
+                 in_place: Collection[str] = (), sharded: bool = False) -> None:
     """The master's half, before its window: parameters out, then the workers start.
     ``in_place``: parameters whose arrays already are their slices of the broadcast buffer
     (:class:`mgpu_updater._local.group.SlotParams`), not copied."""
@@ -225,7 +268,7 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
     comm.begin_update()
     layouts.state.pack(state_arrays(model), comm.buffer, skip=in_place)
     issue(comm, before_window(order))
-    workers.send(Step(loss_scale, persistent_scalars(model), parity))
+    workers.send(Step(loss_scale, persistent_scalars(model), parity, sharded))
 
 
 def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
@@ -241,6 +284,29 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     comm.end_update()
     layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
     return [others[rank] for rank in sorted(others)]
+
+
+def master_finish_sharded(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
+                          size: int, orders: Callable[[List[WindowResult]], Dict[int, tuple]],
+                          own_step: Callable[[], None]) -> List[WindowResult]:
+    """The master's half of a sharded update, after its window: wait for every Done,
+    reduce the statistics, send each worker its :class:`ShardStep` (``orders(results)``,
+    by rank), sum and step slice 0 (``own_step``, after its ``reduce_scatter``), then wait
+    for every :class:`Stepped`. The summed gradient is then whole in the master's slot of
+    ``grad``; the parameters are stepped in the slot. Returns the workers' results."""
+    order = collective_order(layouts, None, sharded=True)
+    pack_window(comm, layouts, model, None, size)
+    others = workers.gather('done')
+    results = [others[rank] for rank in sorted(others)]
+    issue(comm, before_shard_step(order))
+    layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+    for rank, msg in orders(results).items():
+        workers.send(msg, ranks=[rank])
+    issue(comm, shard_step_collectives(order))
+    own_step()
+    workers.gather(Stepped.KIND)
+    comm.end_update()
+    return results
 
 
 # ------------------------------------------------------------------------------ the worker
@@ -288,9 +354,11 @@ class ParamViews:
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None) -> WindowResult:
     """The worker's half of one update: parameters in, the window, reductions issued.
-    The caller then sends :class:`Done` with the result."""
+    The caller then sends :class:`Done` with the result. In a sharded update
+    (``step.sharded``) the gradient's ``reduce_scatter`` waits for :class:`ShardStep`
+    (:func:`worker_shard_step`)."""
     model = replica.model
-    order = collective_order(layouts, step.parity)
+    order = collective_order(layouts, step.parity, sharded=step.sharded)
     comm.begin_update()
     issue(comm, before_window(order))
     if views is not None:
@@ -300,6 +368,18 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     set_persistent_scalars(model, step.scalars)
     result = replica.run_window(step.loss_scale)
     pack_window(comm, layouts, model, step.parity, size)
+    if step.sharded:
+        issue(comm, before_shard_step(order))
+        return result
     issue(comm, after_window(order))
     comm.end_update()
     return result
+
+
+def worker_shard_step(msg: ShardStep, comm: Any, layouts: ModelLayouts, shards: Any) -> None:
+    """The worker's half of a sharded update, after :class:`ShardStep`: sum its slice of
+    the gradients, step it (:class:`~.sharded_step.WorkerShards`). The caller then sends
+    :class:`Stepped`."""
+    issue(comm, shard_step_collectives(collective_order(layouts, None, sharded=True)))
+    shards.step(msg.rules, msg.factor, msg.hooks)
+    comm.end_update()

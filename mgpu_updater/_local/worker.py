@@ -7,7 +7,8 @@ afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
 payload bytes (a pickled WorkerInit)      Ready() once, after start-up
-Step(loss_scale, scalars, parity)         Done(WindowResult)
+Step(loss_scale, scalars, parity, sharded) Done(WindowResult)
+ShardStep(factor, rules, hooks)           Stepped() (a sharded update, after its Done)
 StateRequest()                            State(iterator state dict)
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
@@ -21,8 +22,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Done, Failed, Hello, ParamViews, Ready, State, StateRequest, Step, Stop,
-                       worker_step)
+from .protocol import (Done, Failed, Hello, ParamViews, Ready, ShardStep, State, StateRequest,
+                       Step, Stepped, Stop, worker_shard_step, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -46,6 +47,8 @@ class WorkerInit(NamedTuple):
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
+    shard_keys: Optional[tuple] = None   # the optimizer's state entries (sharded_step);
+                                         # None: the step is never sharded
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -160,7 +163,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         if not isinstance(init, WorkerInit):   # stopped before its payload came: no error
             init = None
             return
-        replica, comm, layouts, views = _build(init)
+        replica, comm, layouts, in_place = _build(init)
         conn.send(Ready())
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
@@ -170,7 +173,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
             orphaned()
         return
     try:
-        _serve(conn, init, replica, comm, layouts, views)
+        _serve(conn, init, replica, comm, layouts, in_place)
     finally:
         if replica is not None:
             replica.loader.close()
@@ -223,12 +226,17 @@ def _build(init: 'WorkerInit') -> Any:
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
-    return replica, comm, layouts, ParamViews(comm, layouts, model)
+    shards = None
+    if init.shard_keys is not None:
+        from .sharded_step import StateLayout, WorkerShards
+        shards = WorkerShards(comm, layouts, StateLayout(layouts.grad, init.shard_keys))
+    return replica, comm, layouts, (ParamViews(comm, layouts, model), shards)
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
-           views: ParamViews) -> None:
+           in_place: Any) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
+    views, shards = in_place
     while True:
         try:
             msg = conn.recv()
@@ -240,6 +248,9 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
         try:
             if kind == Step.KIND:
                 conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views)))
+            elif kind == ShardStep.KIND:
+                worker_shard_step(msg, comm, layouts, shards)
+                conn.send(Stepped())
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:

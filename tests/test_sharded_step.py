@@ -1,0 +1,359 @@
+"""The sharded optimizer step (``mgpu_updater._local.sharded_step``, issue 15).
+
+Its contract: bitwise the master's step (``shard_optimizer=False``), which the equivalence
+tests hold to a large-batch ``StandardUpdater``. Every test compares the two in one process,
+on CPU replicas, and checks that the sharded run really sharded (or, for what it must not
+shard, that it said why and still matched). The master-step run is the reference here; the
+equivalence, resume and fault tests run the sharded step too, as it is the default.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import optimizer_hooks, optimizers, serializers
+
+from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater._local.sharded_step import ELEMENTWISE_RULES, pieces
+from mgpu_updater._flat_buffers import FlatLayout
+from mgpu_updater.comm.base import SHARD_ALIGN, shard_range
+
+from _models import classifier, dataset
+
+
+# --------------------------------------------------------------------------------------
+# The slices
+
+
+@pytest.mark.parametrize('count', [0, 1, 15, 16, 17, 147, 596042])
+@pytest.mark.parametrize('size', [1, 2, 3, 7])
+def test_each_rank_owns_a_contiguous_aligned_slice_and_together_they_cover_the_buffer(
+        count, size):
+    ranges = [shard_range(count, size, r) for r in range(size)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == count
+    for (_, hi), (lo, _) in zip(ranges, ranges[1:]):
+        assert hi == lo
+    for lo, hi in ranges:
+        assert lo <= hi
+        assert lo % SHARD_ALIGN == 0 or lo == count
+    if count >= SHARD_ALIGN * size * 4:   # large buffers: near-equal shares
+        sizes = [hi - lo for lo, hi in ranges]
+        assert max(sizes) - min(sizes) <= 2 * SHARD_ALIGN
+
+
+def test_the_pieces_of_all_ranks_partition_every_parameter():
+    arrays = [('a', np.zeros((3, 7), 'f')), ('b', np.zeros(5, 'f')),
+              ('c', np.zeros(40, 'f')), ('d', np.zeros(9, 'd'))]
+    layout = FlatLayout('grad', arrays)
+    for size in (1, 2, 3, 5):
+        covered = {name: np.zeros(a.size, int) for name, a in arrays}
+        for rank in range(size):
+            for p in pieces(layout, size, rank):
+                covered[p.name][p.lo:p.hi] += 1
+        for name, hits in covered.items():
+            assert (hits == 1).all(), (size, name, hits)
+
+
+# --------------------------------------------------------------------------------------
+# Bitwise the master's step
+
+
+def _run(make_opt, shard, n=2, k=2, updates=4, between=None, setup=None, model=None):
+    """``updates`` updates of ``n`` CPU replicas; returns what the optimizer and the
+    model hold afterwards, and whether each update was sharded."""
+    model = classifier(seed=3) if model is None else model()
+    opt = make_opt()
+    opt.setup(model)
+    if setup is not None:
+        setup(model, opt)
+    its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
+           for r in range(n)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * n,
+                                          accumulate_steps=k, shard_optimizer=shard)
+    sharded = []
+    try:
+        for u in range(updates):
+            if between is not None:
+                between(u, model, opt)
+            updater.update()
+            shards = getattr(updater._group, 'shards', None)
+            sharded.append(shards is not None and shards.reason is None)
+    finally:
+        updater.finalize()
+    out = {'t': opt.t}
+    for name, p in model.namedparams():
+        out[f'{name}/param'] = np.array(p.array)
+        out[f'{name}/grad'] = np.array(p.grad)
+        rule = p.update_rule
+        out[f'{name}/t'] = rule.t
+        for key, value in (rule.state or {}).items():
+            out[f'{name}/state/{key}'] = np.array(value)
+    return out, sharded
+
+
+def _assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key
+
+
+_OPTIMIZERS = {
+    'SGD': lambda: optimizers.SGD(0.1),
+    'MomentumSGD': lambda: optimizers.MomentumSGD(0.05),
+    'NesterovAG': lambda: optimizers.NesterovAG(0.05),
+    'CorrectedMomentumSGD': lambda: optimizers.CorrectedMomentumSGD(0.05),
+    'Adam': lambda: optimizers.Adam(1e-2),
+    'AdamW': lambda: optimizers.AdamW(1e-2, weight_decay_rate=0.01),
+    'AMSBound': lambda: optimizers.AMSBound(1e-2),
+    'AdaGrad': lambda: optimizers.AdaGrad(0.05),
+    'AdaDelta': lambda: optimizers.AdaDelta(),
+    'RMSprop': lambda: optimizers.RMSprop(0.01),
+    'RMSpropGraves': lambda: optimizers.RMSpropGraves(0.01),
+    'SMORMS3': lambda: optimizers.SMORMS3(0.01),
+}
+
+
+def test_every_rule_chainer_declares_elementwise_is_tested_or_left_out_for_a_reason():
+    declared = {getattr(optimizers, name)().create_update_rule().__class__
+                for name in dir(optimizers) if name[0].isupper()
+                and getattr(getattr(optimizers, name)().create_update_rule(),
+                            'is_elementwise', False)}
+    tested = {f().create_update_rule().__class__ for f in _OPTIMIZERS.values()}
+    assert ELEMENTWISE_RULES == tested
+    assert declared - ELEMENTWISE_RULES == {optimizers.msvag.MSVAGRule}
+
+
+@pytest.mark.parametrize('name', ['SGD', 'MomentumSGD', 'Adam'])
+def test_the_sharded_step_is_bitwise_the_masters_step(name):
+    sharded, flags = _run(_OPTIMIZERS[name], True)
+    master, master_flags = _run(_OPTIMIZERS[name], False)
+    assert all(flags) and not any(master_flags)
+    _assert_bitwise(sharded, master)
+
+
+def _tower():
+    """A classifier of 12 small layers, one per rule of ``_OPTIMIZERS``."""
+    np.random.seed(5)
+    layers = []
+    for _ in range(len(_OPTIMIZERS)):
+        layers += [L.Linear(5, 5), F.tanh]
+    return L.Classifier(chainer.Sequential(*layers, L.Linear(5, 3)))
+
+
+def _every_rule(model, opt):
+    links = [link for link in model.predictor if isinstance(link, L.Linear)]
+    for link, name in zip(links, sorted(_OPTIMIZERS)):
+        for param in link.params():
+            param.update_rule = _OPTIMIZERS[name]().create_update_rule()
+
+
+@pytest.mark.parametrize('n', [2, 3])
+def test_every_elementwise_rule_is_bitwise_the_masters_step_wherever_the_slices_cut(n):
+    """One model, each layer stepped by another rule (each with its own optimizer's
+    hyperparameters), cut into 2 and 3 slices at several places inside layers."""
+    sharded, flags = _run(_OPTIMIZERS['SGD'], True, n=n, setup=_every_rule, model=_tower)
+    master, _ = _run(_OPTIMIZERS['SGD'], False, n=n, setup=_every_rule, model=_tower)
+    assert all(flags)
+    _assert_bitwise(sharded, master)
+    assert {k.rsplit('/', 1)[-1] for k in sharded if '/state/' in k} >= {
+        'v', 'm', 'h', 'msg', 'msdx', 'ms', 'delta', 'n', 'g', 'g2', 'mem', 'vhat'}
+
+
+@pytest.mark.parametrize('hooks', [
+    [optimizer_hooks.WeightDecay(1e-2)],
+    [optimizer_hooks.Lasso(1e-3), optimizer_hooks.GradientHardClipping(-0.02, 0.02)],
+], ids=['WeightDecay', 'Lasso+GradientHardClipping'])
+def test_elementwise_hooks_run_on_each_slice_as_on_the_whole(hooks):
+    def setup(model, opt):
+        for hook in hooks:
+            opt.add_hook(hook)
+    sharded, flags = _run(_OPTIMIZERS['MomentumSGD'], True, setup=setup)
+    master, _ = _run(_OPTIMIZERS['MomentumSGD'], False, setup=setup)
+    assert all(flags)
+    _assert_bitwise(sharded, master)
+
+
+def test_hyperparameters_changed_between_updates_reach_every_slice():
+    """What ExponentialShift and a per-parameter override do, and a frozen link."""
+    def between(u, model, opt):
+        opt.lr = 0.05 * 0.5 ** u                                   # ExponentialShift('lr')
+        model.predictor.l2.W.update_rule.hyperparam.lr = 0.01 * (u + 1)   # its own value
+        if u == 2:
+            model.predictor.l1.disable_update()
+    sharded, flags = _run(_OPTIMIZERS['MomentumSGD'], True, between=between, updates=5)
+    master, _ = _run(_OPTIMIZERS['MomentumSGD'], False, between=between, updates=5)
+    assert all(flags)
+    _assert_bitwise(sharded, master)
+    assert sharded['/predictor/l1/W/t'] == 2 and sharded['/predictor/l2/W/t'] == 5
+
+
+@pytest.mark.parametrize('case', ['GradientClipping', 'MSVAG', 'rule hook', 'loss scaling'])
+def test_what_is_not_elementwise_is_the_masters_step_and_says_why(case):
+    make = _OPTIMIZERS['SGD']
+    setup = None
+    if case == 'GradientClipping':
+        def setup(model, opt):
+            opt.add_hook(optimizer_hooks.GradientClipping(0.05))
+    elif case == 'MSVAG':
+        def make():
+            return optimizers.MSVAG(0.01)
+    elif case == 'rule hook':
+        def setup(model, opt):
+            model.predictor.l2.W.update_rule.add_hook(optimizer_hooks.WeightDecay(1e-2))
+    else:
+        def setup(model, opt):
+            opt.loss_scaling(scale=8.0)
+    sharded, flags = _run(make, True, setup=setup)
+    master, _ = _run(make, False, setup=setup)
+    assert not any(flags)
+    _assert_bitwise(sharded, master)
+
+
+def test_why_an_update_is_not_sharded_is_said():
+    model = classifier(seed=3)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    opt.add_hook(optimizer_hooks.GradientClipping(0.05))
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+    try:
+        updater.update()
+        assert "'GradientClipping' is not elementwise" in updater._group.shards.reason
+    finally:
+        updater.finalize()
+
+
+def test_shard_optimizer_must_be_a_bool():
+    model = classifier(seed=3)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
+    with pytest.raises(TypeError, match=r"shard_optimizer must be True or False \('yes' given\)"):
+        ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2, shard_optimizer='yes')
+
+
+# --------------------------------------------------------------------------------------
+# The state: the user's optimizer, in shared memory only while the workers live
+
+
+def test_the_optimizer_state_is_ordinary_arrays_after_finalize_and_resumes_exactly(tmp_path):
+    """Stop after 3 updates, save the optimizer and model as a snapshot would, load them
+    into a fresh model, optimizer and updater, run 3 more: bitwise a run of 6."""
+    def fresh():
+        model = classifier(seed=3)
+        opt = optimizers.Adam(1e-2)
+        opt.setup(model)
+        return model, opt
+
+    def updater_for(opt, skip):
+        its = []
+        for r in range(2):
+            it = chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
+            for _ in range(skip):
+                it.next()
+            its.append(it)
+        return ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+
+    model, opt = fresh()
+    updater = updater_for(opt, 0)
+    for _ in range(6):
+        updater.update()
+    updater.finalize()
+    whole = {n: np.array(p.array) for n, p in model.namedparams()}
+
+    model, opt = fresh()
+    updater = updater_for(opt, 0)
+    for _ in range(3):
+        updater.update()
+    updater.finalize()
+    for _, p in model.namedparams():
+        for value in p.update_rule.state.values():
+            assert value.flags.owndata and value.flags.writeable   # copied off the buffer
+    serializers.save_npz(tmp_path / 'model.npz', model)
+    serializers.save_npz(tmp_path / 'opt.npz', opt)
+
+    model, opt = fresh()
+    serializers.load_npz(tmp_path / 'model.npz', model)
+    serializers.load_npz(tmp_path / 'opt.npz', opt)
+    assert opt.t == 3
+    updater = updater_for(opt, 3)
+    try:
+        for _ in range(3):
+            updater.update()
+            assert updater._group.shards.reason is None
+    finally:
+        updater.finalize()
+    for name, p in model.namedparams():
+        assert np.array_equal(p.array, whole[name]), name
+
+
+def test_a_snapshot_taken_while_training_holds_the_sharded_state(tmp_path):
+    """A snapshot in the middle reads the state where the replicas stepped it."""
+    model = classifier(seed=3)
+    opt = optimizers.MomentumSGD(0.05)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
+           for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+    try:
+        updater.update()
+        before = {n: np.array(p.array) for n, p in model.namedparams()}
+        updater.update()
+        serializers.save_npz(tmp_path / 'opt.npz', opt)
+        after = {n: np.array(p.array) for n, p in model.namedparams()}
+    finally:
+        updater.finalize()
+    saved = np.load(tmp_path / 'opt.npz')
+    for name in before:
+        # MomentumSGD: param += v, so v is the last step, slice 0's and slice 1's alike
+        v = saved[f'{name[1:]}/v']
+        np.testing.assert_allclose(v, after[name] - before[name], rtol=1e-5, atol=1e-7)
+        assert np.abs(v).max() > 0, name
+
+
+def test_a_sharded_update_issues_reduce_scatter_on_the_gradient():
+    model = classifier(seed=3)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+    try:
+        updater.update()
+        issued = updater._group.comm.issued()
+    finally:
+        updater.finalize()
+    assert issued == [('bcast', 'param/<f4'), ('reduce_scatter', 'grad/<f4')]
+
+
+def test_a_master_that_skips_a_collective_of_a_sharded_update_fails_naming_both_sequences(
+        monkeypatch):
+    """The order check covers the sharded update: here the master leaves out the
+    statistics' reduce (BatchNorm), the worker does not."""
+    from mgpu_updater._local import protocol
+    from mgpu_updater.comm.base import CollectiveOrderError
+    model = classifier(seed=4, batchnorm=True)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(64, seed=50 + r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+    try:
+        updater.update()   # the declared order: passes
+        assert updater._group.shards.reason is None
+        declared = protocol.collective_order
+
+        def without_stats(layouts, parity=None, across_hosts=False, sharded=False):
+            out = declared(layouts, parity, across_hosts, sharded)
+            return tuple(c for c in out if not c.buffer.startswith('stat')) if sharded else out
+        monkeypatch.setattr(protocol, 'collective_order', without_stats)
+        with pytest.raises(CollectiveOrderError) as info:
+            updater.update()
+        message = str(info.value)
+        assert "rank 0 issued [('bcast', 'param/<f4'), ('reduce_scatter', 'grad/<f4')]" in message
+        assert ("rank 1 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4'), "
+                "('reduce_scatter', 'grad/<f4')]") in message or \
+            "rank 1 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4')]" in message
+    finally:
+        updater.finalize()
