@@ -64,7 +64,7 @@ def test_messages_are_named_tuples_whose_first_field_is_the_kind():
     again = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert type(again) is Step and again == step
     assert [m[0] for m in (StateRequest(), Stop(), Ready(), Done(None), State({}),
-                           Failed('tb'), ShardStep(1.0, {}, ()), Stepped())] == [
+                           Failed('tb'), ShardStep(1.0, b''), Stepped())] == [
         'state', 'stop', 'ready', 'done', 'state', 'error', 'shard_step', 'stepped']
     assert Failed('tb')[1] == 'tb' and Done('r').result == 'r'
 

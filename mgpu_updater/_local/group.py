@@ -77,14 +77,14 @@ class LocalGroup(Group):
         shards = self.shards
         decided: List[Optional[float]] = []
         hooks = shards.hooks(optimizer)
+        prepared = shards.orders(optimizer)   # before the wait: off the critical path
 
         def orders(others: List[WindowResult]) -> Dict[int, tuple]:
             factor = factor_of([own] + others)
             decided.append(factor)
             if factor is not None:
                 shards.count(optimizer)
-            return {rank: ShardStep(factor, shards.rules_for(rank) if factor is not None
-                                    else {}, hooks)
+            return {rank: ShardStep(factor, prepared[rank] if factor is not None else b'')
                     for rank in range(1, self.size)}
 
         def own_step() -> None:

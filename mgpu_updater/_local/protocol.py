@@ -43,7 +43,8 @@ One update, side by side::
     reduce stat/*, grad/*; end_update
     unpack stat (and grad, or keep it pending)
 
-A sharded update (``Step.sharded``): the worker issues only ``reduce stat/*`` before Done;
+A sharded update (``Step.sharded``): the worker packs the gradient of the other ranks'
+slices, issues only ``reduce stat/*`` before Done, and packs its own slice after it;
 the master, after every Done, reduces ``stat/*``, sends each worker a :class:`ShardStep`,
 then every rank issues ``reduce_scatter grad/*`` and steps its slice; the workers answer
 :class:`Stepped` and end the update, the master ends it after every Stepped
@@ -97,13 +98,12 @@ class Step(_Kind, _StepFields):
 class _ShardStepFields(NamedTuple):
     kind: str
     factor: Optional[float]          # the update's gradient factor; None: no step (skipped)
-    rules: Dict[str, Any]            # parameter -> sharded_step.RuleSpec (None: rule off)
-    hooks: Tuple[Any, ...]           # the optimizer's (elementwise) hooks, in order
+    orders: bytes                    # pickled (rules, hooks): sharded_step.MasterShards.orders
 
 
 class ShardStep(_Kind, _ShardStepFields):
     """master -> worker, in a sharded update after every Done: sum your slice of the
-    gradients and step it (``ShardStep(factor, rules, hooks)``)."""
+    gradients and step it (``ShardStep(factor, orders)``)."""
     KIND = 'shard_step'
 
 
@@ -352,7 +352,8 @@ class ParamViews:
 
 
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
-                size: int, views: Optional[ParamViews] = None) -> WindowResult:
+                size: int, views: Optional[ParamViews] = None,
+                shards: Any = None) -> WindowResult:
     """The worker's half of one update: parameters in, the window, reductions issued.
     The caller then sends :class:`Done` with the result. In a sharded update
     (``step.sharded``) the gradient's ``reduce_scatter`` waits for :class:`ShardStep`
@@ -367,13 +368,23 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                          skip=views.names if views is not None else ())
     set_persistent_scalars(model, step.scalars)
     result = replica.run_window(step.loss_scale)
-    pack_window(comm, layouts, model, step.parity, size)
-    if step.sharded:
+    if step.sharded and shards is not None:
+        # the other ranks' slices now, its own after Done (:func:`worker_after_done`)
+        layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
+        shards.pack(model, own=False)
         issue(comm, before_shard_step(order))
         return result
+    pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
     comm.end_update()
     return result
+
+
+def worker_after_done(step: Step, replica: Replica, shards: Any) -> None:
+    """In a sharded update, after Done went out: pack the gradient of its own slice, which
+    only its own ``reduce_scatter`` reads (while the master decides the step)."""
+    if step.sharded and shards is not None:
+        shards.pack(replica.model, own=True)
 
 
 def worker_shard_step(msg: ShardStep, comm: Any, layouts: ModelLayouts, shards: Any) -> None:
@@ -381,5 +392,5 @@ def worker_shard_step(msg: ShardStep, comm: Any, layouts: ModelLayouts, shards: 
     the gradients, step it (:class:`~.sharded_step.WorkerShards`). The caller then sends
     :class:`Stepped`."""
     issue(comm, shard_step_collectives(collective_order(layouts, None, sharded=True)))
-    shards.step(msg.rules, msg.factor, msg.hooks)
+    shards.step(msg.factor, msg.orders)
     comm.end_update()

@@ -30,6 +30,7 @@ of the collectives are :mod:`.protocol`'s.
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
 
 import chainer
@@ -271,17 +272,24 @@ class MasterShards:
                 state[key] = view
         return None
 
-    def rules_for(self, rank: int) -> Dict[str, Optional[RuleSpec]]:
-        """The rules of ``rank``'s pieces for this update (after :meth:`count`); None for a
-        parameter whose rule is off (``enabled = False`` or no rule)."""
-        out: Dict[str, Optional[RuleSpec]] = {}
-        for name in self.names_of[rank]:
-            rule = self.params[name].update_rule
-            if rule is None or not rule.enabled:
-                out[name] = None
-                continue
-            extra = {k: v for k, v in vars(rule).items() if k not in _RULE_BASE_ATTRS}
-            out[name] = RuleSpec(type(rule), rule.t, rule.hyperparam.get_dict(), extra)
+    def orders(self, optimizer: Any) -> Dict[int, bytes]:
+        """What each worker's :class:`~.protocol.ShardStep` carries besides the factor,
+        pickled once before the update's end (off its critical path): the rules of its
+        pieces as they will be after :meth:`count` (``t`` one up; None for a rule that is
+        off, ``enabled = False`` or no rule), and the optimizer's hooks."""
+        hooks = self.hooks(optimizer)
+        out = {}
+        for rank, names in self.names_of.items():
+            rules: Dict[str, Optional[RuleSpec]] = {}
+            for name in names:
+                rule = self.params[name].update_rule
+                if rule is None or not rule.enabled:
+                    rules[name] = None
+                    continue
+                extra = {k: v for k, v in vars(rule).items() if k not in _RULE_BASE_ATTRS}
+                rules[name] = RuleSpec(type(rule), rule.t + 1, rule.hyperparam.get_dict(),
+                                       extra)
+            out[rank] = pickle.dumps((rules, hooks), protocol=pickle.HIGHEST_PROTOCOL)
         return out
 
     def count(self, optimizer: Any) -> None:
@@ -323,16 +331,36 @@ class MasterShards:
 
 
 class WorkerShards:
-    """A worker's side: step its slice with the rules the master sent."""
+    """A worker's side: pack its gradient in two parts, step its slice with the rules the
+    master sent."""
 
     def __init__(self, comm: Any, layouts: ModelLayouts, states: StateLayout) -> None:
         self.slices = _Slices(comm, layouts, states, comm.rank)
         self._rules: Dict[str, Any] = {}
+        self._grad = layouts.grad
+        self._buffer = comm.buffer
+        self._own = self.slices.pieces
+        self._others = [p for rank in range(comm.size) if rank != comm.rank
+                        for p in pieces(layouts.grad, comm.size, rank)]
 
-    def step(self, specs: Dict[str, Optional[RuleSpec]], factor: Optional[float],
-             hooks: Tuple[Any, ...]) -> None:
+    def pack(self, model: chainer.Link, own: bool) -> None:
+        """Copy the gradient of the other ranks' slices (``own`` False: before Done, as
+        they read them after it) or of its own slice (True: after Done, while the master
+        decides; only this rank reads it) into this rank's slot."""
+        grads = {name: p.grad for name, p in model.namedparams()}
+        for p in (self._own if own else self._others):
+            dst = self._buffer(f'{self._grad.prefix}/{p.dtype}')[
+                p.offset + p.lo:p.offset + p.hi]
+            src = grads[p.name]
+            if src is None:
+                dst.fill(0)
+            else:
+                dst[...] = src.reshape(-1)[p.lo:p.hi]
+
+    def step(self, factor: Optional[float], orders: bytes) -> None:
         if factor is None:   # the master skips this update's step
             return
+        specs, hooks = pickle.loads(orders)
         rules = {}
         for name, spec in specs.items():
             if spec is None:

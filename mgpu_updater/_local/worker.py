@@ -8,7 +8,7 @@ master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
 payload bytes (a pickled WorkerInit)      Ready() once, after start-up
 Step(loss_scale, scalars, parity, sharded) Done(WindowResult)
-ShardStep(factor, rules, hooks)           Stepped() (a sharded update, after its Done)
+ShardStep(factor, orders)                 Stepped() (a sharded update, after its Done)
 StateRequest()                            State(iterator state dict)
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
@@ -23,7 +23,8 @@ import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
 from .protocol import (Done, Failed, Hello, ParamViews, Ready, ShardStep, State, StateRequest,
-                       Step, Stepped, Stop, worker_shard_step, worker_step)
+                       Step, Stepped, Stop, worker_after_done, worker_shard_step,
+                       worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -247,7 +248,9 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
             return
         try:
             if kind == Step.KIND:
-                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views)))
+                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views,
+                                           shards)))
+                worker_after_done(msg, replica, shards)
             elif kind == ShardStep.KIND:
                 worker_shard_step(msg, comm, layouts, shards)
                 conn.send(Stepped())
