@@ -245,38 +245,60 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
 
 def markdown(result):
     ours, mn = result['ours'], result.get('chainermn')
+    master = result.get('ours_master_step')   # --master-step: ours with shard_optimizer=0
+    names = ['ours'] + (['ours_master_step'] if master else []) + ['chainermn']
+    sharded = result['config'].get('shard_optimizer')
+    heads = (['ours (sharded step)' if sharded else 'ours']
+             + (['ours (master step, the default)'] if master else []) + ['ChainerMN (naive)'])
     lines = ['# Where an update\'s time goes: 2 CPU replicas, ours and ChainerMN', '',
-             '`python bench/timeline.py{}`'.format(
+             '`python bench/timeline.py{}{}{}`'.format(
                  ' --k {}'.format(result['config']['k']) if result['config']['k'] != 1
-                 else ''), '',
+                 else '', ' --shard-optimizer 1' if sharded else '',
+                 ' --master-step' if master else ''), '',
              'Model `{model}`, micro-batch {micro_batch} per replica, k = {k}, ours with '
-             'prefetch={prefetch}, shard_optimizer={shard_optimizer}; {repeats} repeats, alternating ours and ChainerMN, each '
+             'prefetch={prefetch}, shard_optimizer={shard_optimizer}; {repeats} repeats, '
+             'alternating the methods, each '
              '{updates} timed updates after {warmup} warm-up; 1 BLAS thread per process, '
-             'ours\' malloc thresholds for both. Milliseconds, medians over every timed '
+             'ours\' malloc thresholds for all. Milliseconds, medians over every timed '
              'update of the repeats.'.format(
                  **result['config']), '',
              '- Machine: {cpu} ({cores} usable cores); load average {load_start} at start, '
              '{load_end} at the end'.format(**result['machine']), '',
-             '| per update (ms) | ours | ChainerMN (naive) |', '|---|---:|---:|']
+             '| per update (ms) | ' + ' | '.join(heads) + ' |',
+             '|---|' + '---:|' * len(heads)]
     for label, ours_key, mn_key in ROWS:
-        a = ours.get(ours_key) if ours_key else None
-        b = mn.get(mn_key) if (mn and mn_key) else None
-        lines.append('| {} | {} | {} |'.format(label, '-' if a is None else a,
-                                               '-' if b is None else b))
+        cells = [ours.get(ours_key) if ours_key else None]
+        if master:
+            cells.append(master.get(ours_key) if ours_key else None)
+        cells.append(mn.get(mn_key) if (mn and mn_key) else None)
+        lines.append('| {} | {} |'.format(label, ' | '.join(
+            '-' if c is None else str(c) for c in cells)))
     lines.append('')
     lines += ['Each repeat, in the order run (medians, ms): update / forward-backward / '
-              'outside.', '', '| repeat | ours | ChainerMN (naive) |', '|---:|---|---|']
+              'outside.', '', '| repeat | ' + ' | '.join(heads) + ' |',
+              '|---:|' + '---|' * len(heads)]
     for i, rep in enumerate(result['repeats']):
         cells = []
-        for name in ('ours', 'chainermn'):
+        for name in names:
             r = rep.get(name)
             cells.append('-' if r is None else '{update} / {window} / {outside}'.format(**r))
-        lines.append('| {} | {} | {} |'.format(i + 1, *cells))
+        lines.append('| {} | {} |'.format(i + 1, ' | '.join(cells)))
     lines.append('')
+    if master:
+        lines.append('Outside forward/backward, ours (sharded step) / ours (master step): '
+                     '**{:.2f}x** ({} ms against {} ms).'.format(
+                         ours['outside'] / master['outside'], ours['outside'],
+                         master['outside']))
+        lines.append('')
     if mn:
         lines.append('Outside forward/backward, ours / ChainerMN: **{:.2f}x** '
                      '({} ms against {} ms).'.format(ours['outside'] / mn['outside'],
                                                     ours['outside'], mn['outside']))
+        if master:
+            lines += ['', 'Outside forward/backward, ours (master step) / ChainerMN: '
+                      '**{:.2f}x** ({} ms against {} ms).'.format(
+                          master['outside'] / mn['outside'], master['outside'],
+                          mn['outside'])]
     else:
         lines.append('ChainerMN did not run: {}.'.format(result.get('chainermn_skipped')))
     return '\n'.join(lines) + '\n'
@@ -291,14 +313,19 @@ def parse_args(argv=None):
     p.add_argument('--repeats', type=int, default=3,
                    help='ours and ChainerMN alternate this many times (default 3)')
     p.add_argument('--prefetch', type=int, default=2, help="ours' prefetch (default 2)")
-    p.add_argument('--shard-optimizer', type=int, default=1, choices=(0, 1),
-                   help="ours' shard_optimizer (default 1)")
+    p.add_argument('--shard-optimizer', type=int, default=0, choices=(0, 1),
+                   help="ours' shard_optimizer (default 0, the updater's default)")
+    p.add_argument('--master-step', action='store_true',
+                   help='also run ours with shard_optimizer=0 in every repeat (a third '
+                        'column; with --shard-optimizer 1)')
     p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
     p.add_argument('--micro-batch', type=int, default=32)
     p.add_argument('--out', help='folder for timeline.json and timeline.md')
     p.add_argument('--part', choices=('ours', 'chainermn'), help=argparse.SUPPRESS)
     p.add_argument('--json', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.master_step and not args.shard_optimizer:
+        p.error('--master-step compares with --shard-optimizer 1')
     if (args.updates < 2 or min(args.warmup, args.k, args.micro_batch, args.repeats) < 1
             or args.prefetch < 0):
         p.error('--updates must be >= 2, --warmup, --k, --micro-batch and --repeats >= 1, '
@@ -345,7 +372,7 @@ def main(argv=None):
     if importlib.util.find_spec('mpi4py') is None or mpiexec is None:
         result['chainermn_skipped'] = 'mpi4py or mpiexec is not installed'
         mpiexec = None
-    ours, mn, result['repeats'] = [], [], []
+    ours, mn, master, result['repeats'] = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             stamps = os.path.join(tmp, 'stamps{}'.format(r))
@@ -353,6 +380,13 @@ def main(argv=None):
             _child(args, 'ours', dict(env, **{STAMPS: stamps}))
             ours.append(analyse_ours(stamps, args.warmup))
             rep = {'ours': medians(ours[-1])}
+            if args.master_step:
+                stamps = os.path.join(tmp, 'master{}'.format(r))
+                os.mkdir(stamps)
+                _child(args, 'ours', dict(env, **{STAMPS: stamps}),
+                       **{'shard-optimizer': '0'})
+                master.append(analyse_ours(stamps, args.warmup))
+                rep['ours_master_step'] = medians(master[-1])
             if mpiexec is not None:
                 out = os.path.join(tmp, 'chainermn{}.json'.format(r))
                 _child(args, 'chainermn', env, json=out, prefix=(
@@ -361,6 +395,8 @@ def main(argv=None):
                 rep['chainermn'] = medians(mn[-1])
             result['repeats'].append(rep)
     result['ours'] = medians(pooled(ours))
+    if master:
+        result['ours_master_step'] = medians(pooled(master))
     if mn:
         result['chainermn'] = medians(pooled(mn))
     result['machine'] = {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),

@@ -34,9 +34,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        identical to ``StandardUpdater`` on one batch holding all those samples (with the
        defaults; ``loss_reduction`` and ``replica_reduction`` say otherwise).
     4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
-       The optimizer and its hyperparameters are never modified. (On CPU replicas an
-       elementwise step is split by slices over the replicas instead, bitwise the same:
-       ``shard_optimizer``.)
+       The optimizer and its hyperparameters are never modified. (With
+       ``shard_optimizer=True``, on CPU replicas an elementwise step is split by slices
+       over the replicas instead, bitwise the same.)
 
     BatchNorm running statistics (float persistents) are averaged over the replicas with
     equal weights after each update; integer and scalar persistents keep the master's
@@ -118,14 +118,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (your process) from the first update on, for the rest of its life (glibc has
             no way back). Results do not change; a process keeps its peak heap. No effect
             where the C library is not glibc.
-        shard_optimizer: True (default): on CPU replicas, where the optimizer's step is
-            elementwise (Chainer's optimizers but MSVAG; hooks ``WeightDecay``, ``Lasso``,
-            ``GradientHardClipping`` only), every replica sums and steps its own slice of
-            the parameters, with its slice of the optimizer's state, in shared memory
-            (ZeRO stage 1; :mod:`mgpu_updater._local.sharded_step`): bitwise the master's
-            step, without the workers waiting for it. Any other update (another hook,
-            loss scaling, pipelined, GPUs, across hosts) is the master's step, as with
-            False.
+        shard_optimizer: opt-in (default False). True: on CPU replicas, where the
+            optimizer's step is elementwise (Chainer's optimizers but MSVAG; hooks
+            ``WeightDecay``, ``Lasso``, ``GradientHardClipping`` only), every replica sums
+            and steps its own slice of the parameters, with its slice of the optimizer's
+            state, in shared memory (ZeRO stage 1;
+            :mod:`mgpu_updater._local.sharded_step`): bitwise the master's step, without
+            the workers waiting for it, but with two more messages per update. Any other
+            update (another hook, loss scaling, pipelined, GPUs, across hosts) is the
+            master's step.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -149,7 +150,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  micro_batch_size: Union[None, int, str] = None,
                  blas_threads: Union[None, int, str] = 'auto',
                  reuse_host_memory: Union[bool, str] = 'auto',
-                 shard_optimizer: bool = True) -> None:
+                 shard_optimizer: bool = False) -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)

@@ -279,9 +279,9 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
     cmd = [sys.executable, str(ROOT / 'bench' / 'timeline.py'), '--model', 'tiny',
            '--micro-batch', '4', '--updates', '4', '--warmup', '1', '--repeats', '2',
-           '--out', str(tmp_path)]
+           '--shard-optimizer', '1', '--master-step', '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'timeline.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.timeline/1'
@@ -292,6 +292,13 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                 'worker start', 'worker window', 'worker idle'):
         assert ours[key] is not None and ours[key] >= 0, key
     assert ours['window'] < ours['update']
+    # with --shard-optimizer 1 the worker's sum and step of its slice are stamped; the
+    # master-step column (--master-step, the updater's default) has none
+    assert ours['worker shard'] is not None and ours['worker shard'] > 0
+    master = result['ours_master_step']
+    assert master['updates'] == 8 and 'worker shard' not in master
+    assert master['master step'] > 0
+    assert 'ours (sharded step) / ours (master step)' in (tmp_path / 'timeline.md').read_text()
     if 'chainermn' in result:
         mn = result['chainermn']
         assert mn['updates'] == 8

@@ -1,7 +1,7 @@
 """The optimizer step, sharded over the replicas of one host (ZeRO stage 1, in shared memory).
 
-By default the master sums every replica's gradient and steps every parameter while the
-workers wait. Where the step is elementwise (every update rule of Chainer's own optimizers
+Opt-in (``shard_optimizer=True``). By default the master sums every replica's gradient and
+steps every parameter while the workers wait. Where the step is elementwise (every update rule of Chainer's own optimizers
 but MSVAG, with no hooks but ``WeightDecay``, ``Lasso`` and ``GradientHardClipping``) it can
 be split instead: replica r owns slice r of each flat gradient buffer
 (:func:`mgpu_updater.comm.base.shard_range`), sums the replicas' gradients over it
