@@ -272,11 +272,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         with self._window_threads:
             own = self._replica.run_window(loss_scale)
         if sharded:   # the group steps too (_local/sharded_step), with the factor decided here
-            results = self._group.finish_sharded(
-                own, optimizer, lambda rs: self._factor(optimizer, sum(r.count for r in rs),
-                                                        total_loss(rs)), watch)
-            fresh = _step.GradientStep(sum(r.count for r in results), total_loss(results),
-                                       loss_scale, None)
+            steps: List[_step.GradientStep] = []
+
+            def factor_of(rs: List[WindowResult]) -> Optional[float]:
+                steps.append(_step.GradientStep(sum(r.count for r in rs), total_loss(rs),
+                                                loss_scale, None))
+                return self._factor(optimizer, steps[0].count, steps[0].loss)
+            results = self._group.finish_sharded(own, optimizer, factor_of, watch)
+            fresh = steps[0]
         else:
             with watch('comm'):
                 results, fresh = self._step.reduce(self._group, own, loss_scale, parity)

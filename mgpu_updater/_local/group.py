@@ -39,11 +39,10 @@ class LocalGroup(Group):
         self.model = model
         self.layouts = layouts
         states = None if shard_keys is None else StateLayout(layouts.grad, shard_keys)
-        spec = layouts.spec()
-        spec.update(states.spec() if states is not None else {})
+        state_spec = states.spec() if states is not None else {}   # one slot, every rank's
         self.comm, handle = comm_module.create(
-            backend, self.size, spec, master_device,
-            broadcast=broadcast_only(layouts) + sorted(states.spec() if states else ()))
+            backend, self.size, {**layouts.spec(), **state_spec}, master_device,
+            broadcast=broadcast_only(layouts) + sorted(state_spec))
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
         #: the sharded step's master side (:mod:`.sharded_step`); None: never sharded
@@ -76,8 +75,7 @@ class LocalGroup(Group):
         the step (it may raise). Times the own step under ``watch('update')``."""
         shards = self.shards
         decided: List[Optional[float]] = []
-        hooks = shards.hooks(optimizer)
-        prepared = shards.orders(optimizer)   # before the wait: off the critical path
+        hooks, prepared = shards.orders(optimizer)   # before the wait: off the critical path
 
         def orders(others: List[WindowResult]) -> Dict[int, tuple]:
             factor = factor_of([own] + others)

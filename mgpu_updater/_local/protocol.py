@@ -246,6 +246,11 @@ def pack_window(comm: Any, layouts: ModelLayouts, model: Any, parity: Optional[i
     """Copy this replica's gradients and its float persistents (weighted ``1/size``, so
     that the sum is the mean) into the buffers that the reductions sum."""
     layouts.grad_set(parity).pack(grad_arrays(model), comm.buffer)
+    pack_stats(comm, layouts, model, size)
+
+
+def pack_stats(comm: Any, layouts: ModelLayouts, model: Any, size: int) -> None:
+    """Copy this replica's float persistents, weighted ``1/size``, into ``stat``."""
     layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
 
 
@@ -370,7 +375,7 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     result = replica.run_window(step.loss_scale)
     if step.sharded and shards is not None:
         # the other ranks' slices now, its own after Done (:func:`worker_after_done`)
-        layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
+        pack_stats(comm, layouts, model, size)
         shards.pack(model, own=False)
         issue(comm, before_shard_step(order))
         return result

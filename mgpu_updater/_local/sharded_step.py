@@ -272,12 +272,13 @@ class MasterShards:
                 state[key] = view
         return None
 
-    def orders(self, optimizer: Any) -> Dict[int, bytes]:
-        """What each worker's :class:`~.protocol.ShardStep` carries besides the factor,
-        pickled once before the update's end (off its critical path): the rules of its
-        pieces as they will be after :meth:`count` (``t`` one up; None for a rule that is
-        off, ``enabled = False`` or no rule), and the optimizer's hooks."""
-        hooks = self.hooks(optimizer)
+    def orders(self, optimizer: Any) -> Tuple[Tuple[Any, ...], Dict[int, bytes]]:
+        """The optimizer's hooks, and what each worker's :class:`~.protocol.ShardStep`
+        carries besides the factor, pickled once before the update's end (off its critical
+        path): the rules of its pieces as they will be after :meth:`count` (``t`` one up;
+        None for a rule that is off, ``enabled = False`` or no rule), and those hooks."""
+        pre, _ = chainer_private.optimizer_hooks(optimizer)
+        hooks = tuple(pre.values())
         out = {}
         for rank, names in self.names_of.items():
             rules: Dict[str, Optional[RuleSpec]] = {}
@@ -290,7 +291,7 @@ class MasterShards:
                 rules[name] = RuleSpec(type(rule), rule.t + 1, rule.hyperparam.get_dict(),
                                        extra)
             out[rank] = pickle.dumps((rules, hooks), protocol=pickle.HIGHEST_PROTOCOL)
-        return out
+        return hooks, out
 
     def count(self, optimizer: Any) -> None:
         """The bookkeeping of ``GradientMethod.update`` (chainer/optimizer.py, 7.8.1):
@@ -300,10 +301,6 @@ class MasterShards:
             rule = param.update_rule
             if rule is not None and rule.enabled:
                 rule.t += 1
-
-    def hooks(self, optimizer: Any) -> Tuple[Any, ...]:
-        pre, _ = chainer_private.optimizer_hooks(optimizer)
-        return tuple(pre.values())
 
     def step(self, optimizer: Any, factor: float, hooks: Tuple[Any, ...]) -> None:
         """Step slice 0 (after :meth:`count`)."""
