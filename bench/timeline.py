@@ -37,9 +37,10 @@ STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its sta
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 
 # What each process of ours stamps: (module, attribute, phase). The master runs all but
-# the last two; a worker runs ``worker_step``, and within it ``window`` and ``pack``, and in
-# a sharded update (the default) then ``worker_shard`` (its sum and step, within it
-# ``reduce``). The master's 'reduce' and 'step' are, when sharded, its slice's.
+# the last three; a worker runs ``worker_step``, and within it ``window`` and ``pack``, and
+# in a sharded update (``--shard-optimizer 1``) ``meet`` (its wait at the board) and then
+# ``worker_shard`` (its sum and step, within it ``reduce``). The master's 'reduce' and
+# 'step' are, when sharded, its slice's, and its 'meet' its wait at the board.
 PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
     ('mgpu_updater._replica', 'Replica.run_window', 'window'),
@@ -54,8 +55,9 @@ PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
     ('mgpu_updater._local.sharded_step', 'MasterShards.step', 'step'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
+    ('mgpu_updater._local.board', 'Board.meet', 'meet'),
     ('mgpu_updater._local.worker', 'worker_step', 'worker_step'),
-    ('mgpu_updater._local.worker', 'worker_shard_step', 'worker_shard'),
+    ('mgpu_updater._local.protocol', 'worker_shard_step', 'worker_shard'),
 )
 
 
@@ -183,7 +185,8 @@ def analyse_ours(folder, warmup):
            'window': [e - s for s, e in windows],
            'outside': [(ue - us) - (we - ws) for (us, ue), (ws, we) in zip(updates, windows)]}
     first = updates[0][0]
-    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
+    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report',
+                  'meet'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
     steps = _spans(worker, 'worker_step')[warmup:]
     worker_windows = _spans(worker, 'window')[warmup:]
@@ -192,11 +195,8 @@ def analyse_ours(folder, warmup):
     out['worker start'] = [w[0] - s[0] for s, w in zip(steps, worker_windows)]
     out['worker window'] = [e - s for s, e in worker_windows]
     out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
-    shards = _spans(worker, 'worker_shard')[warmup:]
-    if shards:   # the idle time is then between its step's end and its next Step
-        out['worker shard'] = [e - s for s, e in shards]
-        out['worker idle'] = [steps[i + 1][0] - shards[i][1]
-                              for i in range(min(len(steps) - 1, len(shards)))]
+    out['worker shard'] = [e - s for s, e in _spans(worker, 'worker_shard')[warmup:]]
+    out['worker meet'] = [e - s for s, e in _spans(worker, 'meet')[warmup:]]
     return out
 
 
@@ -226,7 +226,9 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('update', 'update', 'update'),
     ('rank 0 forward/backward (ours: the master\'s window)', 'window', 'window'),
     ('**outside forward/backward (rank 0)**', 'outside', 'outside'),
-    ('wait for the other replica', 'master gather', 'wait'),
+    ('wait for the other replica (ours: for Done)', 'master gather', 'wait'),
+    ('ours sharded: the master waits at the board', 'master meet', None),
+    ('ours sharded: the worker waits at the board', 'worker meet', None),
     ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',
      None, 'allreduce'),
     ('  master packs its gradient', 'master pack', None),

@@ -54,6 +54,7 @@ class Settings(NamedTuple):
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
     reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
     read_values: bool = True        # the master reads its window's values on the host
+    nonfinite: str = 'raise'        # the updater's policy (each rank of a sharded step)
     optimizer: Any = None           # the 'main' optimizer (the sharded step needs its rules)
     shard_optimizer: bool = False   # whether the step may be sharded (_local/sharded_step)
 
@@ -131,7 +132,7 @@ def _local_group(s: Settings) -> LocalGroup:
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
-            comm_name=backend, shard_keys=keys), s.model)
+            comm_name=backend, shard_keys=keys, nonfinite=s.nonfinite), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
                       s.start_method, s.start_timeout, shard_keys=keys)

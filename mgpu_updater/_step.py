@@ -17,12 +17,30 @@ state between updates (the step in flight), which it saves in snapshots, under
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Tuple
 
 import chainer
 
 from ._groups import Group, ReduceHandle
 from ._replica import WindowResult, total_loss
+
+
+def decide(count: int, loss: float, nonfinite: str, dynamic: bool,
+           scaling: Any) -> Tuple[Optional[float], bool]:
+    """The factor on the summed gradient of an update over ``count`` samples whose mean
+    loss is ``loss``, or None when nothing is stepped (no sample, or a non-finite loss
+    under the ``nonfinite`` policy 'raise' or 'skip'); and whether the loss was non-finite
+    (for the caller to raise or warn). With dynamic loss scaling a non-finite step is
+    Chainer's to skip (and to lower the scale), exactly as on one device. The one home of
+    this decision: the master's step, and every rank of a sharded one (each decides alone,
+    from the same values, :mod:`mgpu_updater._local.board`)."""
+    if count == 0:
+        return None, False
+    if nonfinite != 'ignore' and not dynamic and not math.isfinite(loss):
+        return None, True
+    # The update's own factor, decided by Scaling with the others (see _replica).
+    return scaling.update(count), False
 
 
 class GradientStep:

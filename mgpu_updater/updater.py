@@ -1,7 +1,6 @@
 """ParallelAccumulatingUpdater: the master side."""
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -14,7 +13,7 @@ from . import _checkpoint, _host_memory, _loss_binding, _startup, _step, _thread
 from ._checkpoint import capture_state
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
-from ._replica import Replica, WindowResult, combine, total_loss, with_graph
+from ._replica import Replica, WindowResult, combine, with_graph
 from ._timing import Stopwatch
 from .errors import NonFiniteLossError
 
@@ -245,6 +244,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
+            nonfinite=self.nonfinite,
             optimizer=self.get_optimizer('main'), shard_optimizer=self.shard_optimizer))
         self._loader, self._replica, self._group, self._nominal_samples = started
 
@@ -274,10 +274,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if sharded:   # the group steps too (_local/sharded_step), with the factor decided here
             steps: List[_step.GradientStep] = []
 
-            def factor_of(rs: List[WindowResult]) -> Optional[float]:
-                steps.append(_step.GradientStep(sum(r.count for r in rs), total_loss(rs),
-                                                loss_scale, None))
-                return self._factor(optimizer, steps[0].count, steps[0].loss)
+            def factor_of(count: int, loss: float) -> Optional[float]:
+                steps.append(_step.GradientStep(count, loss, loss_scale, None))
+                return self._factor(optimizer, count, loss)
             results = self._group.finish_sharded(own, optimizer, factor_of, watch)
             fresh = steps[0]
         else:
@@ -304,20 +303,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """The factor on the summed gradient of an update over ``count`` samples whose
         loss is ``loss``, or None when it steps on nothing (no sample; the nonfinite
         policy 'skip'). Raises :class:`NonFiniteLossError` under 'raise'."""
-        if count == 0:
-            return None
-        # With dynamic loss scaling a non-finite step is Chainer's to skip (and to lower
-        # the scale), exactly as on one device; otherwise the nonfinite policy decides.
-        dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
-        if self.nonfinite != 'ignore' and not dynamic and not math.isfinite(loss):
+        factor, bad = _step.decide(count, loss, self.nonfinite,
+                                   chainer_private.loss_scaling_is_dynamic(optimizer),
+                                   self._replica.scaling)
+        if bad:
             if self.nonfinite == 'raise':
                 raise NonFiniteLossError(self.iteration + 1, loss)
             self._skipped += 1
             warnings.warn(f'skipping update {self.iteration + 1}: the loss is {loss}',
                           RuntimeWarning)
-            return None
-        # The update's own factor, decided by Scaling with the others (see _replica).
-        return self._replica.scaling.update(count)
+        return factor
 
     def _apply(self, optimizer: chainer.Optimizer, step: '_step.GradientStep') -> None:
         """One optimizer step on the model's summed gradient of ``step``."""

@@ -22,8 +22,8 @@ from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 from mgpu_updater._local import protocol as _protocol
 from mgpu_updater._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays,
                                 set_persistent_scalars, state_arrays)
-from mgpu_updater._local.protocol import (Done, Failed, Ready, ShardStep, State, StateRequest,
-                                    Step, Stepped, Stop, collective_order, master_begin,
+from mgpu_updater._local.protocol import (Done, Failed, Ready, State, StateRequest,
+                                    Step, Stop, collective_order, master_begin,
                                     master_finish, worker_step)
 from mgpu_updater._replica import Replica, Scaling
 from mgpu_updater.comm.base import CollectiveOrderError, check_same_order
@@ -59,13 +59,14 @@ def test_several_dtypes_go_in_sorted_buffer_order():
 def test_messages_are_named_tuples_whose_first_field_is_the_kind():
     import pickle
     step = Step(0.5, {'/bn/N': 3}, 1)
-    assert step == ('step', 0.5, {'/bn/N': 3}, 1, False) and step[0] == step.kind == 'step'
-    assert (step.loss_scale, step.scalars, step.parity) == (0.5, {'/bn/N': 3}, 1)
+    assert step == ('step', 0.5, {'/bn/N': 3}, 1, None) and step[0] == step.kind == 'step'
+    assert (step.loss_scale, step.scalars, step.parity, step.orders) == (
+        0.5, {'/bn/N': 3}, 1, None)
     again = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert type(again) is Step and again == step
     assert [m[0] for m in (StateRequest(), Stop(), Ready(), Done(None), State({}),
-                           Failed('tb'), ShardStep(1.0, b''), Stepped())] == [
-        'state', 'stop', 'ready', 'done', 'state', 'error', 'shard_step', 'stepped']
+                           Failed('tb'))] == [
+        'state', 'stop', 'ready', 'done', 'state', 'error']
     assert Failed('tb')[1] == 'tb' and Done('r').result == 'r'
 
 

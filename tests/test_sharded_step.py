@@ -60,18 +60,21 @@ def test_the_pieces_of_all_ranks_partition_every_parameter():
 # Bitwise the master's step
 
 
-def _run(make_opt, shard, n=2, k=2, updates=4, between=None, setup=None, model=None):
+def _run(make_opt, shard, n=2, k=2, updates=4, between=None, setup=None, model=None,
+         data=None, **kwargs):
     """``updates`` updates of ``n`` CPU replicas; returns what the optimizer and the
-    model hold afterwards, and whether each update was sharded."""
+    model hold afterwards, and whether each update was sharded. ``data(r)``: replica r's
+    dataset; ``kwargs``: the updater's."""
     model = classifier(seed=3) if model is None else model()
     opt = make_opt()
     opt.setup(model)
     if setup is not None:
         setup(model, opt)
-    its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
-           for r in range(n)]
+    data = data or (lambda r: dataset(64, seed=10 + r))
+    its = [chainer.iterators.SerialIterator(data(r), 4, shuffle=False) for r in range(n)]
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * n,
-                                          accumulate_steps=k, shard_optimizer=shard)
+                                          accumulate_steps=k, shard_optimizer=shard,
+                                          **kwargs)
     sharded = []
     try:
         for u in range(updates):
@@ -94,9 +97,10 @@ def _run(make_opt, shard, n=2, k=2, updates=4, between=None, setup=None, model=N
 
 
 def _assert_bitwise(a, b):
+    """Equal bit for bit (NaN where the other has NaN)."""
     assert a.keys() == b.keys()
     for key in a:
-        assert np.array_equal(a[key], b[key]), key
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key, strict=True)
 
 
 _OPTIMIZERS = {
@@ -209,6 +213,125 @@ def test_what_is_not_elementwise_is_the_masters_step_and_says_why(case):
     master, _ = _run(make, False, setup=setup)
     assert not any(flags)
     _assert_bitwise(sharded, master)
+
+
+def _poisoned(replica, update, k=2, b=4):
+    """Replica ``replica``'s dataset with an infinite input in update ``update`` (0-based):
+    its loss, and so the update's, is not finite."""
+    def data(r):
+        d = dataset(64, seed=10 + r)
+        if r == replica:
+            x, t = d._datasets
+            x = x.copy()
+            x[update * k * b] = np.inf
+            d = chainer.datasets.TupleDataset(x, t)
+        return d
+    return data
+
+
+@pytest.mark.parametrize('poisoned', [0, 1])
+def test_under_skip_no_rank_steps_on_a_non_finite_loss(poisoned):
+    """Every rank decides the factor itself, from the posts at the board: a non-finite loss
+    in any replica skips the step on every slice, as the master's step skips it."""
+    data = _poisoned(poisoned, update=1)
+    with pytest.warns(RuntimeWarning, match='skipping update 2'):
+        sharded, flags = _run(_OPTIMIZERS['MomentumSGD'], True, data=data, nonfinite='skip')
+    with pytest.warns(RuntimeWarning, match='skipping update 2'):
+        master, _ = _run(_OPTIMIZERS['MomentumSGD'], False, data=data, nonfinite='skip')
+    assert all(flags)
+    _assert_bitwise(sharded, master)
+    assert sharded['t'] == 3 and all(np.isfinite(v).all() for k, v in sharded.items()
+                                     if k.endswith('/param'))
+
+
+def test_under_ignore_every_rank_steps_on_a_non_finite_loss():
+    data = _poisoned(1, update=1)
+    sharded, flags = _run(_OPTIMIZERS['SGD'], True, data=data, nonfinite='ignore')
+    master, _ = _run(_OPTIMIZERS['SGD'], False, data=data, nonfinite='ignore')
+    assert all(flags)
+    _assert_bitwise(sharded, master)
+    assert sharded['t'] == 4 and np.isnan(sharded['/predictor/l1/W/param']).all()
+
+
+def test_under_raise_a_non_finite_loss_raises_and_the_workers_stop():
+    import multiprocessing
+    from mgpu_updater import NonFiniteLossError
+    model = classifier(seed=3)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    data = _poisoned(1, update=1)
+    its = [chainer.iterators.SerialIterator(data(r), 4, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
+                                          accumulate_steps=2, shard_optimizer=True)
+    try:
+        updater.update()
+        assert updater._group.shards.reason is None
+        before = {name: p.array.copy() for name, p in model.namedparams()}
+        with pytest.raises(NonFiniteLossError, match='update 2'):
+            updater.update()
+        assert [p for p in multiprocessing.active_children()
+                if p.name.startswith('mgpu-worker-')] == []
+        for name, p in model.namedparams():   # the master's slice was not stepped either
+            np.testing.assert_array_equal(p.array, before[name], err_msg=name)
+    finally:
+        updater.finalize()
+
+
+def test_the_board_gives_every_rank_every_post_in_rank_order():
+    import multiprocessing
+    from mgpu_updater._local.board import Board
+
+    def rank1(name, out):
+        board = Board.attach(name, 2, 1)
+        out.put(board.meet(3, 1.5, lambda: None))
+        out.put(board.meet(0, float('inf'), lambda: None))
+        board.close()
+    board = Board.create(2)
+    ctx = multiprocessing.get_context('fork')
+    out = ctx.Queue()
+    proc = ctx.Process(target=rank1, args=(board.name, out))
+    proc.start()
+    try:
+        first = board.meet(5, 2.5, lambda: None)
+        second = board.meet(7, -1.0, lambda: None)
+        assert first == [(5, 2.5), (3, 1.5)] == out.get(timeout=30)
+        assert second == [(7, -1.0), (0, float('inf'))] == out.get(timeout=30)
+    finally:
+        proc.join(30)
+        board.close()
+    assert proc.exitcode == 0
+
+
+def test_a_rank_waiting_at_the_board_runs_its_check_and_stops_when_it_raises():
+    import time
+    from mgpu_updater._local.board import CHECK_EVERY, Board
+    board = Board.create(2)
+    calls = []
+
+    def check():
+        calls.append(time.perf_counter())
+        if len(calls) == 3:
+            raise RuntimeError('the peer is gone')
+    try:
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError, match='the peer is gone'):
+            board.meet(1, 0.0, check)
+        assert len(calls) == 3 and calls[-1] - start >= 2 * CHECK_EVERY
+        assert time.perf_counter() - start < 2.0
+    finally:
+        board.close()
+
+
+def test_where_stores_may_be_seen_out_of_order_the_step_is_not_sharded(monkeypatch):
+    """The board publishes a post by the order of stores (x86-64's); on a CPU without
+    that order the master steps, and says why."""
+    from mgpu_updater._local import sharded_step
+    monkeypatch.setattr(sharded_step, 'STORE_ORDER', False)
+    sharded, flags = _run(_OPTIMIZERS['SGD'], True, updates=2)
+    master, _ = _run(_OPTIMIZERS['SGD'], False, updates=2)
+    assert not any(flags)
+    _assert_bitwise(sharded, master)
+    assert 'store order' in sharded_step.why_not(optimizers.SGD(), None, ())
 
 
 def test_why_an_update_is_not_sharded_is_said():

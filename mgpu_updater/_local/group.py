@@ -16,9 +16,10 @@ from .. import comm as comm_module
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
+from .board import Board
 from .pool import WorkerPool
-from .protocol import (ShardStep, State, StateRequest, broadcast_only, master_begin,
-                       master_finish, master_finish_sharded, slot_views)
+from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
+                       master_finish_sharded, slot_views)
 from .sharded_step import MasterShards, StateLayout
 from .worker import WorkerInit, main as worker_main
 
@@ -45,15 +46,21 @@ class LocalGroup(Group):
             broadcast=broadcast_only(layouts) + sorted(state_spec))
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
-        #: the sharded step's master side (:mod:`.sharded_step`); None: never sharded
-        self.shards = None
+        #: the sharded step's master side (:mod:`.sharded_step`) and the ranks' board
+        #: (:mod:`.board`); None: never sharded
+        self.shards: Optional[MasterShards] = None
+        self.board: Optional[Board] = None
+        self._hooks: Tuple[Any, ...] = ()   # the optimizer's hooks, read at begin
         if states is not None and self.comm.can_reduce_scatter and self.grads.views:
             self.shards = MasterShards(self.comm, layouts, states, model)
+            self.board = Board.create(self.size)
+        board = self.board.name if self.board is not None else None
+        segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method)
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
-            self.pool.start(worker_main, {r: p(handle) for r, p in payloads.items()},
-                            self.comm.owned_segments, start_timeout, before_ready=self.comm.init)
+            self.pool.start(worker_main, {r: p(handle, board) for r, p in payloads.items()},
+                            segments, start_timeout, before_ready=self.comm.init)
         except BaseException:
             self.close(abort=True)
             raise
@@ -61,41 +68,38 @@ class LocalGroup(Group):
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
               optimizer: Any = None) -> bool:
         bound = self.params.bind()
-        sharded = (self.shards is not None and parity is None and optimizer is not None
-                   and self.shards.prepare(optimizer, loss_scale, bound))
+        orders = None
+        if (self.shards is not None and parity is None and optimizer is not None
+                and self.shards.prepare(optimizer, loss_scale, bound)):
+            self._hooks, orders = self.shards.orders(optimizer)
         master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                     in_place=bound, sharded=sharded)
-        return sharded
+                     in_place=bound, orders=orders)
+        return orders is not None
 
     def finish_sharded(self, own: WindowResult, optimizer: Any,
-                       factor_of: Callable[[List[WindowResult]], Optional[float]],
+                       factor_of: Callable[[int, float], Optional[float]],
                        watch: Any) -> List[WindowResult]:
         """As :meth:`finish`, and the optimizer's step, sharded (after :meth:`begin`
-        said so): ``factor_of(results)`` is the update's gradient factor, or None to skip
-        the step (it may raise). Times the own step under ``watch('update')``."""
-        shards = self.shards
-        decided: List[Optional[float]] = []
-        hooks, prepared = shards.orders(optimizer)   # before the wait: off the critical path
+        said so): ``factor_of(count, loss)`` is the update's gradient factor, or None to
+        skip the step (it may raise). Times the own step under ``watch('update')``."""
+        shards, hooks = self.shards, self._hooks
 
-        def orders(others: List[WindowResult]) -> Dict[int, tuple]:
-            factor = factor_of([own] + others)
-            decided.append(factor)
+        def decide(count: int, loss: float) -> Optional[float]:
+            factor = factor_of(count, loss)
             if factor is not None:
                 shards.count(optimizer)
-            return {rank: ShardStep(factor, prepared[rank] if factor is not None else b'')
-                    for rank in range(1, self.size)}
+            return factor
 
-        def own_step() -> None:
-            if decided[0] is not None:
-                with watch('update'):
-                    shards.step(optimizer, decided[0], hooks)
+        def own_step(factor: float) -> None:
+            with watch('update'):
+                shards.step(optimizer, factor, hooks)
 
         with watch('comm'):
-            others = master_finish_sharded(self.pool, self.comm, self.layouts, self.model,
-                                           self.size, orders, own_step)
+            others = master_finish_sharded(self.pool, self.comm, self.board, self.layouts,
+                                           self.model, self.size, own, decide, own_step)
             self.grads.receive()
-        if decided[0] is not None:   # ``update`` was counted inside ``comm``
-            watch.times['comm'] -= watch.times['update']
+        # ``update`` was counted inside ``comm``
+        watch.times['comm'] -= watch.times.get('update', 0.0)
         return [own] + others
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
@@ -136,6 +140,9 @@ class LocalGroup(Group):
             self.grads.detach()
             self.pool.close()
         finally:
+            if self.board is not None:
+                self.board.close()
+                self.board = None
             if abort:
                 self.comm.abort()
             else:
@@ -225,13 +232,15 @@ class SlotParams:
 
 
 def payload_factory(init_kwargs: Dict[str, Any],
-                    master_model: chainer.Link) -> Callable[[Any], bytes]:
-    """Pickle a WorkerInit once the communicator handle is known (see ``_payload``).
+                    master_model: chainer.Link) -> Callable[[Any, Optional[str]], bytes]:
+    """Pickle a WorkerInit once the communicator handle and the board's name (None: no
+    board) are known (see ``_payload``).
 
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
     """
-    def make(handle: Any) -> bytes:
+    def make(handle: Any, board: Optional[str]) -> bytes:
         replace = _payload.replica_links(master_model, init_kwargs['model'])
-        return _payload.dumps(WorkerInit(comm_handle=handle, **init_kwargs), replace)
+        return _payload.dumps(WorkerInit(comm_handle=handle, board=board, **init_kwargs),
+                              replace)
     return make

@@ -109,6 +109,7 @@ class WorkerPool:
         self._procs: Dict[int, Any] = {}
         self._conns: Dict[int, Any] = {}
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
+        self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
         self._closed = False
 
     @property
@@ -202,6 +203,27 @@ class WorkerPool:
                                           remote_traceback=msg[1])
                 self._raise_dead(rank)
 
+    def check(self, what: str = 'update') -> None:
+        """Raise :class:`WorkerError` if a worker died or reported an error (its
+        ``Failed``, with its traceback); never blocks. What else a worker said meanwhile is
+        kept for the next :meth:`gather`. (The master runs this while it waits at the
+        board, :mod:`.board`.)"""
+        for rank, conn in self._conns.items():
+            if rank in self._early:
+                continue
+            try:
+                ready = conn.poll(0)
+                msg = conn.recv() if ready else None
+            except (EOFError, OSError):
+                self._raise_dead(rank)
+            if msg is None:
+                continue
+            if msg[0] == Failed.KIND:
+                raise WorkerError(f'failed during {what}', replica=rank,
+                                  device=str(self._devices[rank]), remote_traceback=msg[1])
+            self._early[rank] = msg
+        self.check_alive()
+
     def _last_words(self, rank: int) -> Any:
         """What a dead worker sent last and nobody read yet (its ``Failed``), or None. A
         pipe at end-of-file also polls ready; reading it then raises, which means no."""
@@ -230,6 +252,13 @@ class WorkerPool:
                  what: str, on_dead: Callable[[int], None]) -> Dict[int, Any]:
         waiting = set(self.ranks)
         out: Dict[int, Any] = {}
+        for rank, msg in list(self._early.items()):   # read by :meth:`check`
+            del self._early[rank]
+            if msg[0] != kind:
+                raise WorkerError(f'sent {msg[0]!r} while {kind!r} was expected',
+                                  replica=rank, device=str(self._devices[rank]))
+            out[rank] = msg[1] if len(msg) > 1 else None
+            waiting.discard(rank)
         while waiting:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

@@ -12,7 +12,7 @@ declares, in that order, from one thread (the main one), and nothing else:
 4. ``reduce`` of each buffer of the update's gradient set: ``grad``, or in pipelined mode
    ``grad0`` and ``grad1`` alternating with the update's parity. In a sharded update
    (:mod:`.sharded_step`) ``reduce_scatter`` instead, each rank summing its own slice,
-   issued after :class:`ShardStep`.
+   issued after the ranks met at the board (:mod:`.board`).
 
 Within a step, buffers go in sorted name order (one buffer per dtype). Across hosts
 (:mod:`mgpu_updater._multihost`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
@@ -43,18 +43,30 @@ One update, side by side::
     reduce stat/*, grad/*; end_update
     unpack stat (and grad, or keep it pending)
 
-A sharded update (``Step.sharded``): the worker packs the gradient of the other ranks'
-slices, issues only ``reduce stat/*`` before Done, and packs its own slice after it;
-the master, after every Done, reduces ``stat/*``, sends each worker a :class:`ShardStep`,
-then every rank issues ``reduce_scatter grad/*`` and steps its slice; the workers answer
-:class:`Stepped` and end the update, the master ends it after every Stepped
-(:func:`master_finish_sharded`, :func:`worker_shard_step`).
+A sharded update (``Step.orders`` is set: what each worker's slice is stepped with) has no
+message between Step and Done; the ranks meet at the board (:mod:`.board`) instead::
 
-The messages (master -> worker: :class:`Step`, :class:`ShardStep`, :class:`StateRequest`,
-:class:`Stop`; worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`,
-:class:`Stepped`, :class:`State`, :class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
-:mod:`mgpu_updater._local.pool`) are named
-tuples whose first field, ``kind``, names the message, so ``msg[0]`` dispatches.
+    master (rank 0)                              worker (rank r)
+    as above, Step carries the orders       -->  as above
+    run its own window                           run its window
+    pack grad, stat                              pack stat, the other ranks' slices of grad
+                                                 reduce stat/* (recorded)
+    post count, loss; wait for every post   <->  post count, loss; wait for every post
+    reduce stat/*                                pack its own slice of grad
+    decide the factor (may raise)                decide the factor (the same values, code)
+    reduce_scatter grad/*; step slice 0          reduce_scatter grad/*; step slice r
+    wait for every Done                     <--  end_update; send Done(result)
+    end_update
+
+(:func:`master_finish_sharded`, :func:`worker_step`, :func:`worker_shard_step`.) A rank
+reads another's slice of a slot only after that rank posted, and the master reads the
+summed gradient and the stepped slices only after each worker's Done.
+
+The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
+worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
+:class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
+:mod:`mgpu_updater._local.pool`) are named tuples whose first field, ``kind``, names the
+message, so ``msg[0]`` dispatches.
 """
 from __future__ import annotations
 
@@ -66,6 +78,7 @@ import numpy
 from .._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
                     set_persistent_scalars, state_arrays)
 from .._replica import Replica, WindowResult
+from .board import Board, posted_total
 
 
 # ------------------------------------------------------------------------------ messages
@@ -87,24 +100,13 @@ class _StepFields(NamedTuple):
     loss_scale: Optional[float]      # the optimizer's loss scale (mixed precision)
     scalars: Dict[str, Any]          # the master's non-array persistents (BatchNorm's N)
     parity: Optional[int]            # the gradient set: None, or 0/1 in pipelined mode
-    sharded: bool = False            # this update's step is sharded (:mod:`.sharded_step`)
+    orders: Optional[bytes] = None   # a sharded update: this worker's pickled (rules, hooks)
+                                     # (sharded_step.MasterShards.orders); None: not sharded
 
 
 class Step(_Kind, _StepFields):
-    """master -> worker: run one update (``Step(loss_scale, scalars, parity, sharded)``)."""
+    """master -> worker: run one update (``Step(loss_scale, scalars, parity, orders)``)."""
     KIND = 'step'
-
-
-class _ShardStepFields(NamedTuple):
-    kind: str
-    factor: Optional[float]          # the update's gradient factor; None: no step (skipped)
-    orders: bytes                    # pickled (rules, hooks): sharded_step.MasterShards.orders
-
-
-class ShardStep(_Kind, _ShardStepFields):
-    """master -> worker, in a sharded update after every Done: sum your slice of the
-    gradients and step it (``ShardStep(factor, orders)``)."""
-    KIND = 'shard_step'
 
 
 class _NoFields(NamedTuple):
@@ -142,11 +144,6 @@ class Done(_Kind, _DoneFields):
     KIND = 'done'
 
 
-class Stepped(_Kind, _NoFields):
-    """worker -> master, in a sharded update: my slice is summed and stepped."""
-    KIND = 'stepped'
-
-
 class _StateFields(NamedTuple):
     kind: str
     state: Dict[str, Any]
@@ -182,7 +179,7 @@ def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
     ``grad0``/``grad1``). ``across_hosts``: the MPI group's form, every rank ends with the
     sums (``allreduce``) and no parameters travel (they stay equal by construction).
     ``sharded``: the gradient is summed slice by slice, each rank its own
-    (``reduce_scatter``), after :class:`ShardStep` (see :func:`before_shard_step`).
+    (``reduce_scatter``), after the ranks met at the board (see :func:`before_shard_step`).
     """
     reduce = 'allreduce' if across_hosts else 'reduce'
     order = [] if across_hosts else [
@@ -215,14 +212,15 @@ def after_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
 
 
 def before_shard_step(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
-    """Of the collectives after the window, those a rank issues before the sharded step's
-    :class:`ShardStep`: every one but the gradient's ``reduce_scatter``, which come last."""
+    """Of the collectives after the window, those a rank issues before the sharded step:
+    every one but the gradient's ``reduce_scatter``, which come last. (The master issues
+    them after the board, a worker before it.)"""
     return tuple(c for c in after_window(order) if c.verb != 'reduce_scatter')
 
 
 def shard_step_collectives(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
-    """The gradient's ``reduce_scatter`` collectives: issued after :class:`ShardStep`,
-    before the step."""
+    """The gradient's ``reduce_scatter`` collectives: issued after the board, before the
+    step."""
     return tuple(c for c in after_window(order) if c.verb == 'reduce_scatter')
 
 
@@ -262,18 +260,27 @@ class Workers(Protocol):
 
     def gather(self, kind: str) -> Dict[int, Any]: ...
 
+    def check(self) -> None: ...
+
 
 def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
                  loss_scale: Optional[float], parity: Optional[int],
-                 in_place: Collection[str] = (), sharded: bool = False) -> None:
+                 in_place: Collection[str] = (),
+                 orders: Optional[Dict[int, bytes]] = None) -> None:
     """The master's half, before its window: parameters out, then the workers start.
     ``in_place``: parameters whose arrays already are their slices of the broadcast buffer
-    (:class:`mgpu_updater._local.group.SlotParams`), not copied."""
+    (:class:`mgpu_updater._local.group.SlotParams`), not copied. ``orders``: a sharded
+    update's, by rank (:meth:`.sharded_step.MasterShards.orders`)."""
     order = collective_order(layouts, parity)
     comm.begin_update()
     layouts.state.pack(state_arrays(model), comm.buffer, skip=in_place)
     issue(comm, before_window(order))
-    workers.send(Step(loss_scale, persistent_scalars(model), parity, sharded))
+    scalars = persistent_scalars(model)
+    if orders is None:
+        workers.send(Step(loss_scale, scalars, parity))
+        return
+    for rank, order in orders.items():
+        workers.send(Step(loss_scale, scalars, parity, order), ranks=[rank])
 
 
 def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
@@ -291,27 +298,27 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     return [others[rank] for rank in sorted(others)]
 
 
-def master_finish_sharded(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
-                          size: int, orders: Callable[[List[WindowResult]], Dict[int, tuple]],
-                          own_step: Callable[[], None]) -> List[WindowResult]:
-    """The master's half of a sharded update, after its window: wait for every Done,
-    reduce the statistics, send each worker its :class:`ShardStep` (``orders(results)``,
-    by rank), sum and step slice 0 (``own_step``, after its ``reduce_scatter``), then wait
-    for every :class:`Stepped`. The summed gradient is then whole in the master's slot of
-    ``grad``; the parameters are stepped in the slot. Returns the workers' results."""
+def master_finish_sharded(workers: Workers, comm: Any, board: Board, layouts: ModelLayouts,
+                          model: Any, size: int, own: WindowResult,
+                          decide: Callable[[int, float], Optional[float]],
+                          own_step: Callable[[float], None]) -> List[WindowResult]:
+    """The master's half of a sharded update, after its window: pack, meet the workers at
+    the board, reduce the statistics, ``decide(count, loss)`` the factor (None: no step;
+    it may raise), sum slice 0 and step it (``own_step(factor)``), then wait for every
+    Done. The summed gradient is then whole in the master's slot of ``grad``; the
+    parameters are stepped in the slot. Returns the workers' results."""
     order = collective_order(layouts, None, sharded=True)
     pack_window(comm, layouts, model, None, size)
-    others = workers.gather('done')
-    results = [others[rank] for rank in sorted(others)]
+    count, loss = posted_total(board.meet(own.count, own.loss_sum, workers.check))
     issue(comm, before_shard_step(order))
     layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
-    for rank, msg in orders(results).items():
-        workers.send(msg, ranks=[rank])
+    factor = decide(count, loss)
     issue(comm, shard_step_collectives(order))
-    own_step()
-    workers.gather(Stepped.KIND)
+    if factor is not None:
+        own_step(factor)
+    others = workers.gather(Done.KIND)
     comm.end_update()
-    return results
+    return [others[rank] for rank in sorted(others)]
 
 
 # ------------------------------------------------------------------------------ the worker
@@ -358,13 +365,15 @@ class ParamViews:
 
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None,
-                shards: Any = None) -> WindowResult:
+                shards: Any = None, board: Optional[Board] = None,
+                check: Callable[[], None] = lambda: None) -> WindowResult:
     """The worker's half of one update: parameters in, the window, reductions issued.
-    The caller then sends :class:`Done` with the result. In a sharded update
-    (``step.sharded``) the gradient's ``reduce_scatter`` waits for :class:`ShardStep`
-    (:func:`worker_shard_step`)."""
+    The caller then sends :class:`Done` with the result. A sharded update (``step.orders``)
+    also meets the other ranks at ``board`` (``check`` runs while it waits) and steps this
+    rank's slice (:func:`worker_shard_step`)."""
     model = replica.model
-    order = collective_order(layouts, step.parity, sharded=step.sharded)
+    sharded = step.orders is not None
+    order = collective_order(layouts, step.parity, sharded=sharded)
     comm.begin_update()
     issue(comm, before_window(order))
     if views is not None:
@@ -373,11 +382,14 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                          skip=views.names if views is not None else ())
     set_persistent_scalars(model, step.scalars)
     result = replica.run_window(step.loss_scale)
-    if step.sharded and shards is not None:
-        # the other ranks' slices now, its own after Done (:func:`worker_after_done`)
+    if sharded:
+        # the other ranks' slices before the post, its own (only it reads it) after
         pack_stats(comm, layouts, model, size)
         shards.pack(model, own=False)
         issue(comm, before_shard_step(order))
+        posted = board.meet(result.count, result.loss_sum, check)
+        shards.pack(model, own=True)
+        worker_shard_step(comm, layouts, shards, posted, step.orders)
         return result
     pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
@@ -385,17 +397,11 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     return result
 
 
-def worker_after_done(step: Step, replica: Replica, shards: Any) -> None:
-    """In a sharded update, after Done went out: pack the gradient of its own slice, which
-    only its own ``reduce_scatter`` reads (while the master decides the step)."""
-    if step.sharded and shards is not None:
-        shards.pack(replica.model, own=True)
-
-
-def worker_shard_step(msg: ShardStep, comm: Any, layouts: ModelLayouts, shards: Any) -> None:
-    """The worker's half of a sharded update, after :class:`ShardStep`: sum its slice of
-    the gradients, step it (:class:`~.sharded_step.WorkerShards`). The caller then sends
-    :class:`Stepped`."""
+def worker_shard_step(comm: Any, layouts: ModelLayouts, shards: Any,
+                      posted: List[Tuple[int, float]], orders: bytes) -> None:
+    """The worker's half of a sharded update, after the board: sum its slice of the
+    gradients, decide the factor as the master does, from the same posts, and step the
+    slice (:class:`~.sharded_step.WorkerShards`)."""
     issue(comm, shard_step_collectives(collective_order(layouts, None, sharded=True)))
-    shards.step(msg.factor, msg.orders)
+    shards.step(*posted_total(posted), orders)
     comm.end_update()

@@ -22,16 +22,20 @@ its state are views of the shared buffer while the workers live (copied off at c
 parameters are).
 
 Which update is sharded the master decides at every begin (:meth:`MasterShards.prepare`), and
-says so in :class:`~.protocol.Step`; a reason not to (loss scaling, a hook that reads every
-gradient as ``GradientClipping``, a rule not listed here, pipelined mode, a parameter not in
-the shared slot) makes that update the master's step, as before. The messages and the order
-of the collectives are :mod:`.protocol`'s.
+says so in :class:`~.protocol.Step`, which carries each worker's rules; a reason not to (loss
+scaling, a hook that reads every gradient as ``GradientClipping``, a rule not listed here,
+pipelined mode, a parameter not in the shared slot, a CPU whose memory order the board
+cannot rely on) makes that update the master's step, as before. The ranks of a sharded
+update meet at the board (:mod:`.board`), each decides the factor itself; the messages and
+the order of the collectives are :mod:`.protocol`'s.
 """
 from __future__ import annotations
 
 import copy
 import pickle
-from typing import Any, Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Tuple
+import platform
+from typing import (Any, Callable, Dict, FrozenSet, Iterable, List, NamedTuple, Optional,
+                    Tuple)
 
 import chainer
 import numpy
@@ -40,6 +44,7 @@ from chainer import optimizer_hooks, optimizers
 from .. import _chainer_private as chainer_private
 from .._flat_buffers import FlatLayout, ModelLayouts
 from ..comm.base import shard_range
+from .board import STORE_ORDER
 
 #: The update rules whose step on a slice is, element by element, the step on the whole
 #: array: Chainer's own, each ``is_elementwise``, whose only state is arrays shaped as the
@@ -131,6 +136,9 @@ def state_keys(optimizer: Any) -> Optional[Tuple[str, ...]]:
 
 def why_not(optimizer: Any, loss_scale: Optional[float], keys: Tuple[str, ...]) -> Optional[str]:
     """Why this update's step cannot be sharded, or None."""
+    if not STORE_ORDER:
+        return ('the ranks meet in shared memory without messages, which needs the store '
+                'order of x86-64 (this machine is a ' + platform.machine() + ')')
     if not isinstance(optimizer, chainer.GradientMethod):
         return 'the optimizer is not a GradientMethod'
     if type(optimizer).update is not chainer.GradientMethod.update:
@@ -273,10 +281,10 @@ class MasterShards:
         return None
 
     def orders(self, optimizer: Any) -> Tuple[Tuple[Any, ...], Dict[int, bytes]]:
-        """The optimizer's hooks, and what each worker's :class:`~.protocol.ShardStep`
-        carries besides the factor, pickled once before the update's end (off its critical
-        path): the rules of its pieces as they will be after :meth:`count` (``t`` one up;
-        None for a rule that is off, ``enabled = False`` or no rule), and those hooks."""
+        """The optimizer's hooks, and what each worker's :class:`~.protocol.Step` carries,
+        pickled at begin: the rules of its pieces as they will be after :meth:`count`
+        (``t`` one up; None for a rule that is off, ``enabled = False`` or no rule), and
+        those hooks."""
         pre, _ = chainer_private.optimizer_hooks(optimizer)
         hooks = tuple(pre.values())
         out = {}
@@ -328,11 +336,14 @@ class MasterShards:
 
 
 class WorkerShards:
-    """A worker's side: pack its gradient in two parts, step its slice with the rules the
+    """A worker's side: pack its gradient in two parts, decide the factor
+    (``decide(count, loss)``, as the master does), step its slice with the rules the
     master sent."""
 
-    def __init__(self, comm: Any, layouts: ModelLayouts, states: StateLayout) -> None:
+    def __init__(self, comm: Any, layouts: ModelLayouts, states: StateLayout,
+                 decide: Callable[[int, float], Optional[float]]) -> None:
         self.slices = _Slices(comm, layouts, states, comm.rank)
+        self.decide = decide
         self._rules: Dict[str, Any] = {}
         self._grad = layouts.grad
         self._buffer = comm.buffer
@@ -341,9 +352,9 @@ class WorkerShards:
                         for p in pieces(layouts.grad, comm.size, rank)]
 
     def pack(self, model: chainer.Link, own: bool) -> None:
-        """Copy the gradient of the other ranks' slices (``own`` False: before Done, as
-        they read them after it) or of its own slice (True: after Done, while the master
-        decides; only this rank reads it) into this rank's slot."""
+        """Copy the gradient of the other ranks' slices (``own`` False: before the post,
+        as they read them after it) or of its own slice (True: after the post, while the
+        others post; only this rank reads it) into this rank's slot."""
         grads = {name: p.grad for name, p in model.namedparams()}
         for p in (self._own if own else self._others):
             dst = self._buffer(f'{self._grad.prefix}/{p.dtype}')[
@@ -354,8 +365,10 @@ class WorkerShards:
             else:
                 dst[...] = src.reshape(-1)[p.lo:p.hi]
 
-    def step(self, factor: Optional[float], orders: bytes) -> None:
-        if factor is None:   # the master skips this update's step
+    def step(self, count: int, loss: float, orders: bytes) -> None:
+        """Step its slice for an update over ``count`` samples of mean loss ``loss``."""
+        factor = self.decide(count, loss)
+        if factor is None:   # no step (the master skips it, or raises)
             return
         specs, hooks = pickle.loads(orders)
         rules = {}

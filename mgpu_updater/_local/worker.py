@@ -7,8 +7,8 @@ afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
 payload bytes (a pickled WorkerInit)      Ready() once, after start-up
-Step(loss_scale, scalars, parity, sharded) Done(WindowResult)
-ShardStep(factor, orders)                 Stepped() (a sharded update, after its Done)
+Step(loss_scale, scalars, parity, orders) Done(WindowResult) (a sharded update: after
+                                          meeting the others at the board, .board)
 StateRequest()                            State(iterator state dict)
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
@@ -22,9 +22,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Done, Failed, Hello, ParamViews, Ready, ShardStep, State, StateRequest,
-                       Step, Stepped, Stop, worker_after_done, worker_shard_step,
-                       worker_step)
+from .protocol import (Done, Failed, Hello, ParamViews, Ready, State, StateRequest, Step,
+                       Stop, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -50,6 +49,8 @@ class WorkerInit(NamedTuple):
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
     shard_keys: Optional[tuple] = None   # the optimizer's state entries (sharded_step);
                                          # None: the step is never sharded
+    board: Optional[str] = None          # the sharded update's board segment (.board)
+    nonfinite: str = 'raise'             # the updater's policy (a sharded step decides it)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -227,17 +228,55 @@ def _build(init: 'WorkerInit') -> Any:
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
-    shards = None
-    if init.shard_keys is not None:
+    shards = board = None
+    if init.shard_keys is not None and init.board is not None:
+        from .. import _step
+        from .board import Board
         from .sharded_step import StateLayout, WorkerShards
-        shards = WorkerShards(comm, layouts, StateLayout(layouts.grad, init.shard_keys))
-    return replica, comm, layouts, (ParamViews(comm, layouts, model), shards)
+
+        def decide(count: int, loss: float) -> Optional[float]:
+            # as the master's updater decides; under 'raise' it raises, here no step
+            return _step.decide(count, loss, init.nonfinite, False, init.scaling)[0]
+        shards = WorkerShards(comm, layouts, StateLayout(layouts.grad, init.shard_keys),
+                              decide)
+        board = Board.attach(init.board, init.size, init.rank)
+    return replica, comm, layouts, (ParamViews(comm, layouts, model), shards, board)
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
            in_place: Any) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
-    views, shards = in_place
+    views, shards, board = in_place
+    try:
+        _answer(conn, init, replica, comm, layouts, views, shards, board)
+    finally:
+        if board is not None:
+            board.close()
+
+
+class _Stopped(Exception):
+    """The master stopped this worker while it waited at the board."""
+
+
+def _stop_check(conn: Any) -> Callable[[], None]:
+    """What a worker waiting at the board checks: the master says nothing then, unless
+    it stops us (after an error of its own or another worker's)."""
+    def check() -> None:
+        try:
+            if not conn.poll(0):
+                return
+            msg = conn.recv()
+        except (EOFError, OSError):
+            raise _Stopped() from None   # the master is gone
+        if msg[0] != Stop.KIND:
+            raise ValueError(f'got {msg[0]!r} while waiting at the board')
+        raise _Stopped()
+    return check
+
+
+def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
+            views: Any, shards: Any, board: Any) -> None:
+    check = _stop_check(conn)
     while True:
         try:
             msg = conn.recv()
@@ -249,15 +288,13 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
         try:
             if kind == Step.KIND:
                 conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views,
-                                           shards)))
-                worker_after_done(msg, replica, shards)
-            elif kind == ShardStep.KIND:
-                worker_shard_step(msg, comm, layouts, shards)
-                conn.send(Stepped())
+                                           shards, board, check)))
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:
                 raise ValueError(f'unknown command {kind!r}')
+        except _Stopped:
+            return                       # stopped, or the master is gone
         except BaseException:  # noqa: BLE001 - reported to the master
             _send_error(conn)
             _wait_stop(conn)

@@ -179,29 +179,12 @@ def check(scenario, signum, report, result, problems):
             problems.append('the driver printed no RESULT')
             return
         report['time_to_error'] = result.get('time_to_error')
-        if not result.get('is_worker_error'):
-            problems.append(f'expected WorkerError, got {result.get("error_type")}: '
-                            f'{result.get("message", "")[:500]}')
+        if result['replica_expected'] == 0:   # the master's own fault: its own error
+            if result.get('error_type') != 'FaultInjected':
+                problems.append(f'expected FaultInjected, got {result.get("error_type")}: '
+                                f'{result.get("message", "")[:500]}')
+        elif not _worker_error_as_expected(scenario, result, problems):
             return
-        if result['replica'] != result['replica_expected']:
-            problems.append(f'the error names replica {result["replica"]}, '
-                            f'not {result["replica_expected"]}')
-        if scenario != 'raise_start' and (
-                not result['segments_created']
-                or result['segments_mapped_at_update_1'] != result['segments_created']):
-            problems.append('the segments seen do not match: mapped '
-                            f'{result["segments_mapped_at_update_1"]}, created '
-                            f'{result["segments_created"]}')
-        if result['device'] != '@numpy':
-            problems.append(f'the error names device {result["device"]!r}')
-        if scenario == 'kill_worker':
-            if result.get('exitcode') != -signal.SIGKILL:
-                problems.append(f'exitcode {result.get("exitcode")} (expected -9)')
-            if 'SIGKILL' not in result['message']:
-                problems.append('the message does not say SIGKILL')
-        elif not result.get('traceback_has_fault'):
-            problems.append('the remote traceback lacks the fault: '
-                            + (result.get('remote_traceback') or '')[-800:])
         for key in ('active_children_after_error', 'active_children', 'not_reaped',
                     'finalize_errors', 'segments_left'):
             if result.get(key):
@@ -226,6 +209,34 @@ def check(scenario, signum, report, result, problems):
         problems.append('no time to error measured')
     elif t > limit:
         problems.append(f'time to error {t:.2f} s > {limit} s')
+
+
+def _worker_error_as_expected(scenario, result, problems):
+    """The checks of a fault in a worker; False when the error is no WorkerError."""
+    if not result.get('is_worker_error'):
+        problems.append(f'expected WorkerError, got {result.get("error_type")}: '
+                        f'{result.get("message", "")[:500]}')
+        return False
+    if result['replica'] != result['replica_expected']:
+        problems.append(f'the error names replica {result["replica"]}, '
+                        f'not {result["replica_expected"]}')
+    if scenario != 'raise_start' and (
+            not result['segments_created']
+            or result['segments_mapped_at_update_1'] != result['segments_created']):
+        problems.append('the segments seen do not match: mapped '
+                        f'{result["segments_mapped_at_update_1"]}, created '
+                        f'{result["segments_created"]}')
+    if result['device'] != '@numpy':
+        problems.append(f'the error names device {result["device"]!r}')
+    if scenario == 'kill_worker':
+        if result.get('exitcode') != -signal.SIGKILL:
+            problems.append(f'exitcode {result.get("exitcode")} (expected -9)')
+        if 'SIGKILL' not in result['message']:
+            problems.append('the message does not say SIGKILL')
+    elif not result.get('traceback_has_fault'):
+        problems.append('the remote traceback lacks the fault: '
+                        + (result.get('remote_traceback') or '')[-800:])
+    return True
 
 
 if __name__ == '__main__':

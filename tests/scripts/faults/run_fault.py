@@ -77,7 +77,8 @@ def _worker_fault(args, created, stamp):
     site, action, at = WORKER_FAULTS[args.scenario]
     fault = faulty.Fault(site, action, replica=args.replica, at=at, stamp=stamp)
     updater = faulty.build(args.replicas, fault, prefetch=args.prefetch,
-                           start_method=args.start_method, iterator=args.iterator)
+                           start_method=args.start_method, iterator=args.iterator,
+                           shard_optimizer=args.shard_optimizer)
     out = {'scenario': args.scenario, 'replica_expected': args.replica}
     pids, segments_seen = [], []
     error = None
@@ -88,7 +89,8 @@ def _worker_fault(args, created, stamp):
                 pids = updater.worker_pids()
                 segments_seen = faulty.own_segments()
                 emit('READY', {'master': os.getpid(), 'workers': pids,
-                               'segments': sorted(created)})
+                               'segments': sorted(created),
+                               'shard_reason': shard_reason(updater)})
     except BaseException as exc:  # noqa: BLE001 - what we came for
         t_error = time.time()
         error = exc
@@ -133,6 +135,13 @@ def _worker_fault(args, created, stamp):
     emit('RESULT', out)
 
 
+def shard_reason(updater):
+    """Why the latest update's step was not sharded (None: it was; see
+    ``mgpu_updater._local.sharded_step``)."""
+    shards = getattr(updater._group, 'shards', None)
+    return 'never sharded' if shards is None else shards.reason
+
+
 def _is_reaped(pid):
     """No zombie, no running process: ``waitpid`` knows no such child."""
     try:
@@ -145,7 +154,8 @@ def _is_reaped(pid):
 def serve(args, created):
     import faulty
     updater = faulty.build(args.replicas, delay=args.delay, prefetch=args.prefetch,
-                           start_method=args.start_method, iterator=args.iterator)
+                           start_method=args.start_method, iterator=args.iterator,
+                           shard_optimizer=args.shard_optimizer)
     out = {'scenario': 'serve'}
     pids = []
     try:
@@ -155,7 +165,8 @@ def serve(args, created):
             if updater.iteration == 2:
                 pids = updater.worker_pids()
                 emit('READY', {'master': os.getpid(), 'workers': pids,
-                               'segments': sorted(created)})
+                               'segments': sorted(created),
+                               'shard_reason': shard_reason(updater)})
         out['error_type'] = None
     except BaseException as exc:  # noqa: BLE001 - SIGINT ends up here
         out['error_type'] = type(exc).__name__
@@ -184,6 +195,8 @@ def main():
     parser.add_argument('--start-method', default='spawn')
     parser.add_argument('--prefetch', type=int, default=2)
     parser.add_argument('--iterator', choices=['serial', 'multiprocess'], default='serial')
+    parser.add_argument('--shard-optimizer', action='store_true',
+                        help='shard the optimizer step (the ranks meet at the board)')
     args = parser.parse_args()
     created = spy_segments()
     if args.scenario == 'serve':
