@@ -239,7 +239,7 @@ def payload_factory(init_kwargs: Dict[str, Any],
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
     """
-    def make(handle: Any, board: Optional[str]) -> bytes:
+    def make(handle: Any, board: Optional[str] = None) -> bytes:
         replace = _payload.replica_links(master_model, init_kwargs['model'])
         return _payload.dumps(WorkerInit(comm_handle=handle, board=board, **init_kwargs),
                               replace)
