@@ -277,7 +277,7 @@ def test_under_raise_a_non_finite_loss_raises_and_the_workers_stop():
         updater.finalize()
 
 
-def test_the_board_gives_every_rank_every_post_in_rank_order():
+def test_the_board_gives_every_rank_every_post_in_rank_order_round_by_round():
     import multiprocessing
     from mgpu_updater._local.board import Board
 
@@ -285,6 +285,7 @@ def test_the_board_gives_every_rank_every_post_in_rank_order():
         board = Board.attach(name, 2, 1)
         out.put(board.meet(3, 1.5, lambda: None))
         out.put(board.meet(0, float('inf'), lambda: None))
+        board.post()   # a round without values: "my slice is stepped"
         board.close()
     board = Board.create(2)
     ctx = multiprocessing.get_context('fork')
@@ -296,6 +297,9 @@ def test_the_board_gives_every_rank_every_post_in_rank_order():
         second = board.meet(7, -1.0, lambda: None)
         assert first == [(5, 2.5), (3, 1.5)] == out.get(timeout=30)
         assert second == [(7, -1.0), (0, float('inf'))] == out.get(timeout=30)
+        board.post()
+        board.wait(lambda: None)
+        assert board.posted() == second   # the values posted last, for late readers
     finally:
         proc.join(30)
         board.close()

@@ -3,11 +3,12 @@
 In a sharded update (:mod:`.sharded_step`) every rank, once its window is over and its
 gradient packed, posts its sample count and loss here and waits until every rank has
 posted; each then decides the update's gradient factor itself, from the same posted values
-with the same code (:func:`mgpu_updater._step.decide`), and sums and steps its slice. That
-takes the place of two messages through the master (its decision out, each worker's "done"
-back), each of which cost 0.3-0.9 ms from send to receipt on a loaded 2-core VM, where a
-post is seen within microseconds by a rank that spins and within about 60 us by one that
-sleeps between looks.
+with the same code (:func:`mgpu_updater._step.decide`), and sums and steps its slice; a
+worker then posts once more, without values, and the master waits for that round before
+it ends the update. That takes the place of messages through the master (its decision
+out, each worker's "stepped" back), each of which cost 0.3-0.9 ms from send to receipt on
+a loaded 2-core VM, where a post is seen within microseconds by a rank that spins and
+within about 60 us by one that sleeps between looks.
 
 The board is one segment: a row of :data:`_WORDS` 64-bit words per rank (its round number,
 its count, its loss as float64). A rank writes its count and loss first and its round last;
@@ -26,7 +27,7 @@ from __future__ import annotations
 import platform
 import secrets
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..comm.shm import _open
 
@@ -70,26 +71,40 @@ class Board:
         """Post this rank's ``count`` and ``loss``, wait until every rank posted this
         round, and return every rank's (count, loss), in rank order. ``check`` runs every
         :data:`CHECK_EVERY` seconds while waiting (it raises to stop the wait)."""
+        self.post(count, loss)
+        self.wait(check)
+        return self.posted()
+
+    def posted(self) -> List[Tuple[int, float]]:
+        """Every rank's (count, loss) as last posted with values, in rank order."""
+        return [(self._ints[r * _WORDS + _COUNT], self._floats[r * _WORDS + _LOSS])
+                for r in range(self.size)]
+
+    def post(self, count: Optional[int] = None, loss: Optional[float] = None) -> None:
+        """Start this rank's next round, with its ``count`` and ``loss`` or (None) with
+        the values it posted last, which the others may still be reading."""
         self._round += 1
         at = self.rank * _WORDS
-        self._ints[at + _COUNT] = int(count)
-        self._floats[at + _LOSS] = float(loss)
+        if count is not None:
+            self._ints[at + _COUNT] = int(count)
+            self._floats[at + _LOSS] = float(loss)   # type: ignore[arg-type]
         self._ints[at + _ROUND] = self._round    # last: the post is complete
+
+    def wait(self, check: Callable[[], None]) -> None:
+        """Wait until every rank has posted this rank's latest round (see :meth:`meet`)."""
         rounds = [r * _WORDS + _ROUND for r in range(self.size)]
-        ints = self._ints
+        ints, target = self._ints, self._round
         start = time.perf_counter()
         next_check = start + CHECK_EVERY
         while True:
-            if all(ints[i] >= self._round for i in rounds):
-                break
+            if all(ints[i] >= target for i in rounds):
+                return
             now = time.perf_counter()
             if now >= next_check:
                 check()
                 next_check = now + CHECK_EVERY
             if now - start > SPIN:
                 time.sleep(0)   # lets this process's other threads (the loader) run
-        return [(ints[r * _WORDS + _COUNT], self._floats[r * _WORDS + _LOSS])
-                for r in range(self.size)]
 
     def close(self) -> None:
         """Release the mapping; the master also removes the segment."""

@@ -53,14 +53,16 @@ message between Step and Done; the ranks meet at the board (:mod:`.board`) inste
                                                  reduce stat/* (recorded)
     post count, loss; wait for every post   <->  post count, loss; wait for every post
     reduce stat/*                                pack its own slice of grad
-    decide the factor (may raise)                decide the factor (the same values, code)
-    reduce_scatter grad/*; step slice 0          reduce_scatter grad/*; step slice r
-    wait for every Done                     <--  end_update; send Done(result)
+    decide the factor (may raise)           <--  send Done(result)
+    reduce_scatter grad/*; step slice 0          decide the factor (the same values, code)
+    take every Done (already in the pipe)        reduce_scatter grad/*; step slice r
+    post; wait for every post               <--  end_update; post (the slice is stepped)
     end_update
 
 (:func:`master_finish_sharded`, :func:`worker_step`, :func:`worker_shard_step`.) A rank
 reads another's slice of a slot only after that rank posted, and the master reads the
-summed gradient and the stepped slices only after each worker's Done.
+summed gradient and the stepped slices only after each worker's second post. Done goes
+out before the worker's step, so that it waits in the pipe, off the critical path.
 
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
 worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
@@ -304,9 +306,10 @@ def master_finish_sharded(workers: Workers, comm: Any, board: Board, layouts: Mo
                           own_step: Callable[[float], None]) -> List[WindowResult]:
     """The master's half of a sharded update, after its window: pack, meet the workers at
     the board, reduce the statistics, ``decide(count, loss)`` the factor (None: no step;
-    it may raise), sum slice 0 and step it (``own_step(factor)``), then wait for every
-    Done. The summed gradient is then whole in the master's slot of ``grad``; the
-    parameters are stepped in the slot. Returns the workers' results."""
+    it may raise), sum slice 0 and step it (``own_step(factor)``), take every Done, then
+    meet the workers once more (their slices stepped). The summed gradient is then whole
+    in the master's slot of ``grad``; the parameters are stepped in the slot. Returns the
+    workers' results."""
     order = collective_order(layouts, None, sharded=True)
     pack_window(comm, layouts, model, None, size)
     count, loss = posted_total(board.meet(own.count, own.loss_sum, workers.check))
@@ -317,6 +320,8 @@ def master_finish_sharded(workers: Workers, comm: Any, board: Board, layouts: Mo
     if factor is not None:
         own_step(factor)
     others = workers.gather(Done.KIND)
+    board.post()
+    board.wait(workers.check)
     comm.end_update()
     return [others[rank] for rank in sorted(others)]
 
@@ -366,11 +371,12 @@ class ParamViews:
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None,
                 shards: Any = None, board: Optional[Board] = None,
-                check: Callable[[], None] = lambda: None) -> WindowResult:
-    """The worker's half of one update: parameters in, the window, reductions issued.
-    The caller then sends :class:`Done` with the result. A sharded update (``step.orders``)
-    also meets the other ranks at ``board`` (``check`` runs while it waits) and steps this
-    rank's slice (:func:`worker_shard_step`)."""
+                check: Callable[[], None] = lambda: None,
+                done: Callable[[WindowResult], None] = lambda result: None) -> None:
+    """The worker's half of one update: parameters in, the window, reductions issued,
+    ``done(result)`` (which sends :class:`Done`). A sharded update (``step.orders``) also
+    meets the other ranks at ``board`` (``check`` runs while it waits), calls ``done``,
+    steps this rank's slice (:func:`worker_shard_step`) and posts once more."""
     model = replica.model
     sharded = step.orders is not None
     order = collective_order(layouts, step.parity, sharded=sharded)
@@ -387,14 +393,18 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
         pack_stats(comm, layouts, model, size)
         shards.pack(model, own=False)
         issue(comm, before_shard_step(order))
-        posted = board.meet(result.count, result.loss_sum, check)
+        board.post(result.count, result.loss_sum)
         shards.pack(model, own=True)
+        board.wait(check)
+        posted = board.posted()
+        done(result)
         worker_shard_step(comm, layouts, shards, posted, step.orders)
-        return result
+        board.post()
+        return
     pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
     comm.end_update()
-    return result
+    done(result)
 
 
 def worker_shard_step(comm: Any, layouts: ModelLayouts, shards: Any,

@@ -8,7 +8,8 @@ master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
 payload bytes (a pickled WorkerInit)      Ready() once, after start-up
 Step(loss_scale, scalars, parity, orders) Done(WindowResult) (a sharded update: after
-                                          meeting the others at the board, .board)
+                                          meeting the others at the board, .board, and
+                                          before its step)
 StateRequest()                            State(iterator state dict)
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
@@ -287,8 +288,8 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
             return
         try:
             if kind == Step.KIND:
-                conn.send(Done(worker_step(msg, replica, comm, layouts, init.size, views,
-                                           shards, board, check)))
+                worker_step(msg, replica, comm, layouts, init.size, views, shards, board,
+                            check, done=lambda result: conn.send(Done(result)))
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:
