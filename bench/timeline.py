@@ -40,7 +40,8 @@ MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str
 # the last three; a worker runs ``worker_step``, and within it ``window`` and ``pack``, and
 # in a sharded update (``--shard-optimizer 1``) ``meet`` (its wait at the board) and then
 # ``worker_shard`` (its sum and step, within it ``reduce``). The master's 'reduce' and
-# 'step' are, when sharded, its slice's, and its 'meet' its wait at the board.
+# 'step' are, when sharded, its slice's, and its 'meet' its two waits at the board: for
+# the workers' posts, then for their slices stepped.
 PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
     ('mgpu_updater._replica', 'Replica.run_window', 'window'),
@@ -55,7 +56,7 @@ PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
     ('mgpu_updater._local.sharded_step', 'MasterShards.step', 'step'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
-    ('mgpu_updater._local.board', 'Board.meet', 'meet'),
+    ('mgpu_updater._local.board', 'Board.wait', 'meet'),
     ('mgpu_updater._local.worker', 'worker_step', 'worker_step'),
     ('mgpu_updater._local.protocol', 'worker_shard_step', 'worker_shard'),
 )
@@ -185,9 +186,10 @@ def analyse_ours(folder, warmup):
            'window': [e - s for s, e in windows],
            'outside': [(ue - us) - (we - ws) for (us, ue), (ws, we) in zip(updates, windows)]}
     first = updates[0][0]
-    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report',
-                  'meet'):
+    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
+    meets = [e - s for s, e in _spans(master, 'meet') if s > first]   # two per update
+    out['master meet'], out['master stepped'] = meets[0::2], meets[1::2]
     steps = _spans(worker, 'worker_step')[warmup:]
     worker_windows = _spans(worker, 'window')[warmup:]
     begins = _spans(master, 'begin')[warmup:]
@@ -229,6 +231,7 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('wait for the other replica (ours: for Done)', 'master gather', 'wait'),
     ('ours sharded: the master waits at the board', 'master meet', None),
     ('ours sharded: the worker waits at the board', 'worker meet', None),
+    ('ours sharded: the master waits for the slices stepped', 'master stepped', None),
     ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',
      None, 'allreduce'),
     ('  master packs its gradient', 'master pack', None),

@@ -295,12 +295,13 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     # with --shard-optimizer 1 the worker's sum and step of its slice and both ranks'
     # waits at the board are stamped; the master-step column (--master-step, the
     # updater's default) has none
-    for key in ('worker shard', 'master meet', 'worker meet'):
+    for key in ('worker shard', 'master meet', 'worker meet', 'master stepped'):
         assert ours[key] is not None and ours[key] >= 0, key
     assert ours['worker shard'] > 0
     master = result['ours_master_step']
     assert master['updates'] == 8
-    assert [master[key] for key in ('worker shard', 'master meet', 'worker meet')] == [None] * 3
+    assert [master[key] for key in ('worker shard', 'master meet', 'worker meet',
+                                    'master stepped')] == [None] * 4
     assert master['master step'] > 0
     assert 'ours (sharded step) / ours (master step)' in (tmp_path / 'timeline.md').read_text()
     if 'chainermn' in result:

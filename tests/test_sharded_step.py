@@ -278,14 +278,18 @@ def test_under_raise_a_non_finite_loss_raises_and_the_workers_stop():
 
 
 def test_the_board_gives_every_rank_every_post_in_rank_order_round_by_round():
+    """Rounds as a sharded update uses them: a round with values (count, loss), then one
+    without ("my slice is stepped"), which keeps them readable; only then new values."""
     import multiprocessing
     from mgpu_updater._local.board import Board
 
     def rank1(name, out):
         board = Board.attach(name, 2, 1)
-        out.put(board.meet(3, 1.5, lambda: None))
-        out.put(board.meet(0, float('inf'), lambda: None))
-        board.post()   # a round without values: "my slice is stepped"
+        for count, loss in ((3, 1.5), (0, float('inf'))):
+            out.put(board.meet(count, loss, lambda: None))
+            board.post()
+            board.wait(lambda: None)
+            out.put(board.posted())
         board.close()
     board = Board.create(2)
     ctx = multiprocessing.get_context('fork')
@@ -293,13 +297,14 @@ def test_the_board_gives_every_rank_every_post_in_rank_order_round_by_round():
     proc = ctx.Process(target=rank1, args=(board.name, out))
     proc.start()
     try:
-        first = board.meet(5, 2.5, lambda: None)
-        second = board.meet(7, -1.0, lambda: None)
-        assert first == [(5, 2.5), (3, 1.5)] == out.get(timeout=30)
-        assert second == [(7, -1.0), (0, float('inf'))] == out.get(timeout=30)
-        board.post()
-        board.wait(lambda: None)
-        assert board.posted() == second   # the values posted last, for late readers
+        for count, loss, expected in ((5, 2.5, [(5, 2.5), (3, 1.5)]),
+                                      (7, -1.0, [(7, -1.0), (0, float('inf'))])):
+            assert board.meet(count, loss, lambda: None) == expected
+            # (read before this rank's next post: then rank 1 may post new values)
+            board.post()
+            board.wait(lambda: None)
+            # rank 1 read its values after the round without values too: kept
+            assert out.get(timeout=30) == expected == out.get(timeout=30)
     finally:
         proc.join(30)
         board.close()

@@ -18,6 +18,11 @@ other cores in the order they were made and loads are not reordered with older l
 the gradient each rank packed before posting. Elsewhere (ARM's weaker order) the sharded
 step is not offered (:data:`STORE_ORDER`, :func:`.sharded_step.why_not`).
 
+A round's values stay on the board until their rank posts values again, and the local
+protocol makes every rank read them before that: a worker posts new values only in the next
+update, after the master's next Step, which the master sends after the update's second
+round, which no rank starts before it has read the first.
+
 Waiting is bounded by the ranks' health, not by time, like the pipes' waits: ``check``
 runs every :data:`CHECK_EVERY` seconds (the master's raises for a worker that died or
 reported an error; a worker's leaves when the master stops it).
