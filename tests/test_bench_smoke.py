@@ -292,6 +292,7 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                 'worker start', 'worker window', 'worker idle'):
         assert ours[key] is not None and ours[key] >= 0, key
     assert ours['window'] < ours['update']
+    assert ours['own'] is not None and ours['own'] <= ours['outside']   # less its waits
     # with --shard-optimizer 1 the worker's sum and step of its slice and both ranks'
     # waits at the board are stamped; the master-step column (--master-step, the
     # updater's default) has none
