@@ -331,6 +331,36 @@ def test_a_rank_waiting_at_the_board_runs_its_check_and_stops_when_it_raises():
         board.close()
 
 
+def test_a_long_wait_at_the_board_sleeps_longer_between_looks(monkeypatch):
+    """A waiter sleeps ``time.sleep(0)`` (about 60 us) at first, then longer, growing with
+    the wait and at most LONGEST_SLEEP: a peer's long window costs the waiter little CPU
+    (``time.sleep(0)`` alone kept it at about 20% of a core)."""
+    import time
+    from mgpu_updater._local import board as board_module
+    sleeps = []
+    real_sleep = time.sleep
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        real_sleep(seconds)
+    monkeypatch.setattr(board_module.time, 'sleep', sleep)
+    board = board_module.Board.create(2)
+    deadline = time.perf_counter() + 0.1
+
+    def check():
+        if time.perf_counter() > deadline:
+            raise TimeoutError('done')
+    try:
+        with pytest.raises(TimeoutError):
+            board.meet(1, 0.0, check)
+    finally:
+        board.close()
+    assert sleeps[0] == 0 and 0 < max(sleeps) <= board_module.LONGEST_SLEEP
+    longer = [s for s in sleeps if s > 0]
+    assert longer == sorted(longer)          # growing with the time waited
+    assert len(sleeps) < 500                 # sleep(0) alone: about 1,600 looks in 0.1 s
+
+
 def test_where_stores_may_be_seen_out_of_order_the_step_is_not_sharded(monkeypatch):
     """The board publishes a post by the order of stores (x86-64's); on a CPU without
     that order the master steps, and says why."""

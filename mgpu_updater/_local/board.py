@@ -23,6 +23,12 @@ protocol makes every rank read them before that: a worker posts new values only 
 update, after the master's next Step, which the master sends after the update's second
 round, which no rank starts before it has read the first.
 
+A waiter spins for :data:`SPIN`, then sleeps between looks: ``time.sleep(0)`` (about 60 us,
+the kernel's timer slack) for the first :data:`PATIENT`, and after that
+:data:`BACKOFF` of the time it has waited so far, at most :data:`LONGEST_SLEEP`, so that a
+long wait (a slower peer's longer window) costs little CPU (``time.sleep(0)`` alone kept a
+waiter at about 20% of a core) and at most 5% more time.
+
 Waiting is bounded by the ranks' health, not by time, like the pipes' waits: ``check``
 runs every :data:`CHECK_EVERY` seconds (the master's raises for a worker that died or
 reported an error; a worker's leaves when the master stops it).
@@ -42,6 +48,9 @@ STORE_ORDER = platform.machine().lower() in ('x86_64', 'amd64', 'i386', 'i686', 
 _WORDS = 4                 # per rank: round, count, loss (float64), unused
 _ROUND, _COUNT, _LOSS = 0, 1, 2
 SPIN = 50e-6               # seconds a waiter spins before it sleeps between looks
+PATIENT = 1e-3             # seconds after which a waiter sleeps longer between looks:
+BACKOFF = 0.05             # this share of the time it has waited so far,
+LONGEST_SLEEP = 1e-3       # at most this long
 CHECK_EVERY = 0.005        # seconds between a waiter's health checks
 
 
@@ -108,7 +117,10 @@ class Board:
             if now >= next_check:
                 check()
                 next_check = now + CHECK_EVERY
-            if now - start > SPIN:
+            waited = now - start
+            if waited > PATIENT:     # a long wait: sleep longer, so as to use little CPU
+                time.sleep(min(BACKOFF * waited, LONGEST_SLEEP))
+            elif waited > SPIN:
                 time.sleep(0)   # lets this process's other threads (the loader) run
 
     def close(self) -> None:
