@@ -406,7 +406,14 @@ def with_graph(root: chainer.Variable, value: Any) -> chainer.Variable:
 
 
 def total_loss(results: List[WindowResult]) -> float:
-    count = sum(r.count for r in results)
+    return mean_loss([(r.count, r.loss_sum) for r in results])
+
+
+def mean_loss(windows: List[Tuple[int, Any]]) -> Any:
+    """The mean loss of windows given as (samples, loss sum), summed in their order (NaN
+    without a sample): the one home of this arithmetic, which every rank of a sharded
+    update repeats on the same values (:func:`mgpu_updater._local.board.posted_total`)."""
+    count = sum(c for c, _ in windows)
     if count == 0:
         return math.nan
-    return sum(r.loss_sum for r in results) / count
+    return sum(loss for _, loss in windows) / count

@@ -123,9 +123,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             and steps its own slice of the parameters, with its slice of the optimizer's
             state, in shared memory (ZeRO stage 1;
             :mod:`mgpu_updater._local.sharded_step`): bitwise the master's step, without
-            the workers waiting for it, but with two more messages per update. Any other
-            update (another hook, loss scaling, pipelined, GPUs, across hosts) is the
-            master's step.
+            the workers waiting for it; the replicas meet at a board in shared memory
+            (:mod:`mgpu_updater._local.board`), each deciding the step itself. Any other
+            update (another hook, loss scaling, pipelined, GPUs, across hosts, a CPU other
+            than x86-64) is the master's step.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.

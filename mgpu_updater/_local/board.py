@@ -40,6 +40,7 @@ import secrets
 import time
 from typing import Callable, List, Optional, Tuple
 
+from .._replica import mean_loss
 from ..comm.shm import _open
 
 #: Whether this machine's memory order lets a post publish what was written before it.
@@ -139,10 +140,6 @@ class Board:
 
 
 def posted_total(posted: List[Tuple[int, float]]) -> Tuple[int, float]:
-    """The update's sample count and mean loss from every rank's post, summed in rank
-    order (what every rank computes alike; :func:`mgpu_updater._replica.total_loss`'s
-    arithmetic)."""
-    count = sum(c for c, _ in posted)
-    if count == 0:
-        return 0, float('nan')
-    return count, sum(loss for _, loss in posted) / count
+    """The update's sample count and mean loss from every rank's post, in rank order
+    (what every rank computes alike, as :func:`mgpu_updater._replica.mean_loss`)."""
+    return sum(c for c, _ in posted), mean_loss(posted)
