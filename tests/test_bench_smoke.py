@@ -227,24 +227,44 @@ def test_same_malloc_gives_every_method_the_thresholds_ours_sets():
 
 
 def test_paired_bench_writes_one_row_per_k(tmp_path):
-    """``bench/paired.py``: ours and the hand-written loop alternating in one process."""
+    """``bench/paired.py``: ours, the hand-written loop and (k=1) StandardUpdater alternating
+    in one process, each ratio's median with its bootstrap interval and the goal's verdict."""
     env = dict(os.environ)
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
     cmd = [sys.executable, str(ROOT / 'bench' / 'paired.py'), '--model', 'tiny',
-           '--ks', '1,2', '--pairs', '2', '--warmup', '1', '--out', str(tmp_path)]
+           '--ks', '1,2', '--pairs', '3', '--warmup', '1', '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'paired.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired/1'
+    assert result['schema'] == 'mgpu_updater.bench.paired/2'
     assert [r['k'] for r in result['rows']] == [1, 2]
+    assert 'standard' in result['rows'][0] and 'standard' not in result['rows'][1]
+    for ratio in result['rows'] + [result['rows'][0]['standard']]:
+        assert len(ratio['ratios']) == 3
+        assert all(r > 0 and math.isfinite(r) for r in ratio['ratios'])
+        assert ratio['ratio_q1'] <= ratio['ratio_median'] <= ratio['ratio_q3']
+        low, high = ratio['ratio_ci95']
+        assert min(ratio['ratios']) <= low <= high <= max(ratio['ratios'])
+        assert ratio['goal'] in ('within 2%', 'above 2%', 'not resolved')
     for row in result['rows']:
-        assert len(row['ratios']) == row['pairs'] == 2
-        assert all(r > 0 and math.isfinite(r) for r in row['ratios'])
-        assert row['ratio_q1'] <= row['ratio_median'] <= row['ratio_q3']
-        assert row['hand_ms'] > 0 and row['ours_ms'] > 0
-    assert '| 2 | 2 |' in (tmp_path / 'paired.md').read_text()
+        assert row['pairs'] == 3 and row['hand_ms'] > 0 and row['ours_ms'] > 0
+    assert result['rows'][0]['standard_ms'] > 0
+    text = (tmp_path / 'paired.md').read_text()
+    assert '| 1 | StandardUpdater | 3 |' in text and '| 2 | hand-written loop | 3 |' in text
     assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
+
+
+def test_paired_bench_verdict_needs_the_whole_interval_at_or_below_the_goal():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import paired
+    assert paired.verdict(0.99, 1.019) == 'within 2%'
+    assert paired.verdict(1.00, 1.021) == 'not resolved'
+    assert paired.verdict(1.021, 1.05) == 'above 2%'
+    low, high = paired.median_interval([1.0] * 10 + [2.0] * 10)
+    assert 1.0 <= low <= 1.5 <= high <= 2.0
+    assert paired.parse_args([]).pairs is None   # ceil(600 / k) per k
 
 
 def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
