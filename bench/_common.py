@@ -178,6 +178,17 @@ def summarize(values):
 # Machine, versions, BLAS
 # ---------------------------------------------------------------------------------------------
 
+def median_interval(values, resamples=2000, seed=0):
+    """A 95% interval for the median of ``values``: percentiles of a seeded bootstrap."""
+    import random
+    if len(values) < 2:
+        return values[0], values[0]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def cpu_model():
     try:
         with open('/proc/cpuinfo') as f:

@@ -25,7 +25,6 @@ Markdown table; with ``--out`` writes ``paired.json`` and ``paired.md`` there.
 """
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -40,7 +39,6 @@ import chainer  # noqa: E402
 
 SCHEMA = 'mgpu_updater.bench.paired/2'
 GOAL = 1.02   # issue 15: one replica within 2%
-BOOTSTRAP = 2000
 
 
 def parse_args(argv=None):
@@ -66,16 +64,6 @@ def quartiles(values):
     return q[0], q[2]
 
 
-def median_interval(values, seed=0):
-    """A 95% interval for the median of ``values``: percentiles of a seeded bootstrap."""
-    if len(values) < 2:
-        return values[0], values[0]
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
-                     for _ in range(BOOTSTRAP))
-    return medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1]
-
-
 def verdict(low, high):
     if high <= GOAL:
         return 'within 2%'
@@ -87,7 +75,7 @@ def verdict(low, high):
 def _ratio_row(ours, base):
     ratios = [o / h for o, h in zip(ours, base)]
     q1, q3 = quartiles(ratios)
-    low, high = median_interval(ratios)
+    low, high = _common.median_interval(ratios)
     return {'ratio_median': statistics.median(ratios), 'ratio_q1': q1, 'ratio_q3': q3,
             'ratio_ci95': [low, high], 'goal': verdict(low, high), 'ratios': ratios}
 

@@ -18,6 +18,12 @@ and micro-batch:
   wait for the other rank (a ``Barrier`` before the allreduce), the allreduce and the
   optimizer step. Outside forward/backward = the update minus forward/backward.
 
+Each window also gets its thread's CPU time, preemptions and page faults
+(:data:`COUNTERS`). The same forward/backward moves by 10-20% between repeats of 100
+updates on a VM, so comparing the methods' windows or whole updates needs many short
+repeats (``--updates 20 --repeats 24``): each repeat gives a ratio of two methods run back
+to back, and the table gives their median with a 95% bootstrap interval.
+
 Prints a Markdown table; with ``--out`` writes ``timeline.json`` and ``timeline.md``.
 """
 import argparse
@@ -32,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.timeline/1'
+SCHEMA = 'mgpu_updater.bench.timeline/2'
 STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its stamps
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 
@@ -62,19 +68,35 @@ PHASES = (
 )
 
 
+#: What the calling thread has used so far, stamped beside the time: its CPU seconds, the
+#: times the kernel took the CPU from it (involuntary context switches) and its minor page
+#: faults. A window whose wall time grows with the same CPU time waited for a CPU; one
+#: whose CPU time grows did more work or ran slower (faults, caches).
+COUNTERS = ('cpu', 'preempted', 'faults')
+
+
+def counters():
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), usage.ru_nivcsw, usage.ru_minflt
+
+
 def install_stamps(folder):
-    """Wrap every function of :data:`PHASES` to append '<phase>> t' and '<phase>< t' to
-    this process's file in ``folder``."""
+    """Wrap every function of :data:`PHASES` to append '<phase>> t cpu preempted faults'
+    and '<phase>< ...' (:func:`counters`) to this process's file in ``folder``."""
     import importlib
     out = open(os.path.join(folder, '{}.txt'.format(os.getpid())), 'a', buffering=1)
 
+    def stamp(mark):
+        out.write('{} {:.7f} {:.7f} {} {}\n'.format(mark, time.perf_counter(), *counters()))
+
     def wrap(fn, phase):
         def stamped(*args, **kwargs):
-            out.write('{}> {:.7f}\n'.format(phase, time.perf_counter()))
+            stamp(phase + '>')
             try:
                 return fn(*args, **kwargs)
             finally:
-                out.write('{}< {:.7f}\n'.format(phase, time.perf_counter()))
+                stamp(phase + '<')
         return stamped
 
     for module, attribute, phase in PHASES:
@@ -117,15 +139,19 @@ def run_chainermn(args):
     optimizer = chainermn.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(lr=0.01), comm)
     optimizer.setup(model)
-    times = {'update': [], 'wait': [], 'allreduce': [], 'step': [], 'optimizer': []}
+    names = ('wait', 'allreduce', 'step', 'optimizer')
+    times = {'update': [], **{name: [] for name in names},
+             **{name + ' ' + c: [] for name in names for c in COUNTERS}}
 
     def timed(name, fn):
         def run(*a, **kw):
-            start = time.perf_counter()
+            start, before = time.perf_counter(), counters()
             try:
                 return fn(*a, **kw)
             finally:
                 times[name].append(time.perf_counter() - start)
+                for c, end, begin in zip(COUNTERS, counters(), before):
+                    times[name + ' ' + c].append(end - begin)
         return run
 
     mean_grad = comm.multi_node_mean_grad
@@ -157,9 +183,11 @@ def run_chainermn(args):
 
 
 # ------------------------------------------------------------------------------ analysis
-def _spans(events, phase):
-    starts = [t for p, t in events if p == phase + '>']
-    ends = [t for p, t in events if p == phase + '<']
+def _spans(events, phase, column=0):
+    """(start, end) of every call of ``phase``: times, or with ``column`` 1, 2, 3 the
+    :data:`COUNTERS`."""
+    starts = [e[column] for p, *e in events if p == phase + '>']
+    ends = [e[column] for p, *e in events if p == phase + '<']
     return list(zip(starts, ends))
 
 
@@ -173,7 +201,7 @@ def analyse_ours(folder, warmup):
     events = {}
     for path in Path(folder).glob('*.txt'):
         rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
-        events[path.stem] = [(p, float(t)) for p, t in rows]
+        events[path.stem] = [(p, *map(float, values)) for p, *values in rows]
     masters = [e for e in events.values() if _spans(e, 'update')]
     workers = [e for e in events.values() if _spans(e, 'worker_step')]
     if len(masters) != 1 or len(workers) != 1:
@@ -185,6 +213,8 @@ def analyse_ours(folder, warmup):
     out = {'update': [e - s for s, e in updates],
            'window': [e - s for s, e in windows],
            'outside': [(ue - us) - (we - ws) for (us, ue), (ws, we) in zip(updates, windows)]}
+    for column, c in enumerate(COUNTERS, 1):
+        out['window ' + c] = [e - s for s, e in _spans(master, 'window', column)[warmup:]]
     first = updates[0][0]
     for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
@@ -210,18 +240,29 @@ def analyse_ours(folder, warmup):
 def analyse_chainermn(times):
     """Seconds of each of ChainerMN's phases on rank 0, one value per timed update."""
     n = min(len(v) for v in times.values())
-    fwd_bwd = [times['optimizer'][i] - times['wait'][i] - times['allreduce'][i]
-               - times['step'][i] for i in range(n)]
-    outside = [times['update'][i] - fwd_bwd[i] for i in range(n)]
-    return {'update': times['update'][:n], 'window': fwd_bwd, 'outside': outside,
-            'own': [outside[i] - times['wait'][i] for i in range(n)],
-            'wait': times['wait'][:n], 'allreduce': times['allreduce'][:n],
-            'step': times['step'][:n]}
+
+    def fwd_bwd(suffix=''):   # the optimizer's update less what it wraps
+        return [times['optimizer' + suffix][i] - times['wait' + suffix][i]
+                - times['allreduce' + suffix][i] - times['step' + suffix][i]
+                for i in range(n)]
+    window = fwd_bwd()
+    outside = [times['update'][i] - window[i] for i in range(n)]
+    out = {'update': times['update'][:n], 'window': window, 'outside': outside,
+           'own': [outside[i] - times['wait'][i] for i in range(n)],
+           'wait': times['wait'][:n], 'allreduce': times['allreduce'][:n],
+           'step': times['step'][:n]}
+    if 'optimizer cpu' in times:
+        for c in COUNTERS:
+            out['window ' + c] = fwd_bwd(' ' + c)
+    return out
 
 
 def medians(values):
-    """{phase: median in ms} of pooled per-update seconds, plus the count of updates."""
-    out = {key: _ms(v) for key, v in values.items()}
+    """{phase: median in ms} of pooled per-update seconds (counts: their median as it
+    is), plus the count of updates."""
+    out = {key: (statistics.median(v) if v else None)
+           if key.endswith((' preempted', ' faults')) else _ms(v)
+           for key, v in values.items()}
     out['updates'] = len(values['update'])
     return out
 
@@ -233,6 +274,9 @@ def pooled(parts):
 ROWS = (   # (label, key of ours, key of ChainerMN)
     ('update', 'update', 'update'),
     ('rank 0 forward/backward (ours: the master\'s window)', 'window', 'window'),
+    ('  its thread\'s CPU time', 'window cpu', 'window cpu'),
+    ('  times its thread was preempted (count)', 'window preempted', 'window preempted'),
+    ('  its thread\'s minor page faults (count)', 'window faults', 'window faults'),
     ('**outside forward/backward (rank 0)**', 'outside', 'outside'),
     ('outside forward/backward, less rank 0\'s waits for the other', 'own', 'own'),
     ('wait for the other replica (ours: for Done)', 'master gather', 'wait'),
@@ -253,6 +297,30 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('worker window', 'worker window', None),
     ('worker idle between its updates', 'worker idle', None),
 )
+
+
+PAIRS = (   # (label, numerator, denominator): compared repeat by repeat
+    ('ours / ChainerMN', 'ours', 'chainermn'),
+    ('ours (master step) / ChainerMN', 'ours_master_step', 'chainermn'),
+    ('ours (sharded step) / ours (master step)', 'ours', 'ours_master_step'),
+)
+
+
+def paired_ratios(repeats, median_interval):
+    """Per pair of :data:`PAIRS` that ran, and for 'update' and 'window': the ratio of the
+    two methods' medians in each repeat (run back to back, so the VM's drift, which moves
+    the same forward/backward by 10-20% from one repeat to the next, weighs on both), with
+    the median over the repeats and its 95% interval."""
+    out = {}
+    for label, a, b in PAIRS:
+        for key in ('update', 'window'):
+            ratios = [rep[a][key] / rep[b][key] for rep in repeats if a in rep and b in rep]
+            if ratios:
+                low, high = median_interval(ratios)
+                out['{}: {}'.format(label, key)] = {
+                    'ratios': ratios, 'median': statistics.median(ratios),
+                    'ci95': [low, high]}
+    return out
 
 
 def markdown(result):
@@ -296,6 +364,15 @@ def markdown(result):
             cells.append('-' if r is None else '{update} / {window} / {outside}'.format(**r))
         lines.append('| {} | {} |'.format(i + 1, ' | '.join(cells)))
     lines.append('')
+    if result.get('paired'):
+        lines += ['Repeat by repeat: the ratio of two methods\' medians in each repeat, its '
+                  'median over the {} repeats and a 95% bootstrap interval (above 1: the '
+                  'first is slower).'.format(len(result['repeats'])), '',
+                  '| ratio | median | 95% interval |', '|---|---:|---:|']
+        for label, r in result['paired'].items():
+            lines.append('| {} | {:.3f} | {:.3f}-{:.3f} |'.format(label, r['median'],
+                                                                 *r['ci95']))
+        lines.append('')
     if master:
         lines.append('Outside forward/backward, ours (sharded step) / ours (master step): '
                      '**{:.2f}x** ({} ms against {} ms); less the waits for the other '
@@ -413,6 +490,7 @@ def main(argv=None):
                 rep['chainermn'] = medians(mn[-1])
             result['repeats'].append(rep)
     result['ours'] = medians(pooled(ours))
+    result['paired'] = paired_ratios(result['repeats'], _common.median_interval)
     if master:
         result['ours_master_step'] = medians(pooled(master))
     if mn:

@@ -258,11 +258,11 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
 def test_paired_bench_verdict_needs_the_whole_interval_at_or_below_the_goal():
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from bench import paired
+    from bench import _common, paired
     assert paired.verdict(0.99, 1.019) == 'within 2%'
     assert paired.verdict(1.00, 1.021) == 'not resolved'
     assert paired.verdict(1.021, 1.05) == 'above 2%'
-    low, high = paired.median_interval([1.0] * 10 + [2.0] * 10)
+    low, high = _common.median_interval([1.0] * 10 + [2.0] * 10)
     assert 1.0 <= low <= 1.5 <= high <= 2.0
     assert paired.parse_args([]).pairs is None   # ceil(600 / k) per k
 
@@ -304,7 +304,7 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'timeline.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.timeline/1'
+    assert result['schema'] == 'mgpu_updater.bench.timeline/2'
     ours = result['ours']
     assert ours['updates'] == 8 and len(result['repeats']) == 2   # 2 repeats pooled
     for key in ('update', 'window', 'outside', 'master begin', 'master pack', 'master gather',
@@ -312,6 +312,10 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                 'worker start', 'worker window', 'worker idle'):
         assert ours[key] is not None and ours[key] >= 0, key
     assert ours['window'] < ours['update']
+    # the window's thread: CPU time (one thread's can't pass its wall time), preemptions
+    # and page faults, counted from the same stamps
+    assert 0 < ours['window cpu'] <= ours['window'] * 1.01 + 0.05
+    assert ours['window preempted'] >= 0 and ours['window faults'] >= 0
     assert ours['own'] is not None and ours['own'] <= ours['outside']   # less its waits
     # with --shard-optimizer 1 the worker's sum and step of its slice and both ranks'
     # waits at the board are stamped; the master-step column (--master-step, the
@@ -325,10 +329,20 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                                     'master stepped')] == [None] * 4
     assert master['master step'] > 0
     assert 'ours (sharded step) / ours (master step)' in (tmp_path / 'timeline.md').read_text()
+    # repeat by repeat: one ratio per repeat, its median inside its bootstrap interval
+    pairs = result['paired']
+    for key in ('update', 'window'):
+        r = pairs['ours (sharded step) / ours (master step): ' + key]
+        assert len(r['ratios']) == 2
+        assert min(r['ratios']) <= r['ci95'][0] <= r['median'] <= r['ci95'][1] <= max(
+            r['ratios'])
+        assert ('ours / ChainerMN: ' + key in pairs) == ('chainermn' in result)
     if 'chainermn' in result:
         mn = result['chainermn']
         assert mn['updates'] == 8
         assert 0 <= mn['allreduce'] < mn['update'] and 0 <= mn['step'] < mn['update']
+        assert 0 < mn['window cpu'] <= mn['window'] * 1.01 + 0.05
+        assert mn['window preempted'] >= 0 and mn['window faults'] >= 0
         assert 'ours / ChainerMN' in (tmp_path / 'timeline.md').read_text()
     else:
         assert result['chainermn_skipped']
