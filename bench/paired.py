@@ -5,8 +5,8 @@ Chainer's ``StandardUpdater``) in one process.
 
 On a machine whose speed drifts (a VM: the same code read 443 and 546 samples/s in two
 fresh processes of one ``scaling.py`` run), separate runs cannot resolve a few percent.
-Here both run in one process, alternating update by update (every other pair in the other
-order), so the drift weighs on both alike; each pair gives ratio = ours' time / the loop's
+Here they run in one process, alternating update by update (the order rotating each
+round), so the drift weighs on all alike; each round gives ratio = ours' time / the loop's
 time (above 1: ours is slower). Ours runs on one CPU replica (``'@numpy'``) with
 ``accumulate_steps=k`` and micro-batches of b; the loop is ``bench._case``'s (k
 micro-batches of b, one optimizer step). At k=1 ``StandardUpdater`` (batches of b, as a
@@ -52,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument('--out', help='folder for paired.json and paired.md')
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(',') if k]
-    if (args.pairs is not None and args.pairs < 1) or args.warmup < 1 or not args.ks or min(args.ks) < 1:
+    if ((args.pairs is not None and args.pairs < 1) or args.warmup < 1 or not args.ks
+            or min(args.ks) < 1):
         p.error('--pairs, --warmup and every k must be >= 1')
     return args
 
