@@ -189,6 +189,15 @@ def median_interval(values, resamples=2000, seed=0):
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def ratio_summary(ratios):
+    """A paired bench's ratios (one per round): their median, quartiles and the median's
+    95% interval (:func:`median_interval`), with the ratios themselves."""
+    q1, q3 = (statistics.quantiles(ratios, n=4)[0::2] if len(ratios) > 1
+              else (ratios[0], ratios[0]))
+    return {'median': statistics.median(ratios), 'q1': q1, 'q3': q3,
+            'ci95': list(median_interval(ratios)), 'ratios': ratios}
+
+
 def cpu_model():
     try:
         with open('/proc/cpuinfo') as f:

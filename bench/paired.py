@@ -58,13 +58,6 @@ def parse_args(argv=None):
     return args
 
 
-def quartiles(values):
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
-
-
 def verdict(low, high):
     if high <= GOAL:
         return 'within 2%'
@@ -74,11 +67,9 @@ def verdict(low, high):
 
 
 def _ratio_row(ours, base):
-    ratios = [o / h for o, h in zip(ours, base)]
-    q1, q3 = quartiles(ratios)
-    low, high = _common.median_interval(ratios)
-    return {'ratio_median': statistics.median(ratios), 'ratio_q1': q1, 'ratio_q3': q3,
-            'ratio_ci95': [low, high], 'goal': verdict(low, high), 'ratios': ratios}
+    s = _common.ratio_summary([o / h for o, h in zip(ours, base)])
+    return {'ratio_median': s['median'], 'ratio_q1': s['q1'], 'ratio_q3': s['q3'],
+            'ratio_ci95': s['ci95'], 'goal': verdict(*s['ci95']), 'ratios': s['ratios']}
 
 
 def measure(k, args):

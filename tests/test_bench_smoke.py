@@ -347,3 +347,55 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     else:
         assert result['chainermn_skipped']
     assert str(ROOT) not in (tmp_path / 'timeline.json').read_text()
+
+
+@pytest.mark.mpi
+def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
+    """``bench/paired_replicas.py``: ours (sharded and master step), ChainerMN under
+    ``mpiexec`` and the limit's two loops, taking turns update by update, every ratio of
+    issue 15 with its interval and verdict."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    cmd = [sys.executable, str(ROOT / 'bench' / 'paired_replicas.py'), '--model', 'tiny',
+           '--micro-batch', '4', '--ks', '1,2', '--rounds', '3', '--warmup', '1',
+           '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'paired_replicas.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/1'
+    assert [r['k'] for r in result['rows']] == [1, 2]
+    from bench import paired_replicas
+    for row in result['rows']:
+        assert row['rounds'] == 3
+        assert set(row['ms']) == {'ours', 'ours_master_step', 'chainermn', 'limit',
+                                  'limit_lockstep'}
+        assert all(ms > 0 for ms in row['ms'].values())
+        assert set(row['ratios']) == {key for key, *_ in paired_replicas.RATIOS}
+        for key, _, _, _, kind in paired_replicas.RATIOS:
+            ratio = row['ratios'][key]
+            assert len(ratio['ratios']) == 3
+            assert all(r > 0 and math.isfinite(r) for r in ratio['ratios'])
+            assert ratio['q1'] <= ratio['median'] <= ratio['q3']
+            low, high = ratio['ci95']
+            assert min(ratio['ratios']) <= low <= high <= max(ratio['ratios'])
+            assert ratio['verdict'] == paired_replicas.verdict(kind, low, high)
+        # two loops waiting for the slower one never beat their summed samples/s
+        assert all(r >= 1 for r in row['ratios']['limit_lockstep/limit']['ratios'])
+    text = (tmp_path / 'paired_replicas.md').read_text()
+    assert '| 2 | the limit / ours (master step) |' in text
+    assert str(ROOT) not in (tmp_path / 'paired_replicas.json').read_text()
+
+
+def test_paired_replicas_verdicts_need_the_whole_interval():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import paired_replicas as pr
+    assert pr.verdict('ahead', 0.97, 0.999) == 'ahead'
+    assert pr.verdict('ahead', 0.98, 1.0) == 'not resolved'
+    assert pr.verdict('ahead', 1.001, 1.02) == 'behind'
+    assert pr.verdict('limit', 0.95, 0.97) == 'at >= 95%'
+    assert pr.verdict('limit', 0.94, 0.96) == 'not resolved'
+    assert pr.verdict('limit', 0.90, 0.949) == 'below 95%'
+    assert pr.verdict(None, 0.5, 2.0) == '-'
+    assert pr.parse_args([]).rounds is None   # ceil(400 / k) per k

@@ -1,0 +1,377 @@
+"""Two replicas, paired: ours, ChainerMN and the limit taking turns, update by update.
+
+    python bench/paired_replicas.py [--ks 1,4,8] [--rounds N] [--model cnn] [--out DIR]
+
+``scaling.py`` runs each method in fresh processes, one after another, and on a VM whose
+speed drifts by 20-50% from one stretch to the next its rounds spread by 30% and more;
+``timeline.py`` alternates blocks of 20 updates and still reads the same forward/backward
+from 50 to 90 ms between neighbouring blocks. Here every method's processes start once and
+stay alive, and the methods take turns one update at a time, the order rotating each round,
+so that a slow stretch weighs on all of them alike, as ``paired.py`` does for one replica:
+
+- **ours**: ``ParallelAccumulatingUpdater`` on two ``'@numpy'`` replicas, ``k``
+  micro-batches of ``b`` each, with ``shard_optimizer=True`` (``ours``) and with the
+  default master step (``ours_master_step``): two updaters, each with its own worker
+  process, in this process.
+- **ChainerMN** (``naive`` communicator, ``mpiexec -n 2``): ``StandardUpdater`` over
+  ``create_multi_node_optimizer`` at ``k*b`` samples per rank, as ChainerMN's examples run.
+- **the limit**: in the same two MPI processes, each rank the hand-written loop (``k``
+  micro-batches of ``b``, one optimizer step) on a model of its own, with no communication:
+  what two replicas could reach at best. Its time per update is the one that gives the two
+  loops' summed samples/s (``scaling.py``'s definition): 2 / (1/t0 + 1/t1). Beside it,
+  ``limit_lockstep``, max(t0, t1): what the same two loops take when each update waits for
+  the slower one, as synchronous data parallelism must, with no communication at all; ours /
+  it is what communication and the protocol cost, it / the limit what the lockstep costs.
+
+Whoever's turn it is not waits in a blocking read (a socket, or a worker's pipe), so it
+takes no CPU. Every process runs one BLAS thread and the same malloc thresholds. Each round
+gives ratios of times (above 1: the first is slower); each ratio's median comes with a 95%
+bootstrap interval over the rounds, and issue 15's goals are judged on the whole interval:
+ours ahead of ChainerMN where it lies below 1, at >= 95% of the limit (in samples/s) where
+limit / ours lies at or above 0.95.
+
+Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
+``paired_replicas.md`` there.
+"""
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SCHEMA = 'mgpu_updater.bench.paired_replicas/1'
+CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
+MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
+TIMEOUT = 600.0     # seconds any one wait for another process may take
+LIMIT_EFFICIENCY = 0.95   # issue 15: two replicas at >= 95% of the limit's samples/s
+
+# A turn: the coordinator sends one command byte to every rank; each answers with the
+# seconds its update took (a double). 'q' ends the ranks.
+CHAINERMN, LIMIT, QUIT = b'm', b'l', b'q'
+
+# The ratios reported: (key, label, numerator, denominator, verdict): issue 15's goals,
+# and (verdict None) the figures that say where a difference comes from.
+RATIOS = (
+    ('ours/chainermn', 'ours (sharded step) / ChainerMN', 'ours', 'chainermn', 'ahead'),
+    ('ours_master_step/chainermn', 'ours (master step) / ChainerMN', 'ours_master_step',
+     'chainermn', 'ahead'),
+    ('limit/ours', 'the limit / ours (sharded step)', 'limit', 'ours', 'limit'),
+    ('limit/ours_master_step', 'the limit / ours (master step)', 'limit', 'ours_master_step',
+     'limit'),
+    ('ours/ours_master_step', 'ours (sharded step) / ours (master step)', 'ours',
+     'ours_master_step', 'ahead'),
+    ('limit/chainermn', 'the limit / ChainerMN (for scale)', 'limit', 'chainermn', None),
+    ('limit_lockstep/limit', 'the limit in lockstep / the limit (what the lockstep costs)',
+     'limit_lockstep', 'limit', None),
+    ('ours/limit_lockstep', 'ours (sharded step) / the limit in lockstep (what '
+     'communication costs)', 'ours', 'limit_lockstep', None),
+    ('ours_master_step/limit_lockstep', 'ours (master step) / the limit in lockstep',
+     'ours_master_step', 'limit_lockstep', None),
+)
+
+
+def verdict(kind, low, high):
+    """Issue 15's reading of a ratio's 95% interval: 'ahead' (a time ratio below 1) or
+    'limit' (limit time / ours' time, which is ours' share of the limit's samples/s, at or
+    above 0.95); None: a figure that judges no goal."""
+    if kind is None:
+        return '-'
+    if kind == 'ahead':
+        return 'ahead' if high < 1 else 'behind' if low > 1 else 'not resolved'
+    if low >= LIMIT_EFFICIENCY:
+        return 'at >= 95%'
+    return 'below 95%' if high < LIMIT_EFFICIENCY else 'not resolved'
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--ks', default='1,4,8', help='accumulate_steps values (default 1,4,8)')
+    p.add_argument('--rounds', type=int, default=None,
+                   help='timed rounds per k (default ceil(400 / k))')
+    p.add_argument('--warmup', type=int, default=5, help='untimed rounds first (default 5)')
+    p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
+    p.add_argument('--micro-batch', type=int, default=32)
+    p.add_argument('--out', help='folder for paired_replicas.json and paired_replicas.md')
+    p.add_argument('--rank-of', help=argparse.SUPPRESS)   # an MPI rank: the socket's path
+    args = p.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(',') if k]
+    if ((args.rounds is not None and args.rounds < 2) or args.warmup < 1 or not args.ks
+            or min(args.ks) < 1 or args.micro_batch < 1):
+        p.error('--rounds must be >= 2, --warmup, --micro-batch and every k >= 1')
+    return args
+
+
+# ------------------------------------------------------------------------- the MPI ranks
+def serve_rank(args):
+    """One MPI rank: ChainerMN's update and one of the limit's loops, each built per k, run
+    one update at a time when the coordinator says so (a blocking read between turns)."""
+    import chainer
+    import chainermn
+    from bench import _case, _common
+    comm = chainermn.create_communicator('naive')
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.rank_of)
+    sock.sendall(struct.pack('i', comm.rank))
+    b = args.micro_batch
+    for k in args.ks:
+        size = _common.dataset_size(2 * k * b)
+        dataset = _common.make_dataset(size) if comm.rank == 0 else None
+        dataset = chainermn.scatter_dataset(dataset, comm, shuffle=True, seed=0)
+        model = _common.make_model(args.model)
+        optimizer = chainermn.create_multi_node_optimizer(
+            chainer.optimizers.MomentumSGD(lr=0.01), comm)
+        optimizer.setup(model)
+        mn_step = _case._observed_step(chainer.training.updaters.StandardUpdater(
+            chainer.iterators.SerialIterator(dataset, k * b, shuffle=True), optimizer), model)
+        own = _common.make_model(args.model, seed=comm.rank)
+        own_step = _case._observed_step(_Loop(own, _common.make_dataset(size, seed=comm.rank),
+                                              k, b), own)
+        steps = {CHAINERMN: mn_step, LIMIT: own_step}
+        while True:
+            command = _recv_exactly(sock, 1)
+            if command == QUIT:
+                break
+            start = time.perf_counter()
+            steps[command]()
+            sock.sendall(struct.pack('d', time.perf_counter() - start))
+    sock.close()
+
+
+class _Loop:
+    """The hand-written accumulation loop (``bench._case``'s) as an object with
+    ``update()``, for ``_observed_step``."""
+
+    def __init__(self, model, dataset, k, b):
+        from bench import _case, _common
+        import chainer
+        iterator = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
+        self.update = _case._hand_step(model, _common.make_optimizer(model), iterator, k,
+                                       '@numpy')
+
+
+def _recv_exactly(sock, n):
+    data = b''
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError('the other side closed the connection')
+        data += chunk
+    return data
+
+
+# --------------------------------------------------------------------------- coordinator
+class Ranks:
+    """``mpiexec -n 2`` running :func:`serve_rank`, connected over a Unix socket."""
+
+    def __init__(self, args, folder, env):
+        from bench import _common
+        from bench.scaling import _mpiexec_cmd, _mpiexec
+        mpiexec = _mpiexec()
+        path = os.path.join(folder, 'ranks.sock')
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(2)
+        self.listener.settimeout(1.0)
+        cmd = _mpiexec_cmd(mpiexec, 2, list(_common.THREAD_VARS) + list(MALLOC), {})[:-3]
+        cmd += [sys.executable, str(Path(__file__).resolve()), '--rank-of', path,
+                '--ks', ','.join(map(str, args.ks)), '--model', args.model,
+                '--micro-batch', str(args.micro_batch)]
+        self.log = open(os.path.join(folder, 'ranks.log'), 'w+')
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.socks = [None, None]
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while None in self.socks:
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError('the MPI ranks did not start ({}); their '
+                                           'output:\n{}'.format(
+                                               'exit status {}'.format(self.proc.returncode)
+                                               if self.proc.poll() is not None
+                                               else 'timed out', self.output())) from None
+                    continue
+                conn.settimeout(TIMEOUT)
+                rank, = struct.unpack('i', _recv_exactly(conn, 4))
+                self.socks[rank] = conn
+        except Exception:
+            self.close()
+            raise
+
+    def turn(self, command):
+        """Both ranks run one update of ``command``; returns the seconds each took."""
+        try:
+            for sock in self.socks:
+                sock.sendall(command)
+            return [struct.unpack('d', _recv_exactly(sock, 8))[0] for sock in self.socks]
+        except Exception as e:
+            raise RuntimeError('the MPI ranks failed ({}); their output:\n{}'.format(
+                e, self.output())) from e
+
+    def next_k(self):
+        for sock in self.socks:
+            sock.sendall(QUIT)
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def close(self):
+        for sock in self.socks:
+            if sock is not None:
+                sock.close()
+        self.listener.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def measure(k, args, ranks):
+    """Timed rounds at ``k``: every method's seconds per update, and the ratios."""
+    from bench import _case, _common
+    b = args.micro_batch
+    rounds = args.rounds or -(-400 // k)
+    dataset = _common.make_dataset(_common.dataset_size(2 * k * b))
+    ours = {}
+    for name, shard in (('ours', True), ('ours_master_step', False)):
+        model = _common.make_model(args.model)
+        updater = _case._our_updater(model, dataset, 'cpu', 2, b, accumulate_steps=k,
+                                     shard_optimizer=shard)
+        ours[name] = (updater, _case._observed_step(updater, model))
+
+    def ours_turn(step):
+        def run():
+            start = time.perf_counter()
+            step()
+            return time.perf_counter() - start
+        return run
+
+    def limit_turn():
+        t0, t1 = ranks.turn(LIMIT)
+        return {'limit': 2 / (1 / t0 + 1 / t1), 'limit_lockstep': max(t0, t1)}
+
+    methods = [(name, ours_turn(step)) for name, (_, step) in ours.items()]
+    methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]), ('limit', limit_turn)]
+    times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep']}
+    try:
+        for i in range(args.warmup + rounds):
+            shift = i % len(methods)   # each method first and last in turn
+            for name, turn in methods[shift:] + methods[:shift]:
+                seconds = turn()
+                if i >= args.warmup:
+                    for key, value in (seconds.items() if isinstance(seconds, dict)
+                                       else [(name, seconds)]):
+                        times[key].append(value)
+        ranks.next_k()
+    finally:
+        for updater, _ in ours.values():
+            updater.finalize()
+    row = {'k': k, 'rounds': rounds,
+           'ms': {name: 1e3 * statistics.median(t) for name, t in times.items()},
+           'ratios': {}}
+    for key, _, a, b_, kind in RATIOS:
+        summary = _common.ratio_summary([x / y for x, y in zip(times[a], times[b_])])
+        summary['verdict'] = verdict(kind, *summary['ci95'])
+        row['ratios'][key] = summary
+    return row
+
+
+def markdown(result):
+    lines = ['# Two replicas, paired: ours, ChainerMN and the limit taking turns', '',
+             '`{}`'.format(result['command']), '',
+             'Model `{}`, micro-batch {} per replica, two CPU replicas (one BLAS thread each, '
+             'the same malloc thresholds); every process alive throughout, the methods '
+             'taking turns one update at a time, the order rotating each round. Ratio = the '
+             'first\'s time / the second\'s in the same round (above 1: the first is '
+             'slower), its median with a 95% bootstrap interval over the rounds; the limit '
+             '/ ours is ours\' share of the limit\'s samples/s. Machine: {} ({} cores); '
+             'load average {} at start, {} at the end.'.format(
+                 result['model'], result['micro_batch'], result['machine']['cpu'],
+                 result['machine']['cores'], result['machine']['loadavg_start'],
+                 result['machine']['loadavg_end']), '',
+             '| k | rounds | ours (sharded) ms | ours (master step) ms | ChainerMN ms | '
+             'limit ms | limit in lockstep ms |', '|---:|---:|---:|---:|---:|---:|---:|']
+    for r in result['rows']:
+        ms = r['ms']
+        lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
+            r['k'], r['rounds'], ms['ours'], ms['ours_master_step'], ms['chainermn'],
+            ms['limit'], ms['limit_lockstep']))
+    lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',
+              '|---:|---|---:|---:|---:|---|']
+    for r in result['rows']:
+        for key, label, *_ in RATIOS:
+            s = r['ratios'][key]
+            lines.append('| {} | {} | {:.3f} | {:.3f}-{:.3f} | {:.3f}-{:.3f} | {} |'.format(
+                r['k'], label, s['median'], s['ci95'][0], s['ci95'][1], s['q1'], s['q3'],
+                s['verdict']))
+    return '\n'.join(lines) + '\n'
+
+
+def coordinate(args, argv):
+    from bench import _common
+    result = {
+        'schema': SCHEMA,
+        'command': 'python bench/paired_replicas.py ' + ' '.join(
+            sys.argv[1:] if argv is None else argv),
+        'model': args.model, 'micro_batch': args.micro_batch,
+        'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
+                    'loadavg_start': _common.loadavg()},
+        'versions': _common.versions(),
+        'rows': [],
+    }
+    with tempfile.TemporaryDirectory(prefix='mgpu-paired-') as folder:
+        ranks = Ranks(args, folder, dict(os.environ))
+        try:
+            for k in args.ks:
+                result['rows'].append(measure(k, args, ranks))
+        finally:
+            ranks.close()
+    result['machine']['loadavg_end'] = _common.loadavg()
+    text = markdown(result)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / 'paired_replicas.json').write_text(
+            _common.without_local_paths(json.dumps(result, indent=1)) + '\n')
+        (out / 'paired_replicas.md').write_text(_common.without_local_paths(text))
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.rank_of:
+        serve_rank(args)
+        return 0
+    if os.environ.get(CHILD):
+        return coordinate(args, argv)
+    # Run again with one BLAS thread and the malloc thresholds set before numpy loads, in
+    # this process's children too (ours' workers, mpiexec's ranks).
+    from bench import _common
+    from bench.scaling import _child_env, _chainermn_status
+    _, reason = _chainermn_status()
+    if reason:
+        sys.exit('paired_replicas.py needs ChainerMN under mpiexec: ' + reason)
+    env = _child_env(dict(_common.thread_env(1), **MALLOC, **{CHILD: '1'}))
+    cmd = [sys.executable, str(Path(__file__).resolve())] + list(
+        sys.argv[1:] if argv is None else argv)
+    return subprocess.run(cmd, env=env).returncode
+
+
+if __name__ == '__main__':
+    sys.exit(main())
