@@ -172,3 +172,19 @@ def test_close_kills_the_workers_own_children(pool):
     os.kill(p.pids()[0], signal.SIGKILL)   # its child is orphaned, still in its group
     p.close()
     assert all(gone(pid) for pid in grandchildren)
+
+
+def test_check_sees_a_failure_behind_a_message_it_kept(pool):
+    """A worker of a sharded update sends Done, then steps its slice; if that fails, its
+    Failed comes behind the Done that the master's ``check`` (run while it waits at the
+    board) already read and kept: the next checks must still see it, within seconds."""
+    p = pool('done_then_fail')
+    p.send(('step', 1))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"^replica 1 on device '@numpy': failed during "
+                                          r'update') as info:
+        while time.monotonic() - t0 < 10:
+            p.check()
+            time.sleep(0.005)
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.remote_traceback.endswith('planted\n')

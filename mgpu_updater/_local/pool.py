@@ -206,11 +206,11 @@ class WorkerPool:
     def check(self, what: str = 'update') -> None:
         """Raise :class:`WorkerError` if a worker died or reported an error (its
         ``Failed``, with its traceback); never blocks. What else a worker said meanwhile is
-        kept for the next :meth:`gather`. (The master runs this while it waits at the
-        board, :mod:`.board`.)"""
+        kept for the next :meth:`gather`, and a worker's pipe is still watched after that,
+        for a ``Failed`` behind it (a worker that sent Done and then failed in its sharded
+        step); anything else behind it breaks the protocol. (The master runs this while it
+        waits at the board, :mod:`.board`.)"""
         for rank, conn in self._conns.items():
-            if rank in self._early:
-                continue
             try:
                 ready = conn.poll(0)
                 msg = conn.recv() if ready else None
@@ -221,6 +221,10 @@ class WorkerPool:
             if msg[0] == Failed.KIND:
                 raise WorkerError(f'failed during {what}', replica=rank,
                                   device=str(self._devices[rank]), remote_traceback=msg[1])
+            if rank in self._early:
+                raise WorkerError(f'sent {msg[0]!r} after {self._early[rank][0]!r}, before '
+                                  f'the master took that', replica=rank,
+                                  device=str(self._devices[rank]))
             self._early[rank] = msg
         self.check_alive()
 

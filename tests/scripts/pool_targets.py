@@ -57,6 +57,10 @@ def target(conn, master_pid, shm_names, default_start_method):
             os._exit(3)
         elif behaviour == 'fail':
             conn.send(('error', 'Traceback (most recent call last):\n  planted\n'))
+        elif behaviour == 'done_then_fail':   # as a worker whose sharded step fails
+            conn.send(('done', msg[1]))
+            time.sleep(0.2)
+            conn.send(('error', 'Traceback (most recent call last):\n  planted\n'))
         elif behaviour == 'grandchild':
             child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
             conn.send(('done', child.pid))
