@@ -47,7 +47,8 @@ MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str
 # in a sharded update (``--shard-optimizer 1``) ``meet`` (its wait at the board) and then
 # ``worker_shard`` (its sum and step, within it ``reduce``). The master's 'reduce' and
 # 'step' are, when sharded, its slice's, and its 'meet' its two waits at the board: for
-# the workers' posts, then for their slices stepped.
+# the workers' posts, then for their slices stepped; in an update of the master's step
+# its one wait there, for the workers' posts (their gradients packed).
 PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
     ('mgpu_updater._replica', 'Replica.run_window', 'window'),
@@ -218,12 +219,17 @@ def analyse_ours(folder, warmup):
     first = updates[0][0]
     for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
-    meets = [e - s for s, e in _spans(master, 'meet') if s > first]   # two per update
-    out['master meet'], out['master stepped'] = meets[0::2], meets[1::2]
+    # its waits at the board: in a sharded update two (the posts, then the slices
+    # stepped), in one of the master's step one (the workers' gradients packed)
+    meets = [e - s for s, e in _spans(master, 'meet') if s > first]
+    if len(meets) > 1.5 * len(out['update']):
+        out['master meet'], out['master stepped'] = meets[0::2], meets[1::2]
+    else:
+        out['master meet'], out['master stepped'] = meets, []
     # the master's own work outside forward/backward: less its waits for the worker
-    waits = [sum(w) for w in zip(out['master gather'], *([out['master meet'],
-                                                          out['master stepped']]
-                                                         if meets else []))]
+    parts = [out['master gather']] + [v for v in (out['master meet'], out['master stepped'])
+                                      if v]
+    waits = [sum(w) for w in zip(*parts)]
     out['own'] = [o - w for o, w in zip(out['outside'], waits)]
     steps = _spans(worker, 'worker_step')[warmup:]
     worker_windows = _spans(worker, 'window')[warmup:]
@@ -279,8 +285,9 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('  its thread\'s minor page faults (count)', 'window faults', 'window faults'),
     ('**outside forward/backward (rank 0)**', 'outside', 'outside'),
     ('outside forward/backward, less rank 0\'s waits for the other', 'own', 'own'),
-    ('wait for the other replica (ours: for Done)', 'master gather', 'wait'),
-    ('ours sharded: the master waits at the board', 'master meet', None),
+    ('wait for the other replica (ours: at the board; ChainerMN: a barrier)', 'master meet',
+     'wait'),
+    ('ours: the master takes the workers\' Done', 'master gather', None),
     ('ours sharded: the worker waits at the board', 'worker meet', None),
     ('ours sharded: the master waits for the slices stepped', 'master stepped', None),
     ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
-from ._replica import WindowResult
+from ._replica import WindowResult, total_loss
 
 
 class ReduceHandle:
@@ -70,6 +70,17 @@ class Group(abc.ABC):
     @abc.abstractmethod
     def finish(self, own: WindowResult) -> List[WindowResult]:
         """Wait for the others; the model's gradients become the sum over replicas."""
+
+    def finish_stepping(self, own: WindowResult,
+                        step: Callable[[int, float], None]) -> List[WindowResult]:
+        """:meth:`finish`, calling ``step(count, loss)`` (the update's sample count and mean
+        loss) once the summed gradient is in the model. Default: after :meth:`finish`; the
+        local group calls it sooner where its workers post at the board that their
+        gradient is packed, before it takes their results (their Done messages, on their
+        way meanwhile)."""
+        results = self.finish(own)
+        step(sum(r.count for r in results), total_loss(results))
+        return results
 
     def finish_async(self, own: WindowResult,
                      parity: int) -> Tuple[List[WindowResult], ReduceHandle]:

@@ -18,7 +18,7 @@ state between updates (the step in flight), which it saves in snapshots, under
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import chainer
 
@@ -62,11 +62,17 @@ class ImmediateStep:
         return None   # one set of gradient buffers
 
     def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
-               parity: Optional[int]) -> Tuple[List[WindowResult], GradientStep]:
-        """The replicas' results, and this update's gradient (now in the model)."""
-        results = group.finish(own)
-        return results, GradientStep(sum(r.count for r in results), total_loss(results),
-                                     loss_scale, None)
+               parity: Optional[int], on_step: Callable[[GradientStep], None]
+               ) -> Tuple[List[WindowResult], GradientStep]:
+        """The replicas' results, and this update's gradient (now in the model), which
+        ``on_step`` is given as soon as it is there (:meth:`Group.finish_stepping`)."""
+        steps: List[GradientStep] = []
+
+        def step(count: int, loss: float) -> None:
+            steps.append(GradientStep(count, loss, loss_scale, None))
+            on_step(steps[0])
+        results = group.finish_stepping(own, step)
+        return results, steps[0]
 
     def due(self, fresh: GradientStep, model: chainer.Link) -> Optional[GradientStep]:
         """The step to apply now: this update's."""
@@ -95,11 +101,15 @@ class OneLateStep:
         return iteration % 2
 
     def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
-               parity: Optional[int]) -> Tuple[List[WindowResult], GradientStep]:
-        """The replicas' results, and this update's gradient (left in its buffers)."""
+               parity: Optional[int], on_step: Callable[[GradientStep], None]
+               ) -> Tuple[List[WindowResult], GradientStep]:
+        """The replicas' results, and this update's gradient (left in its buffers), given
+        to ``on_step`` once the results are in."""
         results, handle = group.finish_async(own, parity)
-        return results, GradientStep(sum(r.count for r in results), total_loss(results),
-                                     loss_scale, handle)
+        fresh = GradientStep(sum(r.count for r in results), total_loss(results), loss_scale,
+                             handle)
+        on_step(fresh)
+        return results, fresh
 
     def due(self, fresh: GradientStep, model: chainer.Link) -> Optional[GradientStep]:
         """The previous update's step, its gradient copied into the model; ``fresh``

@@ -281,8 +281,20 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             results = self._group.finish_sharded(own, optimizer, factor_of, watch)
             fresh = steps[0]
         else:
+            # The policy hands over this update's gradient step as soon as the group has
+            # it in the model: the local group, before it takes the workers' results.
+            def on_step(fresh: _step.GradientStep) -> None:
+                if fresh.count == 0:
+                    return   # StopIteration below, once the results are in
+                due = self._step.due(fresh, optimizer.target)
+                if due is not None:
+                    with watch('update'):
+                        self._apply(optimizer, due)
             with watch('comm'):
-                results, fresh = self._step.reduce(self._group, own, loss_scale, parity)
+                results, fresh = self._step.reduce(self._group, own, loss_scale, parity,
+                                                   on_step)
+            # ``update`` was counted inside ``comm``
+            watch.times['comm'] -= watch.times.get('update', 0.0)
         if fresh.count == 0:
             raise StopIteration
         if own.epochs:
@@ -290,11 +302,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             first, last = own.epochs[0], own.epochs[-1]
             self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
                                     any(e.is_new_epoch for e in own.epochs))
-        with watch('comm'):
-            due = None if sharded else self._step.due(fresh, optimizer.target)
-        if due is not None:
-            with watch('update'):
-                self._apply(optimizer, due)
         if self.auto_new_epoch and own.epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, watch)

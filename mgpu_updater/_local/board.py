@@ -1,4 +1,10 @@
-"""Where the ranks of a sharded update meet: a small shared-memory board, no messages.
+"""Where the ranks meet without messages: a small shared-memory board.
+
+In an update that is not sharded, where :func:`announces_packs`, every rank posts its sample
+count and loss once its gradient is packed, and the master, which waits for every post,
+sums and steps before it reads the workers' Done messages (which follow the posts): the
+master knows within one look that the last gradient is in, where a Done took 0.1-0.3 ms
+from the worker's send to the master's read.
 
 In a sharded update (:mod:`.sharded_step`) every rank, once its window is over and its
 gradient packed, posts its sample count and loss here and waits until every rank has
@@ -20,8 +26,10 @@ step is not offered (:data:`STORE_ORDER`, :func:`.sharded_step.why_not`).
 
 A round's values stay on the board until their rank posts values again, and the local
 protocol makes every rank read them before that: a worker posts new values only in the next
-update, after the master's next Step, which the master sends after the update's second
-round, which no rank starts before it has read the first.
+update, after the master's next Step, which the master sends after it has read them (in a
+sharded update, after the update's second round, which no rank starts before it has read
+the first). Every rank posts as many rounds in an update as every other: one where packs
+are announced, two in a sharded update, none otherwise.
 
 A waiter spins for :data:`SPIN`, then sleeps between looks: ``time.sleep(0)`` (about 60 us,
 the kernel's timer slack) for the first :data:`PATIENT`, and after that
@@ -137,6 +145,16 @@ class Board:
                 self._segment.unlink()   # type: ignore[attr-defined]
             except FileNotFoundError:
                 pass
+
+
+def announces_packs(board: Optional['Board']) -> bool:
+    """Whether, in an update that is not sharded, each rank says at ``board`` that its
+    gradient is packed (one post without values, after its pack and its reductions), so
+    that the master sums as soon as the last rank posted, while the workers' Done
+    messages are still on their way: where there is a board and the memory order lets a
+    post publish the pack (:data:`STORE_ORDER`). Otherwise Done says it, as before. The
+    master and its workers run on one machine, so they answer alike."""
+    return board is not None and STORE_ORDER
 
 
 def posted_total(posted: List[Tuple[int, float]]) -> Tuple[int, float]:

@@ -16,7 +16,7 @@ from .. import comm as comm_module
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
-from .board import Board
+from .board import STORE_ORDER, Board, announces_packs
 from .pool import WorkerPool
 from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
                        master_finish_sharded, slot_views)
@@ -46,20 +46,27 @@ class LocalGroup(Group):
             broadcast=broadcast_only(layouts) + sorted(state_spec))
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
-        #: the sharded step's master side (:mod:`.sharded_step`) and the ranks' board
-        #: (:mod:`.board`); None: never sharded
+        #: the sharded step's master side (:mod:`.sharded_step`; None: never sharded)
+        #: and the ranks' board (:mod:`.board`): where a sharded update's ranks meet,
+        #: and where every rank says its gradient is packed (:func:`.board.announces_packs`)
+        #: on the shared-memory backend; None: the pipes alone
         self.shards: Optional[MasterShards] = None
         self.board: Optional[Board] = None
         self._hooks: Tuple[Any, ...] = ()   # the optimizer's hooks, read at begin
         if states is not None and self.comm.can_reduce_scatter and self.grads.views:
             self.shards = MasterShards(self.comm, layouts, states, model)
+        if self.shards is not None or (self.comm.packs_in_shared_memory and STORE_ORDER):
             self.board = Board.create(self.size)
+        #: whether every rank says at the board that its gradient is packed (decided here,
+        #: for the workers too: :func:`.board.announces_packs`)
+        self.announce_packs = announces_packs(self.board)
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method)
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
-            self.pool.start(worker_main, {r: p(handle, board) for r, p in payloads.items()},
+            self.pool.start(worker_main, {r: p(handle, board, self.announce_packs)
+                                          for r, p in payloads.items()},
                             segments, start_timeout, before_ready=self.comm.init)
         except BaseException:
             self.close(abort=True)
@@ -102,17 +109,31 @@ class LocalGroup(Group):
         watch.times['comm'] -= watch.times.get('update', 0.0)
         return [own] + others
 
+    @property
+    def _pack_board(self) -> Optional[Board]:
+        """The board where an update that is not sharded learns that the gradients are
+        packed, or None (each worker's Done says so)."""
+        return self.board if self.announce_packs else None
+
     def finish(self, own: WindowResult) -> List[WindowResult]:
         others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                               self.size)
+                               self.size, own, self._pack_board)
         self.grads.receive()
         return [own] + others
+
+    def finish_stepping(self, own: WindowResult,
+                        step: Callable[[int, float], None]) -> List[WindowResult]:
+        def summed(count: int, loss: float) -> None:
+            self.grads.receive()
+            step(count, loss)
+        return [own] + master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                                     self.size, own, self._pack_board, then=summed)
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
         others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                               self.size)
+                               self.size, own, self._pack_board)
         grads = self.layouts.grad_set(parity)
 
         def source() -> Dict[str, Any]:
@@ -233,14 +254,15 @@ class SlotParams:
 
 def payload_factory(init_kwargs: Dict[str, Any],
                     master_model: chainer.Link) -> Callable[[Any, Optional[str]], bytes]:
-    """Pickle a WorkerInit once the communicator handle and the board's name (None: no
-    board) are known (see ``_payload``).
+    """Pickle a WorkerInit once the communicator handle, the board's name (None: no
+    board) and whether the ranks announce their packs there are known (see ``_payload``).
 
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
     """
-    def make(handle: Any, board: Optional[str] = None) -> bytes:
+    def make(handle: Any, board: Optional[str] = None, announce_packs: bool = False) -> bytes:
         replace = _payload.replica_links(master_model, init_kwargs['model'])
-        return _payload.dumps(WorkerInit(comm_handle=handle, board=board, **init_kwargs),
+        return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
+                                         announce_packs=announce_packs, **init_kwargs),
                               replace)
     return make

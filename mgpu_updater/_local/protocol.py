@@ -39,9 +39,19 @@ One update, side by side::
     run its own window                           run its window
     pack grad, stat                              pack grad, stat
                                                  reduce stat/*, grad/*; end_update
-    wait for every Done                     <--  send Done(result)
+    post count, loss; wait for every post   <--  post count, loss (packs announced)
+      (elsewhere: wait for every Done)
     reduce stat/*, grad/*; end_update
     unpack stat (and grad, or keep it pending)
+    then(count, loss): the step              <--  send Done(result)
+    take every Done (already in the pipe)
+
+Packs are announced at the board (:mod:`.board`) where the backend's packs are stores into
+memory every rank maps and the machine's store order publishes them with the post
+(:func:`.board.announces_packs`, decided by the master, told in ``WorkerInit``): the master
+then sums and steps before it reads a Done, whose trip is off the critical path.
+Elsewhere Done says that the worker's gradient is packed, and the master waits for every
+Done before it sums.
 
 A sharded update (``Step.orders`` is set: what each worker's slice is stepped with) has no
 message between Step and Done; the ranks meet at the board (:mod:`.board`) instead::
@@ -286,17 +296,40 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
 
 
 def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
-                  parity: Optional[int], size: int) -> List[WindowResult]:
-    """The master's half, after its window: wait for every worker's :class:`Done`, then
-    issue the reductions and take the averaged statistics. The summed gradient is in the
-    master's slot of ``layouts.grad_set(parity)``; the caller unpacks it (now or later).
-    Returns the workers' window results in rank order."""
+                  parity: Optional[int], size: int, own: Optional[WindowResult] = None,
+                  board: Optional[Board] = None,
+                  then: Optional[Callable[[int, float], None]] = None) -> List[WindowResult]:
+    """The master's half, after its window: wait until every worker's gradient is packed,
+    then issue the reductions and take the averaged statistics, and call ``then(count,
+    loss)``, the update's sample count and mean loss. The summed gradient is in the
+    master's slot of ``layouts.grad_set(parity)``; the caller unpacks it (now, in
+    ``then``, or later). Returns the workers' window results in rank order.
+
+    Where the ranks post at ``board`` that their gradient is packed, with their count and
+    loss (given where :func:`.board.announces_packs`), the master meets them there, sums, calls
+    ``then`` and only then takes every :class:`Done`, which each worker sent after its
+    post and which is on its way meanwhile; elsewhere it waits for every Done first.
+    ``own``, the master's window result, is needed for either (it posts its count and
+    loss too)."""
     order = collective_order(layouts, parity)
     pack_window(comm, layouts, model, parity, size)
-    others = workers.gather('done')
+    by_board = board is not None
+    if by_board:
+        if own is None:
+            raise ValueError('master_finish: the ranks meet at the board; pass own')
+        posted = board.meet(own.count, own.loss_sum, workers.check)   # type: ignore[union-attr]
+    else:
+        others = workers.gather(Done.KIND)
+        if then is not None:
+            posted = [(r.count, r.loss_sum)
+                      for r in [own] + [others[k] for k in sorted(others)]]  # type: ignore[list-item]
     issue(comm, after_window(order))
     comm.end_update()
     layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+    if then is not None:
+        then(*posted_total(posted))
+    if by_board:
+        others = workers.gather(Done.KIND)
     return [others[rank] for rank in sorted(others)]
 
 
@@ -372,11 +405,14 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None,
                 shards: Any = None, board: Optional[Board] = None,
                 check: Callable[[], None] = lambda: None,
-                done: Callable[[WindowResult], None] = lambda result: None) -> None:
+                done: Callable[[WindowResult], None] = lambda result: None,
+                announce_packs: bool = False) -> None:
     """The worker's half of one update: parameters in, the window, reductions issued,
-    ``done(result)`` (which sends :class:`Done`). A sharded update (``step.orders``) also
-    meets the other ranks at ``board`` (``check`` runs while it waits), calls ``done``,
-    steps this rank's slice (:func:`worker_shard_step`) and posts once more."""
+    ``done(result)`` (which sends :class:`Done`); with ``announce_packs``, first a post at
+    ``board`` with its count and loss, which tells the master that its gradient is packed.
+    A sharded update (``step.orders``) instead meets the other ranks at ``board``
+    (``check`` runs while it waits), calls ``done``, steps this rank's slice
+    (:func:`worker_shard_step`) and posts once more."""
     model = replica.model
     sharded = step.orders is not None
     order = collective_order(layouts, step.parity, sharded=sharded)
@@ -404,6 +440,8 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
     comm.end_update()
+    if announce_packs:   # the gradient is packed: the master sums
+        board.post(result.count, result.loss_sum)   # type: ignore[union-attr]
     done(result)
 
 

@@ -50,7 +50,8 @@ class WorkerInit(NamedTuple):
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
     shard_keys: Optional[tuple] = None   # the optimizer's state entries (sharded_step);
                                          # None: the step is never sharded
-    board: Optional[str] = None          # the sharded update's board segment (.board)
+    board: Optional[str] = None          # the ranks' board segment (.board), or None
+    announce_packs: bool = False         # post at the board that the gradient is packed
     nonfinite: str = 'raise'             # the updater's policy (a sharded step decides it)
 
 
@@ -230,9 +231,11 @@ def _build(init: 'WorkerInit') -> Any:
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
     shards = board = None
+    if init.board is not None:
+        from .board import Board
+        board = Board.attach(init.board, init.size, init.rank)
     if init.shard_keys is not None and init.board is not None:
         from .. import _step
-        from .board import Board
         from .sharded_step import StateLayout, WorkerShards
 
         def decide(count: int, loss: float) -> Optional[float]:
@@ -240,7 +243,6 @@ def _build(init: 'WorkerInit') -> Any:
             return _step.decide(count, loss, init.nonfinite, False, init.scaling)[0]
         shards = WorkerShards(comm, layouts, StateLayout(layouts.grad, init.shard_keys),
                               decide)
-        board = Board.attach(init.board, init.size, init.rank)
     return replica, comm, layouts, (ParamViews(comm, layouts, model), shards, board)
 
 
@@ -289,7 +291,8 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
         try:
             if kind == Step.KIND:
                 worker_step(msg, replica, comm, layouts, init.size, views, shards, board,
-                            check, done=lambda result: conn.send(Done(result)))
+                            check, done=lambda result: conn.send(Done(result)),
+                            announce_packs=init.announce_packs)
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:

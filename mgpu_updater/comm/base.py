@@ -14,7 +14,9 @@ every rank. The verbs follow MPI:
 
 Ordering contract: backends whose verbs do not synchronise by themselves (the shared-memory
 CPU backend) rely on the caller's control channel: a worker finishes ``reduce`` before it
-tells the master it is done, the master calls ``reduce`` only after every worker said so,
+tells the master it is done (a message, or a post at the local group's board where
+:attr:`~Communicator.packs_in_shared_memory`), the master calls ``reduce`` only after every
+worker said so,
 and the master fills a ``bcast`` buffer before it tells the workers to start. Collective
 backends (NCCL, MPI) synchronise inside the verb and work under the same contract.
 
@@ -138,6 +140,12 @@ class Communicator(abc.ABC):
 
     #: whether :meth:`reduce_scatter` and :meth:`scattered` work (the sharded step)
     can_reduce_scatter: bool = False
+
+    #: whether a rank's pack into its buffers is a plain store into memory that every rank
+    #: maps (the shared-memory backend): then a post at the local group's board
+    #: (:mod:`mgpu_updater._local.board`) publishes it, as the ordering contract's control
+    #: channel, where the machine's memory order allows
+    packs_in_shared_memory: bool = False
 
     def reduce_scatter(self, name: str) -> None:
         """Sum this rank's slice (:func:`shard_range`) of every rank's ``buffer(name)``,

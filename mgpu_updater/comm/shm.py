@@ -183,6 +183,7 @@ class ShmCommunicator(Communicator):
         sum_slots(slots[root], [src for r, src in enumerate(slots) if r != root])
 
     can_reduce_scatter = True
+    packs_in_shared_memory = True
 
     def reduce_scatter(self, name: str) -> None:
         """Sum this rank's slice of every rank's slot into the same slice of the root's
