@@ -25,23 +25,29 @@ from _models import classifier, dataset
 N, K, B, UPDATES = 2, 2, 4, 3
 
 
-def _train(pipelined=False, updates=UPDATES):
-    """``updates`` updates of two CPU replicas; what the model holds, the steps' counts
-    and losses as the optimizer's update saw them, and the board's rounds by rank."""
+def _start(opt, **kwargs):
+    """Two CPU replicas of the same model under ``opt``; the updater, and the list into
+    which it records every step it applies (the optimizer's update sees these)."""
     model = classifier(seed=3)
-    opt = optimizers.MomentumSGD(0.05)
     opt.setup(model)
     its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), B, shuffle=False)
            for r in range(N)]
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
-                                          accumulate_steps=K, pipelined=pipelined)
+                                          accumulate_steps=K, **kwargs)
     steps = []
     apply = updater._apply
 
     def recording(optimizer, step):
-        steps.append((step.count, float(step.loss)))
+        steps.append(step)
         apply(optimizer, step)
     updater._apply = recording
+    return model, updater, steps
+
+
+def _train(pipelined=False, updates=UPDATES):
+    """``updates`` updates of two CPU replicas; what the model holds, the steps' counts
+    and losses, and the board's rounds by rank."""
+    model, updater, applied = _start(optimizers.MomentumSGD(0.05), pipelined=pipelined)
     try:
         for _ in range(updates):
             updater.update()
@@ -54,7 +60,7 @@ def _train(pipelined=False, updates=UPDATES):
     finally:
         updater.finalize()
     params = {name: np.array(p.array) for name, p in model.namedparams()}
-    return params, steps, rounds, announced
+    return params, [(s.count, float(s.loss)) for s in applied], rounds, announced
 
 
 def _assert_bitwise(a, b):
@@ -81,18 +87,9 @@ def test_the_board_path_is_bitwise_the_done_path_and_every_rank_posts_once_per_u
 def test_the_posted_counts_and_losses_are_the_reported_ones():
     """What the master steps with comes from the posts; it is what the replicas
     reported (``main/loss`` is the mean loss over both replicas' samples)."""
-    model = classifier(seed=3)
-    opt = optimizers.SGD(0.1)
-    opt.setup(model)
-    its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), B, shuffle=False)
-           for r in range(N)]
-    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
-                                          accumulate_steps=K)
+    model, updater, steps = _start(optimizers.SGD(0.1))
     reporter = chainer.Reporter()
     reporter.add_observer('main', model)
-    steps = []
-    apply = updater._apply
-    updater._apply = lambda o, step: (steps.append(step), apply(o, step))[1]
     try:
         observation = {}
         with reporter.scope(observation):
