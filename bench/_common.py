@@ -298,11 +298,20 @@ def write_results(out_dir, stem, result, markdown, plot):
     out_dir = Path(out_dir)
     if not plot(result, out_dir / (stem + '.png')):
         result['notes'].append('matplotlib is not installed: no {}.png'.format(stem))
-    md = without_local_paths(markdown(result))
-    (out_dir / (stem + '.md')).write_text(md)
-    (out_dir / (stem + '.json')).write_text(
-        without_local_paths(json.dumps(result, indent=1)) + '\n')
-    print(md)
+    save_results(out_dir, stem, result, markdown(result))
+
+
+def save_results(out_dir, stem, result, text):
+    """Print ``text`` (the Markdown) and, where ``out_dir`` is given, write ``stem``.md and
+    ``stem``.json (``result``) there, without this checkout's path (they are committed)."""
+    text = without_local_paths(text)
+    print(text)
+    if out_dir:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / (stem + '.md')).write_text(text)
+        (out_dir / (stem + '.json')).write_text(
+            without_local_paths(json.dumps(result, indent=1)) + '\n')
 
 
 def without_local_paths(text):

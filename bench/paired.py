@@ -24,7 +24,6 @@ the warm-up includes, so every timed update of both runs under the same malloc. 
 Markdown table; with ``--out`` writes ``paired.json`` and ``paired.md`` there.
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -158,14 +157,7 @@ def main(argv=None):
         'rows': [measure(k, args) for k in args.ks],
     }
     result['machine']['loadavg_end'] = _common.loadavg()
-    text = markdown(result)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / 'paired.json').write_text(
-            _common.without_local_paths(json.dumps(result, indent=1)) + '\n')
-        (out / 'paired.md').write_text(_common.without_local_paths(text))
+    _common.save_results(args.out, 'paired', result, markdown(result))
     return 0
 
 

@@ -34,7 +34,6 @@ Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 ``paired_replicas.md`` there.
 """
 import argparse
-import json
 import os
 import signal
 import socket
@@ -342,14 +341,7 @@ def coordinate(args, argv):
         finally:
             ranks.close()
     result['machine']['loadavg_end'] = _common.loadavg()
-    text = markdown(result)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / 'paired_replicas.json').write_text(
-            _common.without_local_paths(json.dumps(result, indent=1)) + '\n')
-        (out / 'paired_replicas.md').write_text(_common.without_local_paths(text))
+    _common.save_results(args.out, 'paired_replicas', result, markdown(result))
     return 0
 
 

@@ -40,6 +40,18 @@ def _on_path(name):
     return shutil.which(name) is not None
 
 
+def _run_bench(script, *args, timeout):
+    """Run ``bench/<script>`` with ``args`` in a subprocess (the checkout on its path);
+    asserts it exited 0, showing the end of its stderr if not."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    proc = subprocess.run([sys.executable, str(ROOT / 'bench' / script), *args],
+                          cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.fixture(scope='module')
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp('bench')
@@ -229,13 +241,8 @@ def test_same_malloc_gives_every_method_the_thresholds_ours_sets():
 def test_paired_bench_writes_one_row_per_k(tmp_path):
     """``bench/paired.py``: ours, the hand-written loop and (k=1) StandardUpdater alternating
     in one process, each ratio's median with its bootstrap interval and the goal's verdict."""
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
-    cmd = [sys.executable, str(ROOT / 'bench' / 'paired.py'), '--model', 'tiny',
-           '--ks', '1,2', '--pairs', '3', '--warmup', '1', '--out', str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_bench('paired.py', '--model', 'tiny', '--ks', '1,2', '--pairs', '3', '--warmup', '1',
+               '--out', str(tmp_path), timeout=120)
     result = json.loads((tmp_path / 'paired.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.paired/2'
     assert [r['k'] for r in result['rows']] == [1, 2]
@@ -356,14 +363,8 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
     """``bench/paired_replicas.py``: ours (sharded and master step), ChainerMN under
     ``mpiexec`` and the limit's two loops, taking turns update by update, every ratio of
     issue 15 with its interval and verdict."""
-    env = dict(os.environ)
-    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
-    cmd = [sys.executable, str(ROOT / 'bench' / 'paired_replicas.py'), '--model', 'tiny',
-           '--micro-batch', '4', '--ks', '1,2', '--rounds', '3', '--warmup', '1',
-           '--out', str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
+               '--rounds', '3', '--warmup', '1', '--out', str(tmp_path), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.paired_replicas/1'
     assert [r['k'] for r in result['rows']] == [1, 2]
