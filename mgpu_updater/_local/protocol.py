@@ -306,11 +306,11 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     ``then``, or later). Returns the workers' window results in rank order.
 
     Where the ranks post at ``board`` that their gradient is packed, with their count and
-    loss (given where :func:`.board.announces_packs`), the master meets them there, sums, calls
-    ``then`` and only then takes every :class:`Done`, which each worker sent after its
-    post and which is on its way meanwhile; elsewhere it waits for every Done first.
-    ``own``, the master's window result, is needed for either (it posts its count and
-    loss too)."""
+    loss (``board`` is given where :func:`.board.announces_packs`), the master meets them
+    there, sums, calls ``then`` and only then takes every :class:`Done`, which each worker
+    sent after its post and which is on its way meanwhile; elsewhere (``board`` None) it
+    waits for every Done first. ``own``, the master's window result, is needed with a
+    ``board`` (the master posts its count and loss too) or a ``then``."""
     order = collective_order(layouts, parity)
     pack_window(comm, layouts, model, parity, size)
     by_board = board is not None
