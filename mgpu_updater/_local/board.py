@@ -149,7 +149,8 @@ class Board:
 
 def announces_packs(board: Optional['Board']) -> bool:
     """Whether, in an update that is not sharded, each rank says at ``board`` that its
-    gradient is packed (one post without values, after its pack and its reductions), so
+    gradient is packed (one post with its count and loss, after its pack and its
+    reductions), so
     that the master sums as soon as the last rank posted, while the workers' Done
     messages are still on their way: where there is a board and the memory order lets a
     post publish the pack (:data:`STORE_ORDER`). Otherwise Done says it, as before. The
