@@ -86,7 +86,9 @@ def scenarios(request):
 def assert_clean(report):
     assert report['problems'] == [], (
         f"{report['scenario']}: {report['problems']}\n--- driver stderr ---\n"
-        f"{report.get('stderr_tail', '')}")
+        f"{report.get('stderr_tail', '')}"
+        + (f"\n--- the hung driver's threads ---\n{report['hung_stacks']}"
+           if report.get('hung_stacks') else ''))
 
 
 # ------------------------------------------------------------------ a worker raises

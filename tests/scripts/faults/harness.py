@@ -104,6 +104,16 @@ def reap_all(deadline):
         os.waitpid(-1, 0)
 
 
+def dump_stacks(proc, err):
+    """Every thread's stack of a driver that hangs (its faulthandler answers SIGUSR1 on
+    stderr), as text; read before the kill, so a hang says where it is."""
+    start = err.seek(0, os.SEEK_END)
+    os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    err.seek(start)
+    return err.read().decode(errors='replace')[-8000:]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('scenario')
@@ -145,6 +155,7 @@ def main():
             proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             problems.append(f'the driver hung: killed after {args.timeout:.0f} s')
+            report['hung_stacks'] = dump_stacks(proc, err)
             proc.kill()
             proc.wait()
         report['driver_exit'] = proc.returncode

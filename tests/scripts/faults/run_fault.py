@@ -11,11 +11,13 @@ workers reaped, the shared memory gone, ``finalize()`` twice), print ``RESULT <j
 workers run, so the harness knows whom to watch and when to send the signal.
 """
 import argparse
+import faulthandler
 import json
 import multiprocessing
 import os
 import sys
 import tempfile
+import signal
 import time
 import traceback
 
@@ -198,6 +200,9 @@ def main():
     parser.add_argument('--shard-optimizer', action='store_true',
                         help='shard the optimizer step (the ranks meet at the board)')
     args = parser.parse_args()
+    # the harness sends SIGUSR1 to a driver that hangs, before it kills it: every
+    # thread's stack goes to stderr, which the harness reports
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     created = spy_segments()
     if args.scenario == 'serve':
         serve(args, created)
