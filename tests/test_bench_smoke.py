@@ -240,11 +240,12 @@ def test_same_malloc_gives_every_method_the_thresholds_ours_sets():
 
 def test_paired_bench_writes_one_row_per_k(tmp_path):
     """``bench/paired.py``: ours, the hand-written loop and (k=1) StandardUpdater alternating
-    in one process, each ratio's median with its bootstrap interval and the goal's verdict."""
+    in one process over the same batches, each ratio's median with its bootstrap interval
+    and the goal's verdict, and how far apart the weights ended."""
     _run_bench('paired.py', '--model', 'tiny', '--ks', '1,2', '--pairs', '3', '--warmup', '1',
                '--out', str(tmp_path), timeout=120)
     result = json.loads((tmp_path / 'paired.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired/2'
+    assert result['schema'] == 'mgpu_updater.bench.paired/3'
     assert [r['k'] for r in result['rows']] == [1, 2]
     assert 'standard' in result['rows'][0] and 'standard' not in result['rows'][1]
     for ratio in result['rows'] + [result['rows'][0]['standard']]:
@@ -257,6 +258,10 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
     for row in result['rows']:
         assert row['pairs'] == 3 and row['hand_ms'] > 0 and row['ours_ms'] > 0
     assert result['rows'][0]['standard_ms'] > 0
+    # the same samples in the same order: ours ends where StandardUpdater does, bitwise,
+    # and within rounding of the hand-written loop (which divides each loss by k)
+    assert result['rows'][0]['standard']['weights_max_abs_diff'] == 0.0
+    assert all(row['weights_max_abs_diff'] <= 1e-6 for row in result['rows'])
     text = (tmp_path / 'paired.md').read_text()
     assert '| 1 | StandardUpdater | 3 |' in text and '| 2 | hand-written loop | 3 |' in text
     assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
