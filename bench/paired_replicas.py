@@ -17,7 +17,19 @@ so that a slow stretch weighs on all of them alike, as ``paired.py`` does for on
   ``create_multi_node_optimizer`` at ``k*b`` samples per rank, as ChainerMN's examples run.
 - **the limit**: in the same two MPI processes, each rank the hand-written loop (``k``
   micro-batches of ``b``, one optimizer step) on a model of its own, with no communication:
-  what two replicas could reach at best. Its time per update is the one that gives the two
+  what two replicas could reach at best.
+
+The same work: every rank reads the shard ours' replica of that rank reads
+(:func:`own_shard`: ``shard_iterators``, seed 0; ChainerMN one batch of ``k*b`` where ours
+reads ``k`` micro-batches of ``b``, the same samples in the same order), every model starts
+from the same weights, and ChainerMN's first update steps too (its optimizer would spend it
+on broadcasting the weights: done before). So ours and ChainerMN step on the same batches
+from the same weights, which the row checks at the end (``weights_checksum``, to
+rounding); the limit's loops read the same samples but step alone, so their weights part.
+Why: on one replica the sample order alone moved ``StandardUpdater``'s time by 1.3%
+(``paired.py``'s docstring), the size of the goals here. (Before ``paired_replicas/2``,
+ChainerMN read ``scatter_dataset``'s shards, the limit data of its own, and ChainerMN
+stepped once less.) Its time per update is the one that gives the two
   loops' summed samples/s (``scaling.py``'s definition): 2 / (1/t0 + 1/t1). Beside it,
   ``limit_lockstep``, max(t0, t1): what the same two loops take when each update waits for
   the slower one, as synchronous data parallelism must, with no communication at all; ours /
@@ -49,7 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/1'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/2'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -58,6 +70,7 @@ LIMIT_EFFICIENCY = 0.95   # issue 15: two replicas at >= 95% of the limit's samp
 # A turn: the coordinator sends one command byte to every rank; each answers with the
 # seconds its update took (a double). 'q' ends the ranks.
 CHAINERMN, LIMIT, QUIT = b'm', b'l', b'q'
+WEIGHTS = b'w'   # answered with a checksum of the rank's ChainerMN model (not a time)
 
 # The ratios reported: (key, label, numerator, denominator, verdict): issue 15's goals,
 # and (verdict None) the figures that say where a difference comes from.
@@ -124,37 +137,56 @@ def serve_rank(args):
     sock.sendall(struct.pack('i', comm.rank))
     b = args.micro_batch
     for k in args.ks:
-        size = _common.dataset_size(2 * k * b)
-        dataset = _common.make_dataset(size) if comm.rank == 0 else None
-        dataset = chainermn.scatter_dataset(dataset, comm, shuffle=True, seed=0)
+        dataset = _common.make_dataset(_common.dataset_size(2 * k * b))
         model = _common.make_model(args.model)
         optimizer = chainermn.create_multi_node_optimizer(
             chainer.optimizers.MomentumSGD(lr=0.01), comm)
         optimizer.setup(model)
+        # ChainerMN's first update broadcasts rank 0's weights instead of stepping
+        # (chainermn/optimizers.py, _MultiNodeOptimizer.update: is_changed): done here,
+        # so that its every update steps, as ours' does, and the two stay on the same work
+        comm.bcast_data(model)
+        optimizer.is_changed(model)
         mn_step = _case._observed_step(chainer.training.updaters.StandardUpdater(
-            chainer.iterators.SerialIterator(dataset, k * b, shuffle=True), optimizer), model)
-        own = _common.make_model(args.model, seed=comm.rank)
-        own_step = _case._observed_step(_Loop(own, _common.make_dataset(size, seed=comm.rank),
-                                              k, b), own)
+            own_shard(dataset, comm, k * b), optimizer), model)
+        own = _common.make_model(args.model)
+        own_step = _case._observed_step(_Loop(own, own_shard(dataset, comm, b), k), own)
         steps = {CHAINERMN: mn_step, LIMIT: own_step}
         while True:
             command = _recv_exactly(sock, 1)
             if command == QUIT:
                 break
+            if command == WEIGHTS:
+                sock.sendall(struct.pack('d', weights_checksum(model)))
+                continue
             start = time.perf_counter()
             steps[command]()
             sock.sendall(struct.pack('d', time.perf_counter() - start))
     sock.close()
 
 
+def own_shard(dataset, comm, batch):
+    """This rank's shard of ``dataset`` as ours' replica of the same rank reads it
+    (``shard_iterators``, seed 0), in batches of ``batch``: k micro-batches of b of ours are
+    one batch of k*b here, the same samples in the same order."""
+    import chainer
+    from mgpu_updater import shard_iterators
+    return shard_iterators(dataset, n=comm.size, batch_size=batch,
+                           iterator_class=chainer.iterators.SerialIterator, seed=0,
+                           shuffle=True)[comm.rank]
+
+
+def weights_checksum(model):
+    """The sum of every weight, in float64: equal (to rounding) for equal weights."""
+    return float(sum(p.array.astype('float64').sum() for p in model.params()))
+
+
 class _Loop:
     """The hand-written accumulation loop (``bench._case``'s) as an object with
     ``update()``, for ``_observed_step``."""
 
-    def __init__(self, model, dataset, k, b):
+    def __init__(self, model, iterator, k):
         from bench import _case, _common
-        import chainer
-        iterator = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
         self.update = _case._hand_step(model, _common.make_optimizer(model), iterator, k,
                                        '@numpy')
 
@@ -253,7 +285,7 @@ def measure(k, args, ranks):
         model = _common.make_model(args.model)
         updater = _case._our_updater(model, dataset, 'cpu', 2, b, accumulate_steps=k,
                                      shard_optimizer=shard)
-        ours[name] = (updater, _case._observed_step(updater, model))
+        ours[name] = (updater, _case._observed_step(updater, model), model)
 
     def ours_turn(step):
         def run():
@@ -266,7 +298,7 @@ def measure(k, args, ranks):
         t0, t1 = ranks.turn(LIMIT)
         return {'limit': 2 / (1 / t0 + 1 / t1), 'limit_lockstep': max(t0, t1)}
 
-    methods = [(name, ours_turn(step)) for name, (_, step) in ours.items()]
+    methods = [(name, ours_turn(step)) for name, (_, step, _) in ours.items()]
     methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]), ('limit', limit_turn)]
     times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep']}
     try:
@@ -278,12 +310,19 @@ def measure(k, args, ranks):
                     for key, value in (seconds.items() if isinstance(seconds, dict)
                                        else [(name, seconds)]):
                         times[key].append(value)
+        mn_weights = ranks.turn(WEIGHTS)
         ranks.next_k()
     finally:
-        for updater, _ in ours.values():
+        for updater, _, _ in ours.values():
             updater.finalize()
+    # the same work: ours and ChainerMN stepped on the same samples from the same weights
+    ours_weights = {name: weights_checksum(model) for name, (_, _, model) in ours.items()}
     row = {'k': k, 'rounds': rounds,
            'ms': {name: 1e3 * statistics.median(t) for name, t in times.items()},
+           'weights_checksum': {'chainermn_ranks': mn_weights, **ours_weights},
+           'weights_rel_diff_to_chainermn': {
+               name: abs(c - mn_weights[0]) / abs(mn_weights[0])
+               for name, c in ours_weights.items()},
            'ratios': {}}
     for key, _, a, b_, kind in RATIOS:
         summary = _common.ratio_summary([x / y for x, y in zip(times[a], times[b_])])
@@ -312,6 +351,12 @@ def markdown(result):
         lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
             r['k'], r['rounds'], ms['ours'], ms['ours_master_step'], ms['chainermn'],
             ms['limit'], ms['limit_lockstep']))
+    lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
+              'ChainerMN\'s (0: equal checksums): ' + '; '.join(
+                  'k={}: sharded {:.1g}, master step {:.1g}'.format(
+                      r['k'], r['weights_rel_diff_to_chainermn']['ours'],
+                      r['weights_rel_diff_to_chainermn']['ours_master_step'])
+                  for r in result['rows']) + '.']
     lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',
               '|---:|---|---:|---:|---:|---|']
     for r in result['rows']:

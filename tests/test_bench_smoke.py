@@ -367,11 +367,11 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
 def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
     """``bench/paired_replicas.py``: ours (sharded and master step), ChainerMN under
     ``mpiexec`` and the limit's two loops, taking turns update by update, every ratio of
-    issue 15 with its interval and verdict."""
+    issue 15 with its interval and verdict, and ours and ChainerMN on the same work."""
     _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
                '--rounds', '3', '--warmup', '1', '--out', str(tmp_path), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/1'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/2'
     assert [r['k'] for r in result['rows']] == [1, 2]
     from bench import paired_replicas
     for row in result['rows']:
@@ -390,6 +390,11 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
             assert ratio['verdict'] == paired_replicas.verdict(kind, low, high)
         # two loops waiting for the slower one never beat their summed samples/s
         assert all(r >= 1 for r in row['ratios']['limit_lockstep/limit']['ratios'])
+        # ours and ChainerMN stepped on the same samples from the same weights: the
+        # same weights at the end, to rounding (both ChainerMN ranks alike)
+        mn = row['weights_checksum']['chainermn_ranks']
+        assert len(mn) == 2 and mn[0] == mn[1]
+        assert all(d <= 1e-5 for d in row['weights_rel_diff_to_chainermn'].values())
     text = (tmp_path / 'paired_replicas.md').read_text()
     assert '| 2 | the limit / ours (master step) |' in text
     assert str(ROOT) not in (tmp_path / 'paired_replicas.json').read_text()
