@@ -18,10 +18,11 @@ samples in the same order: ours as a Chainer script gets it (the drop-in form, t
 the same seed (:func:`_iterator`). So all of them compute on the same batches with the
 same weights (ours and ``StandardUpdater`` bitwise; the row's ``weights_max_abs_diff``
 says how far apart the models ended), and the ratio is what the updater costs. That
-matters at this scale: the sample order alone moved ``StandardUpdater``'s time by 1.3%
-(95% interval 0.975-0.997, two seeds against seed 0, on the CNN), and the order
-``shard_iterators`` gives one replica by 1.6% (its shard against the plain iterator,
-both under ``StandardUpdater``), which is what ``paired/2`` counted against ours.
+matters at this scale: ``sample_order.py`` (``StandardUpdater`` against itself, only the
+shuffling seed changed) read seed 1 at 0.995 and 0.978 (0.964-0.991) of seed 0's time in
+two runs, the control 0.999-1.001; a first, ad-hoc run read 0.987 for seed 1 and 1.016
+(1.011-1.021) for the order ``shard_iterators`` gives one replica, which is the order
+``paired/2`` gave ours and not the others.
 
 The ratio's median comes with a 95% interval (a seeded bootstrap of the pairs): the goal
 holds where the whole interval is at or below 1.02. ``--pairs`` defaults to 600 / k, about

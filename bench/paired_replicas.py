@@ -17,7 +17,11 @@ so that a slow stretch weighs on all of them alike, as ``paired.py`` does for on
   ``create_multi_node_optimizer`` at ``k*b`` samples per rank, as ChainerMN's examples run.
 - **the limit**: in the same two MPI processes, each rank the hand-written loop (``k``
   micro-batches of ``b``, one optimizer step) on a model of its own, with no communication:
-  what two replicas could reach at best.
+  what two replicas could reach at best. Its time per update is the one that gives the
+  two loops' summed samples/s (``scaling.py``'s definition): 2 / (1/t0 + 1/t1). Beside it,
+  ``limit_lockstep``, max(t0, t1): what the same two loops take when each update waits for
+  the slower one, as synchronous data parallelism must, with no communication at all; ours /
+  it is what communication and the protocol cost, it / the limit what the lockstep costs.
 
 The same work: every rank reads the shard ours' replica of that rank reads
 (:func:`own_shard`: ``shard_iterators``, seed 0; ChainerMN one batch of ``k*b`` where ours
@@ -26,14 +30,10 @@ from the same weights, and ChainerMN's first update steps too (its optimizer wou
 on broadcasting the weights: done before). So ours and ChainerMN step on the same batches
 from the same weights, which the row checks at the end (``weights_checksum``, to
 rounding); the limit's loops read the same samples but step alone, so their weights part.
-Why: on one replica the sample order alone moved ``StandardUpdater``'s time by 1.3%
-(``paired.py``'s docstring), the size of the goals here. (Before ``paired_replicas/2``,
-ChainerMN read ``scatter_dataset``'s shards, the limit data of its own, and ChainerMN
-stepped once less.) Its time per update is the one that gives the two
-  loops' summed samples/s (``scaling.py``'s definition): 2 / (1/t0 + 1/t1). Beside it,
-  ``limit_lockstep``, max(t0, t1): what the same two loops take when each update waits for
-  the slower one, as synchronous data parallelism must, with no communication at all; ours /
-  it is what communication and the protocol cost, it / the limit what the lockstep costs.
+Why: what an update computes on can move its time by about the size of the goals here
+(``sample_order.py``; ``paired.py``'s docstring). Before ``paired_replicas/2`` ChainerMN
+read ``scatter_dataset``'s shards, the limit data of its own, and ChainerMN stepped once
+less.
 
 Whoever's turn it is not waits in a blocking read (a socket, or a worker's pipe), so it
 takes no CPU. (A process that polled between its updates would take CPU from the next

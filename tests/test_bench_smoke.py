@@ -267,6 +267,24 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
     assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
 
 
+def test_sample_order_bench_times_standard_updater_against_itself(tmp_path):
+    """``bench/sample_order.py``: StandardUpdater over seed 0 (twice), seeds 1 and 2 and the
+    one-shard order, alternating; every ratio to seed 0 with its interval."""
+    _run_bench('sample_order.py', '--model', 'tiny', '--rounds', '3', '--warmup', '1',
+               '--out', str(tmp_path), timeout=120)
+    result = json.loads((tmp_path / 'sample_order.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.sample_order/1'
+    assert [r['run'] for r in result['rows']] == [
+        'seed 0 again', 'seed 1', 'seed 2', 'shard_iterators, n=1']
+    assert result['seed0_ms'] > 0
+    for row in result['rows']:
+        assert row['ms'] > 0 and row['ratio_q1'] <= row['ratio_median'] <= row['ratio_q3']
+        low, high = row['ratio_ci95']
+        assert 0 < low <= row['ratio_median'] <= high
+    assert '| seed 0 again |' in (tmp_path / 'sample_order.md').read_text()
+    assert str(ROOT) not in (tmp_path / 'sample_order.json').read_text()
+
+
 def test_paired_bench_verdict_needs_the_whole_interval_at_or_below_the_goal():
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
