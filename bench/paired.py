@@ -159,9 +159,9 @@ def markdown(result):
              'rotating), every method reading the same samples in the same order; ratio = '
              'ours\' time / the other\'s time in the same round (above 1: ours is slower); '
              '"weights apart": the largest difference between ours\' and its weights at the '
-             'end (0: the same work, bitwise); the ratio\'s median with a 95% bootstrap interval; issue 15\'s goal '
-             'holds where the interval is at or below {}. Machine: {}; load average {} at '
-             'start, {} at the end.'.format(result['model'], result['micro_batch'], GOAL,
+             'end (0: the same work, bitwise); the ratio\'s median with a 95% bootstrap '
+             'interval; issue 15\'s goal holds where the interval is at or below {}. '
+             'Machine: {}; load average {} at start, {} at the end.'.format(result['model'], result['micro_batch'], GOAL,
                                             result['machine']['cpu'],
                                             result['machine']['loadavg_start'],
                                             result['machine'].get('loadavg_end')), '',
