@@ -161,10 +161,10 @@ def markdown(result):
              '"weights apart": the largest difference between ours\' and its weights at the '
              'end (0: the same work, bitwise); the ratio\'s median with a 95% bootstrap '
              'interval; issue 15\'s goal holds where the interval is at or below {}. '
-             'Machine: {}; load average {} at start, {} at the end.'.format(result['model'], result['micro_batch'], GOAL,
-                                            result['machine']['cpu'],
-                                            result['machine']['loadavg_start'],
-                                            result['machine'].get('loadavg_end')), '',
+             'Machine: {}; load average {} at start, {} at the end.'.format(
+                 result['model'], result['micro_batch'], GOAL, result['machine']['cpu'],
+                 result['machine']['loadavg_start'],
+                 result['machine'].get('loadavg_end')), '',
              '| k | ours against | rounds | its ms/update | ours ms/update | ratio (median) '
              '| 95% interval | quartiles | goal | weights apart |',
              '|---:|---|---:|---:|---:|---:|---:|---:|---|---:|']

@@ -39,10 +39,10 @@ Whoever's turn it is not waits in a blocking read (a socket, or a worker's pipe)
 takes no CPU. (A process that polled between its updates would take CPU from the next
 method's turn, and this bench shows it: a worker that looked for its next Step for 5 ms
 before blocking made the method after it 3% slower here.) Every process runs one BLAS
-thread and the same malloc thresholds. Each round gives ratios of times (above 1: the first is slower); each ratio's median comes with a 95%
-bootstrap interval over the rounds, and issue 15's goals are judged on the whole interval:
-ours ahead of ChainerMN where it lies below 1, at >= 95% of the limit (in samples/s) where
-limit / ours lies at or above 0.95.
+thread and the same malloc thresholds. Each round gives ratios of times (above 1: the first
+is slower); each ratio's median comes with a 95% bootstrap interval over the rounds, and
+issue 15's goals are judged on the whole interval: ours ahead of ChainerMN where it lies
+below 1, at >= 95% of the limit (in samples/s) where limit / ours lies at or above 0.95.
 
 Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 ``paired_replicas.md`` there.
