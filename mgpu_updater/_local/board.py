@@ -16,9 +16,20 @@ out, each worker's "stepped" back), each of which cost 0.3-0.9 ms from send to r
 a loaded 2-core VM, where a post is seen within microseconds by a rank that spins and
 within about 60 us by one that sleeps between looks.
 
+Where a rank posts, its window's result (what a Done message would carry: the reported
+values, times, epochs) goes into its *mailbox* on the board right after the post
+(:meth:`Board.post_result`), and the master reads it there (:meth:`Board.result`) instead
+of receiving a Done through the pipe: receiving one took the master 0.2-0.25 ms of every
+update (the pipe's wait and read, and unpickling, with caches cold after the window), on
+the critical path, after its step. A result too large for the mailbox (:data:`MAILBOX`)
+still goes as a Done through the pipe; the mailbox then says so.
+
 The board is one segment: a row of :data:`_WORDS` 64-bit words per rank (its round number,
-its count, its loss as float64). A rank writes its count and loss first and its round last;
-a reader that sees the round reads the values after it. That order holds where stores reach
+its count, its loss as float64, the round of the result in its mailbox and that result's
+length), one header word (how long a waiter spins, :func:`spin_for`), then one mailbox of
+:data:`MAILBOX` bytes per rank. A rank writes its count and loss first and its round last,
+and its mailbox and the result's length before the result's round; a reader that sees a
+round reads the values after it. That order holds where stores reach
 other cores in the order they were made and loads are not reordered with older loads
 (x86-64, "total store order"); there, a pipe message is not needed to publish them, nor
 the gradient each rank packed before posting. Elsewhere (ARM's weaker order) the sharded
@@ -31,11 +42,17 @@ sharded update, after the update's second round, which no rank starts before it 
 the first). Every rank posts as many rounds in an update as every other: one where packs
 are announced, two in a sharded update, none otherwise.
 
-A waiter spins for :data:`SPIN`, then sleeps between looks: ``time.sleep(0)`` (about 60 us,
-the kernel's timer slack) for the first :data:`PATIENT`, and after that
-:data:`BACKOFF` of the time it has waited so far, at most :data:`LONGEST_SLEEP`, so that a
-long wait (a slower peer's longer window) costs little CPU (``time.sleep(0)`` alone kept a
-waiter at about 20% of a core) and at most 5% more time.
+A waiter spins first, yielding the CPU between looks (``os.sched_yield``, under a
+microsecond, which also lets go of the GIL), for :data:`SPIN_LONG` where every rank of the
+host can have a core of its own and :data:`SPIN` where they cannot (:func:`spin_for`:
+there a spinning rank would take the CPU from one that computes). Then it sleeps between
+looks: ``time.sleep(0)`` (60-100 us, the kernel's timer slack) until :data:`PATIENT`, and
+after that :data:`BACKOFF` of the time it has waited so far, at most
+:data:`LONGEST_SLEEP`, so that a long wait (a slower peer's longer window) costs little
+CPU (``time.sleep(0)`` alone kept a waiter at about 20% of a core) and at most 5% more
+time. Sleeping where the ranks had cores to spare cost the master 0.1-0.15 ms per update
+on average (the post seen one sleep late; median wait at ``accumulate_steps=1`` about 0.5
+ms).
 
 Waiting is bounded by the ranks' health, not by time, like the pipes' waits: ``check``
 runs every :data:`CHECK_EVERY` seconds (the master's raises for a worker that died or
@@ -43,10 +60,11 @@ reported an error; a worker's leaves when the master stops it).
 """
 from __future__ import annotations
 
+import os
 import platform
 import secrets
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .._replica import mean_loss
 from ..comm.shm import _open
@@ -54,9 +72,12 @@ from ..comm.shm import _open
 #: Whether this machine's memory order lets a post publish what was written before it.
 STORE_ORDER = platform.machine().lower() in ('x86_64', 'amd64', 'i386', 'i686', 'x86')
 
-_WORDS = 4                 # per rank: round, count, loss (float64), unused
-_ROUND, _COUNT, _LOSS = 0, 1, 2
-SPIN = 50e-6               # seconds a waiter spins before it sleeps between looks
+_WORDS = 8                 # per rank: round, count, loss (float64), result's round and length
+_ROUND, _COUNT, _LOSS, _RESULT, _LENGTH = 0, 1, 2, 3, 4
+_SPIN_WORD = 0             # the header word (after the rows): the spin, in nanoseconds
+MAILBOX = 1 << 14          # bytes of each rank's mailbox (a result is about 400 bytes)
+SPIN = 50e-6               # seconds a waiter spins before it sleeps, where cores are short
+SPIN_LONG = 2e-3           # ... and where every rank of the host has a core of its own
 PATIENT = 1e-3             # seconds after which a waiter sleeps longer between looks:
 BACKOFF = 0.05             # this share of the time it has waited so far,
 LONGEST_SLEEP = 1e-3       # at most this long
@@ -71,14 +92,23 @@ class Board:
         self._segment = segment
         self.size, self.rank, self._owner = size, rank, owner
         buf = segment.buf   # type: ignore[attr-defined]
+        self._bytes = buf
         self._ints = buf.cast('q')
         self._floats = buf.cast('d')
+        self._header = size * _WORDS                # the header word's index
+        self._mail = (self._header + 1) * 8        # the first mailbox's first byte
         self._round = 0    # this rank's posts so far
+        #: seconds a waiter spins before it sleeps (:func:`spin_for`, set by the master)
+        self.spin = self._ints[self._header + _SPIN_WORD] * 1e-9
 
     @classmethod
-    def create(cls, size: int) -> 'Board':
-        segment = _open('mgpu_' + secrets.token_hex(16), size * _WORDS * 8, create=True)
+    def create(cls, size: int, spin: float = SPIN) -> 'Board':
+        """The master's board for ``size`` ranks, whose waiters spin ``spin`` seconds
+        (:func:`spin_for`); the workers attach with :attr:`name` and read it there."""
+        nbytes = (size * _WORDS + 1) * 8 + size * MAILBOX
+        segment = _open('mgpu_' + secrets.token_hex(16), nbytes, create=True)
         segment.buf[:] = bytes(len(segment.buf))
+        segment.buf.cast('q')[size * _WORDS + _SPIN_WORD] = int(spin * 1e9)
         return cls(segment, size, 0, owner=True)
 
     @classmethod
@@ -115,26 +145,58 @@ class Board:
 
     def wait(self, check: Callable[[], None]) -> None:
         """Wait until every rank has posted this rank's latest round (see :meth:`meet`)."""
-        rounds = [r * _WORDS + _ROUND for r in range(self.size)]
-        ints, target = self._ints, self._round
+        self._wait_for([r * _WORDS + _ROUND for r in range(self.size)], check)
+
+    def post_result(self, data: Optional[bytes]) -> bool:
+        """After this rank's post: put ``data`` (its pickled window result) in its mailbox
+        as the result of that round, and say so; or, where ``data`` is None or longer than
+        :data:`MAILBOX`, say that the result goes through the pipe. True: in the mailbox."""
+        at = self.rank * _WORDS
+        fits = data is not None and len(data) <= MAILBOX
+        if fits:
+            first = self._mail + self.rank * MAILBOX
+            self._bytes[first:first + len(data)] = data   # type: ignore[arg-type]
+        self._ints[at + _LENGTH] = len(data) if fits else -1   # type: ignore[arg-type]
+        self._ints[at + _RESULT] = self._round    # last: the result is complete
+        return fits
+
+    def result(self, rank: int, check: Callable[[], None]) -> Optional[bytes]:
+        """Wait until ``rank`` has put its result of this rank's latest round (see
+        :meth:`post_result`; ``check`` as in :meth:`meet`); its bytes, or None where it
+        goes through the pipe."""
+        at = rank * _WORDS
+        self._wait_for([at + _RESULT], check)
+        length = self._ints[at + _LENGTH]
+        if length < 0:
+            return None
+        first = self._mail + rank * MAILBOX
+        return bytes(self._bytes[first:first + length])
+
+    def _wait_for(self, words: Sequence[int], check: Callable[[], None]) -> None:
+        """Wait until every one of ``words`` holds this rank's latest round."""
+        ints, target, spin = self._ints, self._round, self.spin
+        if all(ints[i] >= target for i in words):
+            return
         start = time.perf_counter()
         next_check = start + CHECK_EVERY
         while True:
-            if all(ints[i] >= target for i in rounds):
+            if all(ints[i] >= target for i in words):
                 return
             now = time.perf_counter()
             if now >= next_check:
                 check()
                 next_check = now + CHECK_EVERY
             waited = now - start
-            if waited > PATIENT:     # a long wait: sleep longer, so as to use little CPU
+            if waited <= spin:
+                os.sched_yield()   # the CPU and the GIL, for whoever else wants them
+            elif waited > PATIENT:     # a long wait: sleep longer, so as to use little CPU
                 time.sleep(min(BACKOFF * waited, LONGEST_SLEEP))
-            elif waited > SPIN:
+            else:
                 time.sleep(0)   # lets this process's other threads (the loader) run
 
     def close(self) -> None:
         """Release the mapping; the master also removes the segment."""
-        for view in (self._ints, self._floats):
+        for view in (self._ints, self._floats):   # (_bytes is the segment's own)
             view.release()
         try:
             self._segment.close()   # type: ignore[attr-defined]
@@ -156,6 +218,13 @@ def announces_packs(board: Optional['Board']) -> bool:
     post publish the pack (:data:`STORE_ORDER`). Otherwise Done says it, as before. The
     master and its workers run on one machine, so they answer alike."""
     return board is not None and STORE_ORDER
+
+
+def spin_for(ranks_on_host: int, cores: int) -> float:
+    """How long a waiter spins before it sleeps: :data:`SPIN_LONG` where each of the
+    host's ``ranks_on_host`` processes can have one of its ``cores`` to itself (a spinning
+    rank then takes no CPU that another needs), else :data:`SPIN`."""
+    return SPIN_LONG if ranks_on_host <= cores else SPIN
 
 
 def posted_total(posted: List[Tuple[int, float]]) -> Tuple[int, float]:

@@ -16,7 +16,8 @@ from .. import comm as comm_module
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
-from .board import STORE_ORDER, Board, announces_packs
+from .._threads import available_cores
+from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
 from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
                        master_finish_sharded, slot_views)
@@ -56,7 +57,7 @@ class LocalGroup(Group):
         if states is not None and self.comm.can_reduce_scatter and self.grads.views:
             self.shards = MasterShards(self.comm, layouts, states, model)
         if self.shards is not None or (self.comm.packs_in_shared_memory and STORE_ORDER):
-            self.board = Board.create(self.size)
+            self.board = Board.create(self.size, spin_for(self.size, available_cores()))
         #: whether every rank says at the board that its gradient is packed (decided here,
         #: for the workers too: :func:`.board.announces_packs`)
         self.announce_packs = announces_packs(self.board)

@@ -36,7 +36,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .protocol import Failed, Hello, Ready, Stop
+from .protocol import Encoder, Failed, Hello, Ready, Stop
 from ..errors import WorkerError
 
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
@@ -110,6 +110,7 @@ class WorkerPool:
         self._conns: Dict[int, Any] = {}
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
+        self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
 
     @property
@@ -237,26 +238,32 @@ class WorkerPool:
             return None
 
     def send(self, msg: tuple, ranks: Optional[Sequence[int]] = None) -> None:
+        data = self._encoder.encode(msg)   # a worker's Decoder reads it
         for rank in (self.ranks if ranks is None else ranks):
             try:
-                self._conns[rank].send(msg)
+                self._conns[rank].send_bytes(data)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 self._raise_dead(rank)
 
     def gather(self, kind: str, timeout: Optional[float] = None,
-               what: str = 'update') -> Dict[int, Any]:
-        """Wait for one ``kind`` message from every worker, watching their sentinels.
+               what: str = 'update', ranks: Optional[Sequence[int]] = None) -> Dict[int, Any]:
+        """Wait for one ``kind`` message from every worker (or those of ``ranks``),
+        watching their sentinels.
 
         A worker that reports an error or dies raises :class:`WorkerError` at once.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._collect(kind, deadline, timeout, what, on_dead=self._raise_dead)
+        return self._collect(kind, deadline, timeout, what, on_dead=self._raise_dead,
+                             ranks=ranks)
 
     def _collect(self, kind: str, deadline: Optional[float], timeout: Optional[float],
-                 what: str, on_dead: Callable[[int], None]) -> Dict[int, Any]:
-        waiting = set(self.ranks)
+                 what: str, on_dead: Callable[[int], None],
+                 ranks: Optional[Sequence[int]] = None) -> Dict[int, Any]:
+        waiting = set(self.ranks if ranks is None else ranks)
         out: Dict[int, Any] = {}
         for rank, msg in list(self._early.items()):   # read by :meth:`check`
+            if rank not in waiting:
+                continue
             del self._early[rank]
             if msg[0] != kind:
                 raise WorkerError(f'sent {msg[0]!r} while {kind!r} was expected',

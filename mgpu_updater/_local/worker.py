@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Done, Failed, Hello, ParamViews, Ready, State, StateRequest, Step,
-                       Stop, worker_step)
+from .protocol import (Decoder, Done, Failed, Hello, ParamViews, Ready, State, StateRequest,
+                       Step, Stop, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -280,9 +280,10 @@ def _stop_check(conn: Any) -> Callable[[], None]:
 def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
             views: Any, shards: Any, board: Any) -> None:
     check = _stop_check(conn)
+    decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
     while True:
         try:
-            msg = conn.recv()
+            msg = decoder.decode(conn.recv_bytes())
         except (EOFError, OSError):
             return                       # the master is gone
         kind = msg[0]
