@@ -195,6 +195,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._skipped = 0
         #: seconds of the last update: 'data', 'compute', 'comm', 'update'
         self.last_times: Dict[str, float] = {}
+        #: seconds of the last update's window on each replica, in replica order (MPI:
+        #: rank order): 'data' and 'compute', as each replica measured them
+        self.last_replica_times: List[Dict[str, float]] = []
 
     # ------------------------------------------------------------------ epoch bookkeeping
     # The master's loader runs ahead of training; the epoch is that of the last batch used.
@@ -350,6 +353,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         times['compute'] = own.times.get('compute', 0.0)
         times.setdefault('update', 0.0)
         self.last_times = times
+        self.last_replica_times = [dict(r.times) for r in results]
         if self.report_times:
             observation.update({f'main/time/{k}': v for k, v in times.items()})
         chainer.report(observation)

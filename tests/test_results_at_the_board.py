@@ -228,3 +228,41 @@ def test_a_spinning_waiter_yields_and_does_not_sleep_before_its_spin_is_over(mon
         board.close()
     assert yields and max(yields) - start <= 0.02 + 0.005
     assert sleeps    # after its spin, it sleeps between looks again
+
+
+class _SlowWorkers(chainer.Chain):
+    """A classifier whose forward takes 50 ms longer outside the master's process."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed=3)
+
+    def forward(self, x, t):
+        import os
+        if str(os.getpid()) != os.environ.get('MGPU_TEST_MASTER_PID'):
+            time.sleep(0.05)
+        return self.inner(x, t)
+
+
+def test_every_replica_reports_its_own_window_times(monkeypatch):
+    """``updater.last_replica_times``: each replica's own 'data' and 'compute', in replica
+    order (the workers' come from their results at the board)."""
+    import os
+    monkeypatch.setenv('MGPU_TEST_MASTER_PID', str(os.getpid()))
+    model = _SlowWorkers()
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=10 + r), 4) for r in range(3)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 3)
+    try:
+        assert updater.last_replica_times == []
+        for _ in range(2):
+            updater.update()
+            times = updater.last_replica_times
+            assert [sorted(t) for t in times] == [['compute', 'data']] * 3
+            assert times[0]['compute'] == updater.last_times['compute']
+            fastest_worker = min(t['compute'] for t in times[1:])
+            assert times[0]['compute'] < 0.05 <= fastest_worker   # the workers slept 50 ms
+    finally:
+        updater.finalize()
