@@ -44,6 +44,11 @@ is slower); each ratio's median comes with a 95% bootstrap interval over the rou
 issue 15's goals are judged on the whole interval: ours ahead of ChainerMN where it lies
 below 1, at >= 95% of the limit (in samples/s) where limit / ours lies at or above 0.95.
 
+Each round also splits every update into the slower replica's forwards and backwards (ours:
+``updater.last_replica_times``, each replica's own window compute; the limit: its loops'
+own timing, loading and step left out) and the rest: whether ours loses its time in the
+windows or outside them. (Added in ``paired_replicas/3``.)
+
 Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 ``paired_replicas.md`` there.
 """
@@ -61,16 +66,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/2'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/3'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
 LIMIT_EFFICIENCY = 0.95   # issue 15: two replicas at >= 95% of the limit's samples/s
 
-# A turn: the coordinator sends one command byte to every rank; each answers with the
-# seconds its update took (a double). 'q' ends the ranks.
+# A turn: the coordinator sends one command byte to every rank; each answers with two
+# doubles: the seconds its update took, and those of its forwards and backwards (the
+# limit's loop; NaN for ChainerMN). 'q' ends the ranks.
 CHAINERMN, LIMIT, QUIT = b'm', b'l', b'q'
-WEIGHTS = b'w'   # answered with a checksum of the rank's ChainerMN model (not a time)
+WEIGHTS = b'w'   # answered with a checksum of the rank's ChainerMN model (and a NaN)
+NAN = float('nan')
 
 # The ratios reported: (key, label, numerator, denominator, verdict): issue 15's goals,
 # and (verdict None) the figures that say where a difference comes from.
@@ -90,6 +97,10 @@ RATIOS = (
      'communication costs)', 'ours', 'limit_lockstep', None),
     ('ours_master_step/limit_lockstep', 'ours (master step) / the limit in lockstep',
      'ours_master_step', 'limit_lockstep', None),
+    ('window:ours_master_step/window:limit', 'ours (master step): the slower replica\'s '
+     'forward/backward / the limit\'s', 'window:ours_master_step', 'window:limit', None),
+    ('outside:ours_master_step/outside:limit', 'ours (master step): the update less that '
+     '/ the limit in lockstep\'s', 'outside:ours_master_step', 'outside:limit', None),
 )
 
 
@@ -150,18 +161,21 @@ def serve_rank(args):
         mn_step = _case._observed_step(chainer.training.updaters.StandardUpdater(
             own_shard(dataset, comm, k * b), optimizer), model)
         own = _common.make_model(args.model)
-        own_step = _case._observed_step(_Loop(own, own_shard(dataset, comm, b), k), own)
+        fwd_bwd = []
+        own_step = _case._observed_step(
+            _Loop(own, own_shard(dataset, comm, b), k, fwd_bwd), own)
         steps = {CHAINERMN: mn_step, LIMIT: own_step}
         while True:
             command = _recv_exactly(sock, 1)
             if command == QUIT:
                 break
             if command == WEIGHTS:
-                sock.sendall(struct.pack('d', weights_checksum(model)))
+                sock.sendall(struct.pack('dd', weights_checksum(model), NAN))
                 continue
             start = time.perf_counter()
             steps[command]()
-            sock.sendall(struct.pack('d', time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            sock.sendall(struct.pack('dd', seconds, fwd_bwd[-1] if command == LIMIT else NAN))
     sock.close()
 
 
@@ -185,10 +199,10 @@ class _Loop:
     """The hand-written accumulation loop (``bench._case``'s) as an object with
     ``update()``, for ``_observed_step``."""
 
-    def __init__(self, model, iterator, k):
+    def __init__(self, model, iterator, k, fwd_bwd=None):
         from bench import _case, _common
         self.update = _case._hand_step(model, _common.make_optimizer(model), iterator, k,
-                                       '@numpy')
+                                       '@numpy', fwd_bwd)
 
 
 def _recv_exactly(sock, n):
@@ -243,11 +257,14 @@ class Ranks:
             raise
 
     def turn(self, command):
-        """Both ranks run one update of ``command``; returns the seconds each took."""
+        """Both ranks run one update of ``command``; returns the seconds each took (their
+        forwards' and backwards': :attr:`windows`)."""
         try:
             for sock in self.socks:
                 sock.sendall(command)
-            return [struct.unpack('d', _recv_exactly(sock, 8))[0] for sock in self.socks]
+            answers = [struct.unpack('dd', _recv_exactly(sock, 16)) for sock in self.socks]
+            self.windows = [window for _, window in answers]
+            return [seconds for seconds, _ in answers]
         except Exception as e:
             raise RuntimeError('the MPI ranks failed ({}); their output:\n{}'.format(
                 e, self.output())) from e
@@ -287,20 +304,29 @@ def measure(k, args, ranks):
                                      shard_optimizer=shard)
         ours[name] = (updater, _case._observed_step(updater, model), model)
 
-    def ours_turn(step):
+    def ours_turn(name, updater, step):
         def run():
             start = time.perf_counter()
             step()
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            # the slower replica's forwards and backwards, as each replica timed its own
+            window = max(t['compute'] for t in updater.last_replica_times)
+            return {name: seconds, 'window:' + name: window,
+                    'outside:' + name: seconds - window}
         return run
 
     def limit_turn():
         t0, t1 = ranks.turn(LIMIT)
-        return {'limit': 2 / (1 / t0 + 1 / t1), 'limit_lockstep': max(t0, t1)}
+        window = max(ranks.windows)
+        return {'limit': 2 / (1 / t0 + 1 / t1), 'limit_lockstep': max(t0, t1),
+                'window:limit': window, 'outside:limit': max(t0, t1) - window}
 
-    methods = [(name, ours_turn(step)) for name, (_, step, _) in ours.items()]
+    methods = [(name, ours_turn(name, updater, step))
+               for name, (updater, step, _) in ours.items()]
     methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]), ('limit', limit_turn)]
     times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep']}
+    for name in list(ours) + ['limit']:
+        times['window:' + name], times['outside:' + name] = [], []
     try:
         for i in range(args.warmup + rounds):
             shift = i % len(methods)   # each method first and last in turn
@@ -317,8 +343,16 @@ def measure(k, args, ranks):
             updater.finalize()
     # the same work: ours and ChainerMN stepped on the same samples from the same weights
     ours_weights = {name: weights_checksum(model) for name, (_, _, model) in ours.items()}
+    medians = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     row = {'k': k, 'rounds': rounds,
-           'ms': {name: 1e3 * statistics.median(t) for name, t in times.items()},
+           'ms': {name: ms for name, ms in medians.items() if ':' not in name},
+           # per round: the slower replica's forwards and backwards (ours: as each
+           # replica timed its own window's compute; the limit: its loops), and the
+           # update less that (the limit: in lockstep)
+           'window_ms': {name.split(':')[1]: ms for name, ms in medians.items()
+                         if name.startswith('window:')},
+           'outside_ms': {name.split(':')[1]: ms for name, ms in medians.items()
+                          if name.startswith('outside:')},
            'weights_checksum': {'chainermn_ranks': mn_weights, **ours_weights},
            'weights_rel_diff_to_chainermn': {
                name: abs(c - mn_weights[0]) / abs(mn_weights[0])
@@ -351,6 +385,17 @@ def markdown(result):
         lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
             r['k'], r['rounds'], ms['ours'], ms['ours_master_step'], ms['chainermn'],
             ms['limit'], ms['limit_lockstep']))
+    lines += ['', 'Where the time goes (medians over the rounds, ms): the slower replica\'s '
+              'forwards and backwards (ours: each replica\'s own window compute; the limit: '
+              'its loops\'), and the update less that (the limit: in lockstep).', '',
+              '| k | window: ours (sharded) | ours (master step) | the limit | outside: ours '
+              '(sharded) | ours (master step) | the limit |',
+              '|---:|---:|---:|---:|---:|---:|---:|']
+    for r in result['rows']:
+        w, o = r['window_ms'], r['outside_ms']
+        lines.append('| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
+            r['k'], w['ours'], w['ours_master_step'], w['limit'], o['ours'],
+            o['ours_master_step'], o['limit']))
     lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
               'ChainerMN\'s (0: equal checksums): ' + '; '.join(
                   'k={}: sharded {:.1g}, master step {:.1g}'.format(

@@ -389,7 +389,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
     _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
                '--rounds', '3', '--warmup', '1', '--out', str(tmp_path), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/2'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/3'
     assert [r['k'] for r in result['rows']] == [1, 2]
     from bench import paired_replicas
     for row in result['rows']:
@@ -408,6 +408,13 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
             assert ratio['verdict'] == paired_replicas.verdict(kind, low, high)
         # two loops waiting for the slower one never beat their summed samples/s
         assert all(r >= 1 for r in row['ratios']['limit_lockstep/limit']['ratios'])
+        # each update split into the slower replica's forward/backward and the rest
+        methods = {'ours', 'ours_master_step', 'limit'}
+        assert set(row['window_ms']) == set(row['outside_ms']) == methods
+        for name in methods:
+            whole = row['ms']['limit_lockstep' if name == 'limit' else name]
+            assert 0 < row['window_ms'][name] < whole
+            assert 0 < row['outside_ms'][name] < whole
         # ours and ChainerMN stepped on the same samples from the same weights: the
         # same weights at the end, to rounding (both ChainerMN ranks alike)
         mn = row['weights_checksum']['chainermn_ranks']
