@@ -6,12 +6,28 @@ training loop, the iterator object itself is ahead too; :meth:`Loader.state` the
 returns the iterator state captured (:func:`mgpu_updater._checkpoint.capture_state`) just
 before the oldest batch that was loaded but not yet handed out, so a snapshot resumes with
 no batch lost or repeated.
+
+A *gated* prefetcher (``prefetch='auto'`` on CPU replicas with worker processes, see
+:func:`plan`) starts a load only while its consumer does not hold the gate
+(:meth:`Loader.hold`, :meth:`Loader.release`) or waits in :meth:`Loader.get` for a batch
+that is not loaded yet. On the CPU the thread's loading is Python (the iterator, the
+converter) that takes the GIL from the replica's forward and backward: measured in one
+process, interleaved with the hand-written loop on the same batches, the window's compute
+read 1.020x the loop's with the thread loading meanwhile and 1.002x without it, and with two
+replicas each window ran 3.5% slower than the limit's loops (``bench/paired_replicas.py``).
+A worker releases the gate while it waits for the master's next message, so that it loads
+then; the master holds it, and loads each batch when it needs it. A gated loader that had to
+make its consumer wait longer than :data:`UNGATE_AFTER` for a batch, :data:`UNGATE_WAITS`
+times in a row (a dataset that reads
+files, a ``MultiprocessIterator``: loading that waits rather than computes, which a thread
+hides) opens the gate for good and loads ahead as an ungated one does.
 """
 from __future__ import annotations
 
 import collections
 import queue
 import threading
+import time
 from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
@@ -21,6 +37,10 @@ from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
+AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
+UNGATE_AFTER = 2e-3   # seconds a gated loader may keep its consumer waiting ...
+UNGATE_WAITS = 3      # ... this many times in a row before it opens for good (a load of
+                      # the benchmark's CPU batches: 0.3 ms)
 
 
 class EpochInfo(NamedTuple):
@@ -86,6 +106,13 @@ class Loader:
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
 
+    def hold(self) -> None:
+        """The replica is busy: a gated prefetcher starts no load until :meth:`release`
+        (or a :meth:`get` that finds nothing loaded). Elsewhere nothing."""
+
+    def release(self) -> None:
+        """The replica waits for something else: a gated prefetcher may load now."""
+
     def close(self) -> None:
         self._closed = True
 
@@ -111,9 +138,20 @@ class Prefetcher(Loader):
     the pool replaces its processes from its own thread, as under StandardUpdater.)
     """
 
-    def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int) -> None:
+    def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
+                 gated: bool = False) -> None:
         super().__init__(iterator, converter, device)
         self.depth = depth
+        # The gate (see the module docstring): a C lock the consumer holds while busy, so
+        # that the thread starts no load then; held from the start. ``gated`` turns False
+        # for good once a load kept the consumer waiting too long.
+        self.gated = gated
+        #: the plan's word, kept: whether this loader started gated
+        self.planned_gated = gated
+        self._gate = threading.Lock()
+        self._holding = False
+        self._slow_waits = 0   # gets in a row that waited longer than UNGATE_AFTER
+        self.hold()
         # Loaded items, and one token per free place: both C queues (_queue.SimpleQueue),
         # so that no Python-level lock is taken in the consumer's thread (see close()).
         self._items: 'queue.SimpleQueue[tuple]' = queue.SimpleQueue()
@@ -150,6 +188,8 @@ class Prefetcher(Loader):
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
                     return
+                if self.gated and not self._pass_gate():
+                    return
                 # Record the state before loading, then load without the lock: the
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
@@ -160,6 +200,25 @@ class Prefetcher(Loader):
         finally:
             if stager is not None:
                 stager.close()
+
+    def _pass_gate(self) -> bool:
+        """Wait until the consumer does not hold the gate, checking the stop every 0.1 s;
+        False: stopped."""
+        while not self._gate.acquire(timeout=0.1):
+            if self._stop.is_set():
+                return False
+        self._gate.release()
+        return not self._stop.is_set()
+
+    def hold(self) -> None:
+        if self.gated and not self._holding:
+            self._gate.acquire()
+            self._holding = True
+
+    def release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._gate.release()
 
     def _put(self, entry: tuple) -> None:
         """Wait for a free place (checking the stop every 0.1 s), then hand ``entry`` on."""
@@ -176,6 +235,10 @@ class Prefetcher(Loader):
             raise RuntimeError('this loader was closed')
         if self._exhausted:
             return None
+        opened = self._holding and self._items.empty()
+        if opened:   # nothing loaded: let the thread load now, while this one waits
+            self.release()
+            start = time.perf_counter()
         while True:
             try:
                 kind, payload = self._items.get(timeout=1.0)
@@ -183,6 +246,13 @@ class Prefetcher(Loader):
             except queue.Empty:
                 if not self._thread.is_alive() and self._items.empty():
                     raise RuntimeError('the prefetch thread stopped unexpectedly') from None
+        if opened:
+            slow = time.perf_counter() - start > UNGATE_AFTER
+            self._slow_waits = self._slow_waits + 1 if slow else 0
+            if self._slow_waits >= UNGATE_WAITS:
+                self.gated = False   # loading that waits: load ahead from now on
+            else:
+                self.hold()
         self._free.put(None)
         if kind == 'error':
             self._exhausted = True
@@ -207,6 +277,7 @@ class Prefetcher(Loader):
             return
         self._closed = True
         self._stop.set()
+        self.release()
         # The thread's _put gives up within 0.1 s of the stop; the join is bounded, and
         # the thread is a daemon. Why C queues and no draining here: this loader once
         # used queue.Queue, whose lock is taken and released by Python code
@@ -242,7 +313,18 @@ def _is_gpu(device: Any) -> bool:
     return device is not None and device.xp is not numpy
 
 
-def make_loader(iterator: Any, converter: Callable, device: Any, depth: int) -> Loader:
+def plan(prefetch: Any, devices: Any, local_workers: bool) -> Tuple[int, bool]:
+    """(depth, gated) of every replica's loader for the updater's ``prefetch``: an int is
+    that depth, never gated; ``'auto'`` is :data:`AUTO_DEPTH`, gated where the replicas are
+    on the CPU and have worker processes (``local_workers``; see the module docstring)."""
+    if prefetch != 'auto':
+        return int(prefetch), False
+    on_cpu = not any(_is_gpu(d) for d in devices)
+    return AUTO_DEPTH, bool(local_workers and on_cpu)
+
+
+def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
+                gated: bool = False) -> Loader:
     if depth <= 0:
         return Loader(iterator, converter, device)
-    return Prefetcher(iterator, converter, device, depth)
+    return Prefetcher(iterator, converter, device, depth, gated=gated)

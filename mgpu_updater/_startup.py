@@ -16,7 +16,7 @@ The order matters and is kept here in one place:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import chainer
 
@@ -25,7 +25,7 @@ from ._chainer_private import call_converter
 from ._chunks import Chunking
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
-from ._loader import Loader, make_loader
+from ._loader import Loader, make_loader, plan
 from ._local.group import LocalGroup, payload_factory
 from ._replica import Replica, Scaling, observers
 
@@ -41,7 +41,7 @@ class Settings(NamedTuple):
     devices: List[Any]              # Chainer devices, master first
     device_labels: List[str]
     communicator: Any               # ChainerMN communicator or None
-    prefetch: int
+    prefetch: Any                   # an int >= 0, or 'auto' (_loader.plan)
     accumulate_steps: int
     pipelined: bool
     start_method: str
@@ -66,10 +66,17 @@ class Started(NamedTuple):
     nominal_samples: float          # as the group agreed (MPI: summed over the ranks)
 
 
+def loader_plan(s: Settings) -> Tuple[int, bool]:
+    """(depth, gated) of every replica's loader (:func:`mgpu_updater._loader.plan`): gated
+    under ``prefetch='auto'`` on CPU replicas with workers on this host."""
+    return plan(s.prefetch, s.devices, s.communicator is None and len(s.devices) > 1)
+
+
 def start(s: Settings) -> Started:
     """Build the master's loader, replica and group (see the module docstring)."""
     master_device = s.devices[0]
-    loader = make_loader(s.iterator, s.converter, master_device, s.prefetch)
+    depth, gated = loader_plan(s)
+    loader = make_loader(s.iterator, s.converter, master_device, depth, gated)
     try:
         initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter, master_device)
         own_index = 0 if s.communicator is None else s.communicator.rank
@@ -128,7 +135,7 @@ def _local_group(s: Settings) -> LocalGroup:
             loss_func=None if s.bound_loss else
             _loss_binding.swap_model(s.loss_func, s.model, replica_model),
             bind_loss_to_model=s.bound_loss, converter=s.converter,
-            iterator=it, prefetch=s.prefetch,
+            iterator=it, prefetch=loader_plan(s)[0], prefetch_gated=loader_plan(s)[1],
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,

@@ -24,6 +24,18 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
+def prefetch(value: Any) -> Any:
+    """``'auto'`` or an int >= 0 (the micro-batches loaded ahead per replica)."""
+    if value == 'auto' and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise (ValueError if isinstance(value, numbers.Integral) and not isinstance(value, bool)
+               else TypeError)(
+            f"prefetch must be 'auto' or an int >= 0 ({value!r} given); pass e.g. "
+            "prefetch='auto' (the default) or prefetch=2")
+    return int(value)
+
+
 def choice(name: str, value: Any, options: Sequence[str]) -> str:
     if value not in options:
         raise ValueError(f'{name} must be one of {", ".join(map(repr, options))} '

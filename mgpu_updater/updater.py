@@ -27,7 +27,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        every worker (sync point 1).
     2. Every replica, the master included, runs ``accumulate_steps`` micro-batches from
        its own iterator, accumulating gradients with no communication in between. The
-       next micro-batches are loaded meanwhile in a background thread (``prefetch``).
+       next micro-batches are loaded in a background thread (``prefetch``): meanwhile,
+       or on CPU replicas with workers while each waits (``'auto'``).
     3. Gradients are summed onto the master (sync point 2) and scaled so that the result
        is the gradient of the *sample-weighted mean loss over every sample of the update*:
        identical to ``StandardUpdater`` on one batch holding all those samples (with the
@@ -82,7 +83,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             CuPy's ``OutOfMemoryError``) halves its size and redoes its window from the
             same samples, and keeps that size. Reported as ``main/micro_batch_size`` (the
             smallest over the replicas) and saved in snapshots.
-        prefetch: micro-batches loaded ahead per replica (0 turns it off).
+        prefetch: micro-batches loaded ahead per replica by a background thread (0 turns
+            it off). ``'auto'`` (default): 2; on CPU replicas with worker processes the
+            thread loads only while its replica waits (a worker for the master, the
+            master for its next batch), since on the CPU a load during forward/backward
+            takes the GIL from it, unless loading keeps a replica waiting (files, a
+            ``MultiprocessIterator``): then it loads ahead as with an int.
         report_times: report ``main/time/{data,compute,comm,update}`` every update.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
@@ -137,7 +143,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  accumulate_steps: int = 1,
                  converter: Callable = convert.concat_examples,
                  loss_func: Optional[Callable] = None,
-                 prefetch: int = 2,
+                 prefetch: Union[int, str] = 'auto',
                  report_times: bool = True,
                  nonfinite: str = 'raise',
                  pipelined: bool = False,
@@ -154,7 +160,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
-        self.prefetch = _validate.positive_int('prefetch', prefetch, minimum=0)
+        self.prefetch = _validate.prefetch(prefetch)
         self.nonfinite = _validate.non_finite_policy(nonfinite)
         self.loss_reduction = _validate.loss_reduction(loss_reduction)
         self.replica_reduction = _validate.replica_reduction(replica_reduction)

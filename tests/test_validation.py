@@ -70,7 +70,12 @@ def test_accumulate_steps(value, error):
 
 
 def test_prefetch_and_policies():
-    rejected(ValueError, r'^prefetch must be an int >= 0 \(-1 given\)', prefetch=-1)
+    rejected(ValueError, r"^prefetch must be 'auto' or an int >= 0 \(-1 given\); pass e\.g\. "
+             r"prefetch='auto'", prefetch=-1)
+    rejected(TypeError, r"^prefetch must be 'auto' or an int >= 0 \('fast' given\)",
+             prefetch='fast')
+    rejected(TypeError, r"^prefetch must be 'auto' or an int >= 0 \(True given\)",
+             prefetch=True)
     rejected(ValueError, r"^nonfinite must be one of 'raise', 'skip', 'ignore' \('warn' given\)",
              nonfinite='warn')
     rejected(ValueError, r"^start_method must be one of 'spawn', 'forkserver' \('fork' given\)",

@@ -38,7 +38,7 @@ class WorkerInit(NamedTuple):
     bind_loss_to_model: Any     # _loss_binding.LossBinding: loss_func is a link or its method
     converter: Callable
     iterator: Any
-    prefetch: int
+    prefetch: int               # its loader's depth (_loader.plan)
     accumulate_steps: int
     scaling: Any                # _replica.Scaling: this replica's gradient factors
     comm_name: str
@@ -53,6 +53,7 @@ class WorkerInit(NamedTuple):
     board: Optional[str] = None          # the ranks' board segment (.board), or None
     announce_packs: bool = False         # post at the board that the gradient is packed
     nonfinite: str = 'raise'             # the updater's policy (a sharded step decides it)
+    prefetch_gated: bool = False         # its loader loads while it waits (_loader.plan)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -221,7 +222,8 @@ def _build(init: 'WorkerInit') -> Any:
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
     # Before any BLAS call: the first read may fork the iterator's pool (_loader.Prefetcher).
-    loader = make_loader(init.iterator, init.converter, device, init.prefetch)
+    loader = make_loader(init.iterator, init.converter, device, init.prefetch,
+                         init.prefetch_gated)
     # After that read, before the first BLAS call: for the rest of this process.
     limit_process(init.blas_threads)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
@@ -283,7 +285,10 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
     decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
     while True:
         try:
-            msg = decoder.decode(conn.recv_bytes())
+            replica.loader.release()   # a gated loader loads while this one waits
+            data = conn.recv_bytes()
+            replica.loader.hold()
+            msg = decoder.decode(data)
         except (EOFError, OSError):
             return                       # the master is gone
         kind = msg[0]
