@@ -156,6 +156,8 @@ def test_script_device_flags():
     assert train_mnist.parse_devices('@numpy,-1') == ['@numpy', '@numpy']
     args = train_mnist.parse_args(['--batchsize', '16', '--accumulate', '2', '--no-times'])
     assert (args.batchsize, args.accumulate, args.times, args.devices) == (16, 2, False, None)
+    assert args.prefetch == 'auto'    # the updater's default
+    assert train_mnist.parse_args(['--prefetch', '0']).prefetch == 0
     if not chainer.backends.cuda.available:
         assert train_mnist.default_devices() == ['@numpy', '@numpy']
     with pytest.raises(SystemExit):

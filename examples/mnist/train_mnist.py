@@ -93,8 +93,10 @@ def parse_args(argv=None):
                         help='snapshot to resume from (written by this script); with '
                         "--communicator each rank loads PATH_rank<N> (or PATH with '{rank}' "
                         'replaced by its rank)')
-    parser.add_argument('--prefetch', type=int, default=2,
-                        help='micro-batches loaded ahead per replica (0: off)')
+    parser.add_argument('--prefetch', type=lambda text: text if text == 'auto' else int(text),
+                        default='auto',
+                        help="micro-batches loaded ahead per replica (0: off; 'auto', the "
+                             "updater's default: 2, on CPU replicas loaded while each waits)")
     parser.add_argument('--pipelined', action='store_true',
                         help='overlap the reduce with the next compute (stale by one update)')
     parser.add_argument('--seed', type=int, default=0,
