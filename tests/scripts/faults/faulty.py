@@ -133,7 +133,7 @@ class Converter:
 
 
 def build(n_replicas=2, fault=None, accumulate_steps=2, batch_size=4, n=64, delay=0.0,
-          prefetch=2, iterator='serial', **kwargs):
+          prefetch='auto', iterator='serial', **kwargs):
     """An updater over ``n_replicas`` CPU replicas with ``fault`` planted everywhere.
 
     ``iterator='multiprocess'``: every replica reads through a ``MultiprocessIterator``

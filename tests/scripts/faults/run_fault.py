@@ -195,7 +195,8 @@ def main():
     parser.add_argument('--delay', type=float, default=0.01, help='serve: s per forward')
     parser.add_argument('--max-seconds', type=float, default=60.0)
     parser.add_argument('--start-method', default='spawn')
-    parser.add_argument('--prefetch', type=int, default=2)
+    parser.add_argument('--prefetch', type=lambda text: text if text == 'auto' else int(text),
+                        default='auto', help="the updater's prefetch (default 'auto', its own)")
     parser.add_argument('--iterator', choices=['serial', 'multiprocess'], default='serial')
     parser.add_argument('--shard-optimizer', action='store_true',
                         help='shard the optimizer step (the ranks meet at the board)')
