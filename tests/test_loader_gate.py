@@ -159,3 +159,41 @@ def test_the_masters_loader_follows_the_plan(prefetch, gated):
         assert updater._loader.planned_gated is gated
     finally:
         updater.finalize()
+
+
+def test_a_worker_releases_its_loader_only_while_it_waits_for_the_master():
+    """``worker._answer``: the gate is released around each wait for the master's next
+    message and held while the worker serves one."""
+    from mgpu_updater._local import worker as worker_module
+    from mgpu_updater._local.protocol import Encoder, StateRequest, Stop
+    events = []
+    encoder = Encoder()
+    messages = [encoder.encode(StateRequest()), encoder.encode(Stop())]
+
+    class Conn:
+        def recv_bytes(self):
+            events.append('wait')
+            return messages.pop(0)
+
+        def send(self, msg):
+            events.append('send ' + msg[0])
+
+        def poll(self, timeout=0):
+            return False
+
+    class Loader:
+        def hold(self):
+            events.append('hold')
+
+        def release(self):
+            events.append('release')
+
+        def state(self):
+            events.append('state')
+            return {}
+
+    class Replica:
+        loader = Loader()
+    worker_module._answer(Conn(), None, Replica(), None, None, None, None, None)
+    assert events == ['release', 'wait', 'hold', 'state', 'send state',
+                      'release', 'wait', 'hold']
