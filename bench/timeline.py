@@ -57,6 +57,7 @@ PHASES = (
     ('mgpu_updater._local.group', 'master_finish_sharded', 'finish'),
     ('mgpu_updater._local.protocol', 'pack_window', 'pack'),
     ('mgpu_updater._local.protocol', 'take_results', 'gather'),
+    ('mgpu_updater._local.pool', 'WorkerPool.send', 'send'),
     ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce', 'reduce'),
     ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce_scatter', 'reduce'),
     ('mgpu_updater._local.group', 'SummedGrads.receive', 'receive'),
@@ -234,7 +235,12 @@ def analyse_ours(folder, warmup):
     steps = _spans(worker, 'worker_step')[warmup:]
     worker_windows = _spans(worker, 'window')[warmup:]
     begins = _spans(master, 'begin')[warmup:]
-    out['step latency'] = [w[0] - b[1] for b, w in zip(begins, steps)]
+    # from the start of the write that sends Step (the last send of each begin): the
+    # worker may well have it before the master's begin returns (the master preempted by
+    # the worker it woke, on a 2-core VM)
+    sends = _spans(master, 'send')
+    step_sent = [max(s for s, _ in sends if b0 <= s <= b1) for b0, b1 in begins]
+    out['step latency'] = [w[0] - sent for sent, w in zip(step_sent, steps)]
     out['worker start'] = [w[0] - s[0] for s, w in zip(steps, worker_windows)]
     out['worker window'] = [e - s for s, e in worker_windows]
     out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
@@ -300,7 +306,7 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
     ('worker sums and steps its slice (sharded)', 'worker shard', None),
     ('report', 'master report', None),
     ('parameters out, Step sent (begin)', 'master begin', None),
-    ('Step sent -> the worker has it', 'step latency', None),
+    ('Step sent (its write starts) -> the worker has it', 'step latency', None),
     ('the worker has Step -> its window starts', 'worker start', None),
     ('worker window', 'worker window', None),
     ('worker idle between its updates', 'worker idle', None),
