@@ -127,6 +127,7 @@ def _local_group(s: Settings) -> LocalGroup:
     config = _inherit.master_config()
     seeds = _inherit.draw_seeds(len(s.worker_iterators))
     keys = _shard_keys(s, backend)
+    depth, gated = loader_plan(s)
     payloads = {}
     for rank, it in enumerate(s.worker_iterators, start=1):
         payloads[rank] = payload_factory(dict(
@@ -135,7 +136,7 @@ def _local_group(s: Settings) -> LocalGroup:
             loss_func=None if s.bound_loss else
             _loss_binding.swap_model(s.loss_func, s.model, replica_model),
             bind_loss_to_model=s.bound_loss, converter=s.converter,
-            iterator=it, prefetch=loader_plan(s)[0], prefetch_gated=loader_plan(s)[1],
+            iterator=it, prefetch=depth, prefetch_gated=gated,
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
