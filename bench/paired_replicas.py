@@ -49,6 +49,11 @@ Each round also splits every update into the slower replica's forwards and backw
 own timing, loading and step left out) and the rest: whether ours loses its time in the
 windows or outside them. (Added in ``paired_replicas/3``.)
 
+``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments (on
+top of the master step, ``shard_optimizer=False``, unless given) in place of the sharded
+step, labelled with them: an A/B of two settings in one run, e.g. ``--compare prefetch=2``
+reads the old loader against the default (the row "ours (prefetch=2) / ours (master step)").
+
 Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 ``paired_replicas.md`` there.
 """
@@ -126,13 +131,44 @@ def parse_args(argv=None):
     p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
     p.add_argument('--micro-batch', type=int, default=32)
     p.add_argument('--out', help='folder for paired_replicas.json and paired_replicas.md')
+    p.add_argument('--compare', metavar='KEY=VALUE,...', default='',
+                   help='build the first updater with these arguments instead of '
+                        'shard_optimizer=True (e.g. prefetch=2)')
     p.add_argument('--rank-of', help=argparse.SUPPRESS)   # an MPI rank: the socket's path
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(',') if k]
+    try:
+        args.first_kwargs = first_kwargs(args.compare)
+    except ValueError as exc:
+        p.error('--compare: {}'.format(exc))
     if ((args.rounds is not None and args.rounds < 2) or args.warmup < 1 or not args.ks
             or min(args.ks) < 1 or args.micro_batch < 1):
         p.error('--rounds must be >= 2, --warmup, --micro-batch and every k >= 1')
     return args
+
+
+def first_kwargs(compare):
+    """The first updater's arguments: ``shard_optimizer=True``, or ``--compare``'s
+    ``KEY=VALUE`` pairs (values as Python literals, else strings) on the master step."""
+    import ast
+    if not compare:
+        return {'shard_optimizer': True}
+    kwargs = {'shard_optimizer': False}
+    for pair in compare.split(','):
+        key, sep, value = pair.partition('=')
+        if not sep or not key.strip().isidentifier():
+            raise ValueError('{!r} is not KEY=VALUE (e.g. prefetch=2)'.format(pair))
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            kwargs[key.strip()] = value.strip()
+    return kwargs
+
+
+def first_label(result):
+    """What the first updater is called in the tables."""
+    compare = result.get('compare')
+    return 'ours ({})'.format(compare) if compare else 'ours (sharded step)'
 
 
 # ------------------------------------------------------------------------- the MPI ranks
@@ -298,10 +334,11 @@ def measure(k, args, ranks):
     rounds = args.rounds or -(-400 // k)
     dataset = _common.make_dataset(_common.dataset_size(2 * k * b))
     ours = {}
-    for name, shard in (('ours', True), ('ours_master_step', False)):
+    for name, kwargs in (('ours', args.first_kwargs),
+                         ('ours_master_step', {'shard_optimizer': False})):
         model = _common.make_model(args.model)
         updater = _case._our_updater(model, dataset, 'cpu', 2, b, accumulate_steps=k,
-                                     shard_optimizer=shard)
+                                     **kwargs)
         ours[name] = (updater, _case._observed_step(updater, model), model)
 
     def ours_turn(name, updater, step):
@@ -398,8 +435,9 @@ def markdown(result):
             o['ours_master_step'], o['limit']))
     lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
               'ChainerMN\'s (0: equal checksums): ' + '; '.join(
-                  'k={}: sharded {:.1g}, master step {:.1g}'.format(
-                      r['k'], r['weights_rel_diff_to_chainermn']['ours'],
+                  'k={}: {} {:.1g}, master step {:.1g}'.format(
+                      r['k'], result.get('compare') or 'sharded',
+                      r['weights_rel_diff_to_chainermn']['ours'],
                       r['weights_rel_diff_to_chainermn']['ours_master_step'])
                   for r in result['rows']) + '.']
     lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',
@@ -410,7 +448,11 @@ def markdown(result):
             lines.append('| {} | {} | {:.3f} | {:.3f}-{:.3f} | {:.3f}-{:.3f} | {} |'.format(
                 r['k'], label, s['median'], s['ci95'][0], s['ci95'][1], s['q1'], s['q3'],
                 s['verdict']))
-    return '\n'.join(lines) + '\n'
+    text = '\n'.join(lines) + '\n'
+    if result.get('compare'):   # the first updater is not the sharded step: say what it is
+        text = text.replace('ours (sharded step)', first_label(result)).replace(
+            'ours (sharded)', first_label(result))
+    return text
 
 
 def coordinate(args, argv):
@@ -420,6 +462,8 @@ def coordinate(args, argv):
         'command': 'python bench/paired_replicas.py ' + ' '.join(
             sys.argv[1:] if argv is None else argv),
         'model': args.model, 'micro_batch': args.micro_batch,
+        # the first updater ('ours' in the rows): the sharded step, or --compare's arguments
+        'compare': args.compare, 'first_kwargs': args.first_kwargs,
         'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
                     'loadavg_start': _common.loadavg()},
         'versions': _common.versions(),

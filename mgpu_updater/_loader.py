@@ -16,11 +16,15 @@ process, interleaved with the hand-written loop on the same batches, the window'
 read 1.020x the loop's with the thread loading meanwhile and 1.002x without it, and with two
 replicas each window ran 3.5% slower than the limit's loops (``bench/paired_replicas.py``).
 A worker releases the gate while it waits for the master's next message, so that it loads
-then; the master holds it, and loads each batch when it needs it. A gated loader that had to
-make its consumer wait longer than :data:`UNGATE_AFTER` for a batch, :data:`UNGATE_WAITS`
-times in a row (a dataset that reads
-files, a ``MultiprocessIterator``: loading that waits rather than computes, which a thread
-hides) opens the gate for good and loads ahead as an ungated one does.
+then; the master holds it, and loads each batch when it needs it. A :meth:`Loader.get` that
+finds nothing loaded while the thread is parked at the held gate loads the batch itself, in
+the consumer's thread (the thread cannot move while the gate is held, so the iterator is the
+consumer's alone): a hand-off to the thread and back cost the master 0.16 ms per batch at
+k=1 in ``bench/paired_replicas.py``. A gated loader that had to make its consumer wait
+longer than :data:`UNGATE_AFTER` for a batch (loaded either way), :data:`UNGATE_WAITS`
+times in a row (a dataset that reads files, a ``MultiprocessIterator``: loading that waits
+rather than computes, which a thread hides) opens the gate for good and loads ahead as an
+ungated one does.
 """
 from __future__ import annotations
 
@@ -150,6 +154,11 @@ class Prefetcher(Loader):
         self.planned_gated = gated
         self._gate = threading.Lock()
         self._holding = False
+        # True while the thread waits at the gate, set before it tries the gate and
+        # cleared before it lets go of it: seen True by a consumer that holds the gate,
+        # the thread cannot move until released (it has handed out every batch it loaded,
+        # and recorded no state for another), so the consumer may read the iterator itself.
+        self._parked = False
         self._slow_waits = 0   # gets in a row that waited longer than UNGATE_AFTER
         self.hold()
         # Loaded items, and one token per free place: both C queues (_queue.SimpleQueue),
@@ -204,9 +213,11 @@ class Prefetcher(Loader):
     def _pass_gate(self) -> bool:
         """Wait until the consumer does not hold the gate, checking the stop every 0.1 s;
         False: stopped."""
+        self._parked = True
         while not self._gate.acquire(timeout=0.1):
             if self._stop.is_set():
                 return False
+        self._parked = False
         self._gate.release()
         return not self._stop.is_set()
 
@@ -236,7 +247,9 @@ class Prefetcher(Loader):
         if self._exhausted:
             return None
         opened = self._holding and self._items.empty()
-        if opened:   # nothing loaded: let the thread load now, while this one waits
+        if opened and self._parked:   # nothing loaded, the thread stays put: load here
+            return self._load_here()
+        if opened:   # nothing loaded, the thread inside a load: let it go on, and wait
             self.release()
             start = time.perf_counter()
         while True:
@@ -247,12 +260,7 @@ class Prefetcher(Loader):
                 if not self._thread.is_alive() and self._items.empty():
                     raise RuntimeError('the prefetch thread stopped unexpectedly') from None
         if opened:
-            slow = time.perf_counter() - start > UNGATE_AFTER
-            self._slow_waits = self._slow_waits + 1 if slow else 0
-            if self._slow_waits >= UNGATE_WAITS:
-                self.gated = False   # loading that waits: load ahead from now on
-            else:
-                self.hold()
+            self._waited(time.perf_counter() - start)
         self._free.put(None)
         if kind == 'error':
             self._exhausted = True
@@ -265,6 +273,27 @@ class Prefetcher(Loader):
         if isinstance(payload.arrays, Staged):   # on a side stream: order it, don't block
             payload = payload._replace(arrays=payload.arrays.wait())
         return payload
+
+    def _load_here(self) -> Optional[Batch]:
+        """Load the next batch in the consumer's thread, the gate held and the thread
+        parked at it (see ``_parked``); an error is raised as it came."""
+        start = time.perf_counter()
+        item = self._load()
+        if item is None:
+            self._exhausted = True
+        self._waited(time.perf_counter() - start)
+        return item
+
+    def _waited(self, seconds: float) -> None:
+        """A get waited ``seconds`` for a batch not loaded yet, the gate held: too long
+        :data:`UNGATE_WAITS` times in a row, and the gate opens for good (the thread then
+        loads ahead); else the gate stays held."""
+        self._slow_waits = self._slow_waits + 1 if seconds > UNGATE_AFTER else 0
+        if self._slow_waits >= UNGATE_WAITS:
+            self.gated = False   # loading that waits: load ahead from now on
+            self.release()
+        else:
+            self.hold()
 
     def state(self) -> Dict[str, numpy.ndarray]:
         with self._lock:

@@ -382,14 +382,19 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
 
 
 @pytest.mark.mpi
-def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
-    """``bench/paired_replicas.py``: ours (sharded and master step), ChainerMN under
-    ``mpiexec`` and the limit's two loops, taking turns update by update, every ratio of
-    issue 15 with its interval and verdict, and ours and ChainerMN on the same work."""
+@pytest.mark.parametrize('compare', ['', 'prefetch=2'])
+def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
+    """``bench/paired_replicas.py``: ours (sharded and master step, or ``--compare``'s
+    settings and the master step), ChainerMN under ``mpiexec`` and the limit's two loops,
+    taking turns update by update, every ratio of issue 15 with its interval and verdict,
+    and ours and ChainerMN on the same work."""
     _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
-               '--rounds', '3', '--warmup', '1', '--out', str(tmp_path), timeout=180)
+               '--rounds', '3', '--warmup', '1', '--out', str(tmp_path),
+               *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.paired_replicas/3'
+    assert result['first_kwargs'] == ({'shard_optimizer': False, 'prefetch': 2} if compare
+                                      else {'shard_optimizer': True})
     assert [r['k'] for r in result['rows']] == [1, 2]
     from bench import paired_replicas
     for row in result['rows']:
@@ -422,7 +427,25 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path):
         assert all(d <= 1e-5 for d in row['weights_rel_diff_to_chainermn'].values())
     text = (tmp_path / 'paired_replicas.md').read_text()
     assert '| 2 | the limit / ours (master step) |' in text
+    if compare:   # the first updater named by its settings, nowhere as the sharded step
+        assert '| 1 | ours (prefetch=2) / ours (master step) |' in text
+        assert 'sharded' not in text
     assert str(ROOT) not in (tmp_path / 'paired_replicas.json').read_text()
+
+
+def test_paired_replicas_compare_takes_key_value_pairs_or_says_why_not(capsys):
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import paired_replicas
+    args = paired_replicas.parse_args(['--compare', 'prefetch=2,report_times=True'])
+    assert args.first_kwargs == {'shard_optimizer': False, 'prefetch': 2,
+                                 'report_times': True}
+    assert paired_replicas.parse_args(['--compare', 'prefetch=auto']).first_kwargs[
+        'prefetch'] == 'auto'
+    assert paired_replicas.parse_args([]).first_kwargs == {'shard_optimizer': True}
+    with pytest.raises(SystemExit):
+        paired_replicas.parse_args(['--compare', 'prefetch'])
+    assert "'prefetch' is not KEY=VALUE" in capsys.readouterr().err
 
 
 def test_paired_replicas_verdicts_need_the_whole_interval():

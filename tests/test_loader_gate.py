@@ -11,6 +11,7 @@ loader's; ``'auto'`` gates exactly where the replicas are on the CPU with worker
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import chainer
@@ -29,6 +30,7 @@ class _Counting(chainer.dataset.DatasetMixin):
     def __init__(self, n=40, latency=0.0):
         self.base = dataset(n, seed=1)
         self.reads = []
+        self.threads = []   # the thread that read each example
         self.latency = latency
 
     def __len__(self):
@@ -36,6 +38,7 @@ class _Counting(chainer.dataset.DatasetMixin):
 
     def get_example(self, i):
         self.reads.append(time.perf_counter())
+        self.threads.append(threading.get_ident())
         if self.latency:
             time.sleep(self.latency)
         return self.base[i]
@@ -55,6 +58,14 @@ def _settle(data, quiet=0.1, timeout=5.0):
         if len(data.reads) == n:
             return n
     raise AssertionError('the loader kept reading')
+
+
+def _parked(loader, timeout=5.0):
+    """Wait until the thread has handed on its first batch and waits at the gate."""
+    deadline = time.perf_counter() + timeout
+    while not loader._parked:
+        assert time.perf_counter() < deadline, 'the thread never reached the gate'
+        time.sleep(0.01)
 
 
 def test_a_gated_loader_starts_held_and_loads_only_when_released():
@@ -77,15 +88,46 @@ def test_a_gated_loader_starts_held_and_loads_only_when_released():
         loader.close()
 
 
-def test_a_get_that_finds_nothing_loaded_lets_the_thread_load_and_holds_again(monkeypatch):
+def test_a_get_that_finds_nothing_loaded_loads_it_itself_and_holds_again(monkeypatch):
+    """The thread parked at the held gate, a get with nothing loaded reads the iterator in
+    the caller's thread (no hand-off to the thread and back), in order, gate still held."""
     monkeypatch.setattr(loader_module, 'UNGATE_AFTER', 10.0)   # however slow this machine
     data = _Counting()
     loader = _loader(data, depth=1)
     try:
-        got = [loader.get() for _ in range(4)]   # held throughout: each loads on demand
+        _parked(loader)
+        got = [loader.get() for _ in range(4)]   # held throughout
         assert [b.arrays[1].tolist() for b in got] == [
             [int(data.base[i][1]) for i in (2 * j, 2 * j + 1)] for j in range(4)]
-        assert loader.gated and loader._holding
+        here = threading.get_ident()
+        assert data.threads[2:] == [here] * 6    # batches 2-4: read by the caller itself
+        assert data.threads[0] == here           # the first: read in the constructor
+        assert loader.gated and loader._holding and loader._parked
+        assert len(data.reads) == 8              # and the thread loaded nothing meanwhile
+        loader.release()                         # a wait: the thread loads ahead again
+        _settle(data)
+        assert len(data.reads) > 8 and here not in data.threads[8:]
+        loader.hold()
+        assert [loader.get().arrays[1].tolist() for _ in range(2)] == [
+            [int(data.base[i][1]) for i in (2 * j, 2 * j + 1)] for j in (4, 5)]
+    finally:
+        loader.close()
+
+
+def test_an_error_loading_in_the_callers_thread_is_raised_there_with_its_traceback():
+    class Broken(_Counting):
+        def get_example(self, i):
+            if i == 2:
+                raise ValueError('example 2 is broken')
+            return super().get_example(i)
+    data = Broken()
+    loader = _loader(data, depth=1)
+    try:
+        _parked(loader)
+        loader.get()                   # the first batch, the thread's
+        with pytest.raises(ValueError, match='example 2 is broken') as info:
+            loader.get()
+        assert any(entry.name == 'get_example' for entry in info.traceback)
     finally:
         loader.close()
 
