@@ -22,6 +22,17 @@ so that a slow stretch weighs on all of them alike, as ``paired.py`` does for on
   ``limit_lockstep``, max(t0, t1): what the same two loops take when each update waits for
   the slower one, as synchronous data parallelism must, with no communication at all; ours /
   it is what communication and the protocol cost, it / the limit what the lockstep costs.
+- **the limit on ours' weights** (``limit_same``, added in ``paired_replicas/4``): the
+  same loops, each on a third model of its rank that, before each of its updates (and
+  outside its timing), takes the weights of the rank's ChainerMN model: ours' weights, to
+  rounding. Why: what forward/backward takes depends on the weights it computes with. In
+  one process, on one batch, two copies of the CNN after 400 updates from the same start,
+  one trained as ours is (64 samples an update), one as a limit loop is (32), computed their
+  forward/backward 1.036x and 1.056x apart (the weights copied into fresh arrays: the
+  same; 1.000 between a model and its copy): the limit's own loops, whose weights part
+  from ours', do not compute what ours computes. This limit does, with its own optimizer
+  (its own momentum) and its own samples as before; the copy leaves its weights warm in
+  the cache, which if anything favours it. Both limits are reported.
 
 The same work: every rank reads the shard ours' replica of that rank reads
 (:func:`own_shard`: ``shard_iterators``, seed 0; ChainerMN one batch of ``k*b`` where ours
@@ -71,7 +82,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/3'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/4'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -80,7 +91,7 @@ LIMIT_EFFICIENCY = 0.95   # issue 15: two replicas at >= 95% of the limit's samp
 # A turn: the coordinator sends one command byte to every rank; each answers with two
 # doubles: the seconds its update took, and those of its forwards and backwards (the
 # limit's loop; NaN for ChainerMN). 'q' ends the ranks.
-CHAINERMN, LIMIT, QUIT = b'm', b'l', b'q'
+CHAINERMN, LIMIT, LIMIT_SAME, QUIT = b'm', b'l', b's', b'q'
 WEIGHTS = b'w'   # answered with a checksum of the rank's ChainerMN model (and a NaN)
 NAN = float('nan')
 
@@ -95,7 +106,11 @@ RATIOS = (
      'limit'),
     ('ours/ours_master_step', 'ours (sharded step) / ours (master step)', 'ours',
      'ours_master_step', 'ahead'),
+    ('limit_same/ours_master_step', 'the limit on ours\' weights / ours (master step)',
+     'limit_same', 'ours_master_step', 'limit'),
     ('limit/chainermn', 'the limit / ChainerMN (for scale)', 'limit', 'chainermn', None),
+    ('limit_same/limit', 'the limit on ours\' weights / the limit (what the weights do)',
+     'limit_same', 'limit', None),
     ('limit_lockstep/limit', 'the limit in lockstep / the limit (what the lockstep costs)',
      'limit_lockstep', 'limit', None),
     ('ours/limit_lockstep', 'ours (sharded step) / the limit in lockstep (what '
@@ -106,6 +121,9 @@ RATIOS = (
      'forward/backward / the limit\'s', 'window:ours_master_step', 'window:limit', None),
     ('outside:ours_master_step/outside:limit', 'ours (master step): the update less that '
      '/ the limit in lockstep\'s', 'outside:ours_master_step', 'outside:limit', None),
+    ('window:ours_master_step/window:limit_same', 'ours (master step): the slower '
+     'replica\'s forward/backward / the limit\'s on ours\' weights',
+     'window:ours_master_step', 'window:limit_same', None),
 )
 
 
@@ -200,7 +218,12 @@ def serve_rank(args):
         fwd_bwd = []
         own_step = _case._observed_step(
             _Loop(own, own_shard(dataset, comm, b), k, fwd_bwd), own)
-        steps = {CHAINERMN: mn_step, LIMIT: own_step}
+        same = _common.make_model(args.model)
+        same_step = _case._observed_step(
+            _Loop(same, own_shard(dataset, comm, b), k, fwd_bwd), same)
+        pairs = [(mine.array, theirs.array) for (_, mine), (_, theirs) in zip(
+            sorted(same.namedparams()), sorted(model.namedparams()))]
+        steps = {CHAINERMN: mn_step, LIMIT: own_step, LIMIT_SAME: same_step}
         while True:
             command = _recv_exactly(sock, 1)
             if command == QUIT:
@@ -208,10 +231,14 @@ def serve_rank(args):
             if command == WEIGHTS:
                 sock.sendall(struct.pack('dd', weights_checksum(model), NAN))
                 continue
+            if command == LIMIT_SAME:   # ours' weights (ChainerMN's), before the clock
+                for mine, theirs in pairs:
+                    mine[...] = theirs
             start = time.perf_counter()
             steps[command]()
             seconds = time.perf_counter() - start
-            sock.sendall(struct.pack('dd', seconds, fwd_bwd[-1] if command == LIMIT else NAN))
+            sock.sendall(struct.pack('dd', seconds, NAN if command == CHAINERMN
+                                     else fwd_bwd[-1]))
     sock.close()
 
 
@@ -352,17 +379,22 @@ def measure(k, args, ranks):
                     'outside:' + name: seconds - window}
         return run
 
-    def limit_turn():
-        t0, t1 = ranks.turn(LIMIT)
-        window = max(ranks.windows)
-        return {'limit': 2 / (1 / t0 + 1 / t1), 'limit_lockstep': max(t0, t1),
-                'window:limit': window, 'outside:limit': max(t0, t1) - window}
+    def limit_turn(name, command):
+        def run():
+            t0, t1 = ranks.turn(command)
+            window = max(ranks.windows)
+            return {name: 2 / (1 / t0 + 1 / t1), name + '_lockstep': max(t0, t1),
+                    'window:' + name: window, 'outside:' + name: max(t0, t1) - window}
+        return run
 
     methods = [(name, ours_turn(name, updater, step))
                for name, (updater, step, _) in ours.items()]
-    methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]), ('limit', limit_turn)]
-    times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep']}
-    for name in list(ours) + ['limit']:
+    methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]),
+                ('limit', limit_turn('limit', LIMIT)),
+                ('limit_same', limit_turn('limit_same', LIMIT_SAME))]
+    times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep',
+                                                'limit_same', 'limit_same_lockstep']}
+    for name in list(ours) + ['limit', 'limit_same']:
         times['window:' + name], times['outside:' + name] = [], []
     try:
         for i in range(args.warmup + rounds):
@@ -416,23 +448,27 @@ def markdown(result):
                  result['machine']['cores'], result['machine']['loadavg_start'],
                  result['machine']['loadavg_end']), '',
              '| k | rounds | ours (sharded) ms | ours (master step) ms | ChainerMN ms | '
-             'limit ms | limit in lockstep ms |', '|---:|---:|---:|---:|---:|---:|---:|']
+             'limit ms | limit in lockstep ms | limit on ours\' weights ms |',
+             '|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in result['rows']:
         ms = r['ms']
-        lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
+        lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
             r['k'], r['rounds'], ms['ours'], ms['ours_master_step'], ms['chainermn'],
-            ms['limit'], ms['limit_lockstep']))
+            ms['limit'], ms['limit_lockstep'], ms['limit_same']))
     lines += ['', 'Where the time goes (medians over the rounds, ms): the slower replica\'s '
               'forwards and backwards (ours: each replica\'s own window compute; the limit: '
               'its loops\'), and the update less that (the limit: in lockstep).', '',
-              '| k | window: ours (sharded) | ours (master step) | the limit | outside: ours '
-              '(sharded) | ours (master step) | the limit |',
-              '|---:|---:|---:|---:|---:|---:|---:|']
+              '| k | window: ours (sharded) | ours (master step) | the limit | the limit on '
+              'ours\' weights | outside: ours (sharded) | ours (master step) | the limit | '
+              'the limit on ours\' weights |',
+              '|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in result['rows']:
         w, o = r['window_ms'], r['outside_ms']
-        lines.append('| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
-            r['k'], w['ours'], w['ours_master_step'], w['limit'], o['ours'],
-            o['ours_master_step'], o['limit']))
+        lines.append('| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} '
+                     '| {:.2f} |'.format(
+                         r['k'], w['ours'], w['ours_master_step'], w['limit'],
+                         w['limit_same'], o['ours'], o['ours_master_step'], o['limit'],
+                         o['limit_same']))
     lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
               'ChainerMN\'s (0: equal checksums): ' + '; '.join(
                   'k={}: {} {:.1g}, master step {:.1g}'.format(

@@ -421,7 +421,8 @@ def parse_args(argv=None):
     p.add_argument('--k', type=int, default=1, help='accumulate_steps (default 1)')
     p.add_argument('--repeats', type=int, default=3,
                    help='ours and ChainerMN alternate this many times (default 3)')
-    p.add_argument('--prefetch', type=int, default=2, help="ours' prefetch (default 2)")
+    p.add_argument('--prefetch', type=_prefetch, default='auto',
+                   help="ours' prefetch: 'auto' (default, the updater's) or an int >= 0")
     p.add_argument('--shard-optimizer', type=int, default=0, choices=(0, 1),
                    help="ours' shard_optimizer (default 0, the updater's default)")
     p.add_argument('--master-step', action='store_true',
@@ -436,10 +437,14 @@ def parse_args(argv=None):
     if args.master_step and not args.shard_optimizer:
         p.error('--master-step compares with --shard-optimizer 1')
     if (args.updates < 2 or min(args.warmup, args.k, args.micro_batch, args.repeats) < 1
-            or args.prefetch < 0):
+            or (args.prefetch != 'auto' and args.prefetch < 0)):
         p.error('--updates must be >= 2, --warmup, --k, --micro-batch and --repeats >= 1, '
                 '--prefetch >= 0')
     return args
+
+
+def _prefetch(text):
+    return text if text == 'auto' else int(text)
 
 
 def _child(args, part, env, prefix=(), timeout=600, **extra):

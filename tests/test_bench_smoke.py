@@ -392,7 +392,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
                '--rounds', '3', '--warmup', '1', '--out', str(tmp_path),
                *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/3'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/4'
     assert result['first_kwargs'] == ({'shard_optimizer': False, 'prefetch': 2} if compare
                                       else {'shard_optimizer': True})
     assert [r['k'] for r in result['rows']] == [1, 2]
@@ -400,7 +400,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
     for row in result['rows']:
         assert row['rounds'] == 3
         assert set(row['ms']) == {'ours', 'ours_master_step', 'chainermn', 'limit',
-                                  'limit_lockstep'}
+                                  'limit_lockstep', 'limit_same', 'limit_same_lockstep'}
         assert all(ms > 0 for ms in row['ms'].values())
         assert set(row['ratios']) == {key for key, *_ in paired_replicas.RATIOS}
         for key, _, _, _, kind in paired_replicas.RATIOS:
@@ -414,10 +414,10 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
         # two loops waiting for the slower one never beat their summed samples/s
         assert all(r >= 1 for r in row['ratios']['limit_lockstep/limit']['ratios'])
         # each update split into the slower replica's forward/backward and the rest
-        methods = {'ours', 'ours_master_step', 'limit'}
+        methods = {'ours', 'ours_master_step', 'limit', 'limit_same'}
         assert set(row['window_ms']) == set(row['outside_ms']) == methods
         for name in methods:
-            whole = row['ms']['limit_lockstep' if name == 'limit' else name]
+            whole = row['ms'][name + '_lockstep' if name.startswith('limit') else name]
             assert 0 < row['window_ms'][name] < whole
             assert 0 < row['outside_ms'][name] < whole
         # ours and ChainerMN stepped on the same samples from the same weights: the
