@@ -20,7 +20,8 @@ then; the master holds it, and loads each batch when it needs it. A :meth:`Loade
 finds nothing loaded while the thread is parked at the held gate loads the batch itself, in
 the consumer's thread (the thread cannot move while the gate is held, so the iterator is the
 consumer's alone): a hand-off to the thread and back cost the master 0.16 ms per batch at
-k=1 in ``bench/paired_replicas.py``. A gated loader that had to make its consumer wait
+k=1 in ``bench/paired_replicas.py``. (Only where the caller may read the iterator there:
+see :func:`reads_in_caller_safely`.) A gated loader that had to make its consumer wait
 longer than :data:`UNGATE_AFTER` for a batch (loaded either way), :data:`UNGATE_WAITS`
 times in a row (a dataset that reads files, a ``MultiprocessIterator``: loading that waits
 rather than computes, which a thread hides) opens the gate for good and loads ahead as an
@@ -143,9 +144,11 @@ class Prefetcher(Loader):
     """
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
-                 gated: bool = False) -> None:
+                 gated: bool = False, load_here: bool = True) -> None:
         super().__init__(iterator, converter, device)
         self.depth = depth
+        # whether a get may load in the caller's thread (the thread parked at the gate)
+        self.load_here = load_here
         # The gate (see the module docstring): a C lock the consumer holds while busy, so
         # that the thread starts no load then; held from the start. ``gated`` turns False
         # for good once a load kept the consumer waiting too long.
@@ -247,7 +250,7 @@ class Prefetcher(Loader):
         if self._exhausted:
             return None
         opened = self._holding and self._items.empty()
-        if opened and self._parked:   # nothing loaded, the thread stays put: load here
+        if opened and self._parked and self.load_here:   # the thread stays put: load here
             return self._load_here()
         if opened:   # nothing loaded, the thread inside a load: let it go on, and wait
             self.release()
@@ -352,8 +355,25 @@ def plan(prefetch: Any, devices: Any, local_workers: bool) -> Tuple[int, bool]:
     return AUTO_DEPTH, bool(local_workers and on_cpu)
 
 
+def reads_in_caller_safely(iterator: Any) -> bool:
+    """Whether the master's thread may read ``iterator`` itself (a gated loader's
+    on-demand load) rather than through the loader thread: where its ``next`` is
+    ``SerialIterator``'s, Python that takes no lock. Ctrl-C reaches the master's main
+    thread as a KeyboardInterrupt; raised inside an iterator that waits on threads of its
+    own, it can leave them waiting for good. Chainer 7.8.1 ``MultiprocessIterator``: its
+    prefetch thread waits in ``_Communicator.put`` on a condition with no timeout
+    (``iterators/multiprocess_iterator.py``:366-372) and ``finalize`` joins that thread
+    until it ends (``_PrefetchLoop.terminate``, :398-404); with the master interrupted
+    inside ``next`` (``_Communicator.get``, :324-336) that wait never ended
+    (``test_faults[master_sigint_mpit]``, a CI run of 2026-12-02: the teardown hung).
+    Through the loader thread, the master waits in a C queue, which an interrupt leaves
+    whole (see :meth:`Prefetcher.close`). Workers ignore SIGINT and may always load here."""
+    import chainer
+    return getattr(type(iterator), 'next', None) is chainer.iterators.SerialIterator.next
+
+
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
-                gated: bool = False) -> Loader:
+                gated: bool = False, load_here: bool = True) -> Loader:
     if depth <= 0:
         return Loader(iterator, converter, device)
-    return Prefetcher(iterator, converter, device, depth, gated=gated)
+    return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here)

@@ -25,7 +25,7 @@ from ._chainer_private import call_converter
 from ._chunks import Chunking
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
-from ._loader import Loader, make_loader, plan
+from ._loader import Loader, make_loader, plan, reads_in_caller_safely
 from ._local.group import LocalGroup, payload_factory
 from ._replica import Replica, Scaling, observers
 
@@ -76,7 +76,8 @@ def start(s: Settings) -> Started:
     """Build the master's loader, replica and group (see the module docstring)."""
     master_device = s.devices[0]
     depth, gated = loader_plan(s)
-    loader = make_loader(s.iterator, s.converter, master_device, depth, gated)
+    loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
+                         load_here=reads_in_caller_safely(s.iterator))
     try:
         initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter, master_device)
         own_index = 0 if s.communicator is None else s.communicator.rank

@@ -239,3 +239,55 @@ def test_a_worker_releases_its_loader_only_while_it_waits_for_the_master():
     worker_module._answer(Conn(), None, Replica(), None, None, None, None, None)
     assert events == ['release', 'wait', 'hold', 'state', 'send state',
                       'release', 'wait', 'hold']
+
+
+def test_the_master_loads_in_its_own_thread_only_from_an_iterator_that_takes_no_lock():
+    """Ctrl-C reaches the master's main thread: inside ``MultiprocessIterator.next`` it
+    can leave that iterator's prefetch thread waiting for good (the teardown then hangs),
+    so the master reads such an iterator through its loader thread; workers ignore
+    SIGINT and load in their own thread whatever the iterator."""
+    serial = chainer.iterators.SerialIterator(dataset(8, seed=1), 2)
+    assert loader_module.reads_in_caller_safely(serial)
+    mp = chainer.iterators.MultiprocessIterator(dataset(8, seed=1), 2, n_processes=1)
+    mt = chainer.iterators.MultithreadIterator(dataset(8, seed=1), 2, n_threads=1)
+    try:
+        assert not loader_module.reads_in_caller_safely(mp)
+        assert not loader_module.reads_in_caller_safely(mt)
+    finally:
+        mp.finalize()
+        mt.finalize()
+
+    class OwnNext(chainer.iterators.SerialIterator):   # its next is not known: the thread
+        def __next__(self):
+            return super().__next__()
+        next = __next__
+    assert not loader_module.reads_in_caller_safely(OwnNext(dataset(8, seed=1), 2))
+
+    its = [chainer.iterators.MultiprocessIterator(dataset(32, seed=10 + r), 4,
+                                                  n_processes=1) for r in range(2)]
+    model = classifier(seed=3)
+    opt = chainer.optimizers.SGD(0.1)
+    opt.setup(model)
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
+    try:
+        for _ in range(3):
+            updater.update()
+        loader = updater._loader
+        assert loader.planned_gated and not loader.load_here
+    finally:
+        updater.finalize()
+
+
+def test_a_loader_that_may_not_load_here_hands_each_load_to_its_thread():
+    data = _Counting()
+    loader = Prefetcher(chainer.iterators.SerialIterator(data, 2, shuffle=False),
+                        chainer.dataset.concat_examples, None, 1, gated=True,
+                        load_here=False)
+    try:
+        _parked(loader)
+        got = [loader.get().arrays[1].tolist() for _ in range(4)]
+        assert got == [[int(data.base[i][1]) for i in (2 * j, 2 * j + 1)] for j in range(4)]
+        assert threading.get_ident() not in data.threads[2:]   # the thread read them all
+        assert loader.gated and loader._holding
+    finally:
+        loader.close()
