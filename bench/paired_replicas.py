@@ -1,13 +1,15 @@
-"""Two replicas, paired: ours, ChainerMN and the limit taking turns, update by update.
+"""Two replicas, paired: ours, ChainerMN and the limit taking turns of a few updates.
 
-    python bench/paired_replicas.py [--ks 1,4,8] [--rounds N] [--model cnn] [--out DIR]
+    python bench/paired_replicas.py [--ks 1,4,8] [--rounds N] [--block 4] [--model cnn]
+                                    [--out DIR]
 
 ``scaling.py`` runs each method in fresh processes, one after another, and on a VM whose
 speed drifts by 20-50% from one stretch to the next its rounds spread by 30% and more;
 ``timeline.py`` alternates blocks of 20 updates and still reads the same forward/backward
 from 50 to 90 ms between neighbouring blocks. Here every method's processes start once and
-stay alive, and the methods take turns one update at a time, the order rotating each round,
-so that a slow stretch weighs on all of them alike, as ``paired.py`` does for one replica:
+stay alive, and the methods take turns a few updates at a time (``--block``, below), the
+order rotating each round, so that a slow stretch weighs on all of them alike, as
+``paired.py`` does for one replica:
 
 - **ours**: ``ParallelAccumulatingUpdater`` on two ``'@numpy'`` replicas, ``k``
   micro-batches of ``b`` each, with ``shard_optimizer=True`` (``ours``) and with the
@@ -60,6 +62,17 @@ Each round also splits every update into the slower replica's forwards and backw
 own timing, loading and step left out) and the rest: whether ours loses its time in the
 windows or outside them. (Added in ``paired_replicas/3``.)
 
+A turn is ``--block`` updates of one method (default 4, since ``paired_replicas/5``): the
+first warms the method and is not timed, the others' times are averaged (:func:`blocked`).
+Why: with five methods taking turns, each of ours' processes sits idle for four turns out of
+five and each MPI rank for two, and the first update after such a pause computes slower
+(its caches and the interpreter's are the other methods' by then), which a trainer, whose
+updates follow each other, never sees. With one update a turn (``--block 1``, the bench up
+to ``/4``) ours' windows read 1.010-1.018 of the same loops on the same weights (``/4``'s
+three runs, and 1.010 (1.004-1.016) once more on 2026-12-02); with blocks of 4 on the same
+day, 1.000 (0.997-1.004) and 1.000 (0.991-1.006), and the lockstep's cost fell from
+1.030-1.034 to 1.017.
+
 ``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments (on
 top of the master step, ``shard_optimizer=False``, unless given) in place of the sharded
 step, labelled with them: an A/B of two settings in one run, e.g. ``--compare prefetch=2``
@@ -82,7 +95,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/4'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/5'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -148,6 +161,9 @@ def parse_args(argv=None):
     p.add_argument('--warmup', type=int, default=5, help='untimed rounds first (default 5)')
     p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
     p.add_argument('--micro-batch', type=int, default=32)
+    p.add_argument('--block', type=int, default=4,
+                   help='updates per turn of a method: the first warms it and is not timed, '
+                        'the others are averaged (default 4; 1: one timed update a turn)')
     p.add_argument('--out', help='folder for paired_replicas.json and paired_replicas.md')
     p.add_argument('--compare', metavar='KEY=VALUE,...', default='',
                    help='build the first updater with these arguments instead of '
@@ -160,8 +176,8 @@ def parse_args(argv=None):
     except ValueError as exc:
         p.error('--compare: {}'.format(exc))
     if ((args.rounds is not None and args.rounds < 2) or args.warmup < 1 or not args.ks
-            or min(args.ks) < 1 or args.micro_batch < 1):
-        p.error('--rounds must be >= 2, --warmup, --micro-batch and every k >= 1')
+            or min(args.ks) < 1 or args.micro_batch < 1 or args.block < 1):
+        p.error('--rounds must be >= 2, --warmup, --micro-batch, --block and every k >= 1')
     return args
 
 
@@ -192,7 +208,7 @@ def first_label(result):
 # ------------------------------------------------------------------------- the MPI ranks
 def serve_rank(args):
     """One MPI rank: ChainerMN's update and one of the limit's loops, each built per k, run
-    one update at a time when the coordinator says so (a blocking read between turns)."""
+    one update at a time when the coordinator says so (a blocking read between updates)."""
     import chainer
     import chainermn
     from bench import _case, _common
@@ -266,6 +282,23 @@ class _Loop:
         from bench import _case, _common
         self.update = _case._hand_step(model, _common.make_optimizer(model), iterator, k,
                                        '@numpy', fwd_bwd)
+
+
+def blocked(turn, block):
+    """A method's turn of ``block`` updates: the first warms the method's processes (in
+    turn with four other methods, each process of ours' sits idle for four turns, a rank of
+    the MPI job for two) and is not timed; the others' times are averaged, key by key
+    (a turn gives seconds, or a dict of them). ``block`` 1: one update, timed."""
+    if block == 1:
+        return turn
+
+    def run():
+        turn()
+        values = [turn() for _ in range(block - 1)]
+        if isinstance(values[0], dict):
+            return {key: statistics.fmean(v[key] for v in values) for key in values[0]}
+        return statistics.fmean(values)
+    return run
 
 
 def _recv_exactly(sock, n):
@@ -392,6 +425,7 @@ def measure(k, args, ranks):
     methods += [('chainermn', lambda: ranks.turn(CHAINERMN)[0]),
                 ('limit', limit_turn('limit', LIMIT)),
                 ('limit_same', limit_turn('limit_same', LIMIT_SAME))]
+    methods = [(name, blocked(turn, args.block)) for name, turn in methods]
     times = {name: [] for name in list(ours) + ['chainermn', 'limit', 'limit_lockstep',
                                                 'limit_same', 'limit_same_lockstep']}
     for name in list(ours) + ['limit', 'limit_same']:
@@ -439,12 +473,16 @@ def markdown(result):
              '`{}`'.format(result['command']), '',
              'Model `{}`, micro-batch {} per replica, two CPU replicas (one BLAS thread each, '
              'the same malloc thresholds); every process alive throughout, the methods '
-             'taking turns one update at a time, the order rotating each round. Ratio = the '
+             'taking turns {} update(s) at a time ({}), the order rotating each '
+             'round. Ratio = the '
              'first\'s time / the second\'s in the same round (above 1: the first is '
              'slower), its median with a 95% bootstrap interval over the rounds; the limit '
              '/ ours is ours\' share of the limit\'s samples/s. Machine: {} ({} cores); '
              'load average {} at start, {} at the end.'.format(
-                 result['model'], result['micro_batch'], result['machine']['cpu'],
+                 result['model'], result['micro_batch'], result['block'],
+                 'each timed' if result['block'] == 1 else
+                 'the first of each turn not timed, the others averaged',
+                 result['machine']['cpu'],
                  result['machine']['cores'], result['machine']['loadavg_start'],
                  result['machine']['loadavg_end']), '',
              '| k | rounds | ours (sharded) ms | ours (master step) ms | ChainerMN ms | '
@@ -498,6 +536,8 @@ def coordinate(args, argv):
         'command': 'python bench/paired_replicas.py ' + ' '.join(
             sys.argv[1:] if argv is None else argv),
         'model': args.model, 'micro_batch': args.micro_batch,
+        # updates per turn of a method: the first not timed, the others averaged
+        'block': args.block,
         # the first updater ('ours' in the rows): the sharded step, or --compare's arguments
         'compare': args.compare, 'first_kwargs': args.first_kwargs,
         'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),

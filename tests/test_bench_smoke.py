@@ -382,17 +382,18 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize('compare', ['', 'prefetch=2'])
-def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
+@pytest.mark.parametrize('compare, block', [('', 1), ('prefetch=2', 2)])
+def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, block):
     """``bench/paired_replicas.py``: ours (sharded and master step, or ``--compare``'s
     settings and the master step), ChainerMN under ``mpiexec`` and the limit's two loops,
-    taking turns update by update, every ratio of issue 15 with its interval and verdict,
-    and ours and ChainerMN on the same work."""
+    taking turns of ``--block`` updates, every ratio of issue 15 with its interval and
+    verdict, and ours and ChainerMN on the same work (every method as many updates)."""
     _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
-               '--rounds', '3', '--warmup', '1', '--out', str(tmp_path),
+               '--rounds', '3', '--warmup', '1', '--block', str(block), '--out', str(tmp_path),
                *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/4'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/5'
+    assert result['block'] == block
     assert result['first_kwargs'] == ({'shard_optimizer': False, 'prefetch': 2} if compare
                                       else {'shard_optimizer': True})
     assert [r['k'] for r in result['rows']] == [1, 2]
@@ -427,6 +428,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare):
         assert all(d <= 1e-5 for d in row['weights_rel_diff_to_chainermn'].values())
     text = (tmp_path / 'paired_replicas.md').read_text()
     assert '| 2 | the limit / ours (master step) |' in text
+    assert 'taking turns {} update(s) at a time'.format(block) in text
     if compare:   # the first updater named by its settings, nowhere as the sharded step
         assert '| 1 | ours (prefetch=2) / ours (master step) |' in text
         assert 'sharded' not in text
@@ -446,6 +448,32 @@ def test_paired_replicas_compare_takes_key_value_pairs_or_says_why_not(capsys):
     with pytest.raises(SystemExit):
         paired_replicas.parse_args(['--compare', 'prefetch'])
     assert "'prefetch' is not KEY=VALUE" in capsys.readouterr().err
+
+
+def test_paired_replicas_block_times_all_but_the_first_update_of_a_turn(capsys):
+    """A turn of ``--block`` updates runs the method that many times, drops the first
+    (it warms the method's processes) and averages the rest, key by key."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench import paired_replicas as pr
+    calls = []
+
+    def seconds():
+        calls.append(None)
+        return [9.0, 1.0, 2.0, 3.0][len(calls) - 1]
+    assert pr.blocked(seconds, 4)() == 2.0 and len(calls) == 4
+    calls.clear()
+
+    def split():
+        calls.append(None)
+        return {'a': 10.0 * len(calls), 'window:a': float(len(calls))}
+    assert pr.blocked(split, 3)() == {'a': 25.0, 'window:a': 2.5}
+    one = pr.blocked(seconds, 1)
+    assert one is seconds
+    assert pr.parse_args([]).block == 4
+    with pytest.raises(SystemExit):
+        pr.parse_args(['--block', '0'])
+    assert '--block' in capsys.readouterr().err
 
 
 def test_paired_replicas_verdicts_need_the_whole_interval():
