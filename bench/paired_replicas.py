@@ -68,10 +68,10 @@ Why: with five methods taking turns, each of ours' processes sits idle for four 
 five and each MPI rank for two, and the first update after such a pause computes slower
 (its caches and the interpreter's are the other methods' by then), which a trainer, whose
 updates follow each other, never sees. With one update a turn (``--block 1``, the bench up
-to ``/4``) ours' windows read 1.010-1.018 of the same loops on the same weights (``/4``'s
-three runs, and 1.010 (1.004-1.016) once more on 2026-12-02); with blocks of 4 on the same
-day, 1.000 (0.997-1.004) and 1.000 (0.991-1.006), and the lockstep's cost fell from
-1.030-1.034 to 1.017.
+to ``/4``) ours' windows read 1.010-1.018 of the same loops on the same weights at k=1
+(``/4``'s three runs, and 1.010 (1.004-1.016) once more on 2026-12-02); with blocks of 4 on
+the same day, 0.995, 1.006 and 0.995 (``bench/results/paired-replicas-5``) and 1.000 in two
+runs not kept.
 
 ``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments (on
 top of the master step, ``shard_optimizer=False``, unless given) in place of the sharded
