@@ -48,7 +48,7 @@ shims of ``_compat.py`` (a stub ``numpy.distutils``, ``numpy.sctypes``,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import chainer
 from chainer.dataset import convert
@@ -172,9 +172,17 @@ def named_persistents(link: chainer.Link) -> Iterator[Tuple[str, Any]]:
     (chainer/link.py:663-664). ChainerMN does the same
     (chainermn/extensions/allreduce_persistent.py:5-10).
     """
-    for path, sub in link.namedlinks():
-        for name in sorted(sub._persistent):
-            yield (f'{path}/{name}' if path != '/' else f'/{name}'), sub.__dict__[name]
+    for path, owner, name in persistent_slots(link):
+        yield path, owner.__dict__[name]
+
+
+def persistent_slots(link: chainer.Link) -> List[Tuple[str, chainer.Link, str]]:
+    """``(path, owner, name)`` of every persistent value of ``link`` and its sublinks, in
+    :func:`named_persistents`' order: the value is ``owner.__dict__[name]`` (read as
+    :func:`named_persistents` says), so that a caller that keeps this list reads the
+    current values without walking the links again."""
+    return [((f'{path}/{name}' if path != '/' else f'/{name}'), sub, name)
+            for path, sub in link.namedlinks() for name in sorted(sub._persistent)]
 
 
 def set_persistent(link: chainer.Link, name: str, value: Any) -> None:

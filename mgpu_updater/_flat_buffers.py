@@ -15,7 +15,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import named_persistents, set_persistent
+from ._chainer_private import persistent_slots, set_persistent
 
 
 class _Entry(NamedTuple):
@@ -112,25 +112,6 @@ def _xp(array: Any) -> Any:
 # What of a model travels
 
 
-def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
-    """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
-    return [(key, value) for key, value in named_persistents(link)
-            if isinstance(value, chainer.get_array_types()) and value is not None]
-
-
-def persistent_scalars(link: chainer.Link) -> Dict[str, Any]:
-    """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
-    return {key: value for key, value in named_persistents(link)
-            if not isinstance(value, chainer.get_array_types())}
-
-
-def set_persistent_scalars(link: chainer.Link, values: Mapping[str, Any]) -> None:
-    links = dict(link.namedlinks())
-    for key, value in values.items():
-        path, _, name = key.rpartition('/')
-        set_persistent(links[path or '/'], name, value)
-
-
 class ModelLayouts:
     """The three layouts of one model.
 
@@ -141,11 +122,13 @@ class ModelLayouts:
     """
 
     def __init__(self, link: chainer.Link, double_buffered: bool = False) -> None:
-        params = [(name, p.array) for name, p in link.namedparams()]
+        #: the link's parameters and persistents, found once (:class:`ModelIndex`)
+        self.index = ModelIndex(link)
+        params = list(self.index.param_arrays().items())
         missing = [name for name, a in params if a is None]
         if missing:
             raise RuntimeError(f'parameters {missing} are not initialised yet')
-        persist = persistent_arrays(link)
+        persist = self.index.persistent_arrays()
         self.grad = FlatLayout('grad', params)
         self.stat = FlatLayout('stat', [(n, a) for n, a in persist
                                         if numpy.dtype(a.dtype).kind == 'f'])
@@ -168,16 +151,89 @@ class ModelLayouts:
             spec.update(layout.spec())
         return spec
 
+    def index_of(self, link: chainer.Link) -> 'ModelIndex':
+        """The index of ``link``: the one found at construction where ``link`` is the link
+        these layouts were built from (every update's case), else a fresh walk."""
+        return self.index if link is self.index.link else ModelIndex(link)
 
+
+class ModelIndex:
+    """One link's parameters and persistent values, found once, read anew at each call.
+
+    Walking a link tree (``namedparams``, ``namedlinks``) took 45-90 us with the caches
+    cold after a window (the benchmark's CNN, 4 links, 8 parameters), and one update
+    walked it about ten times on every rank, before and after the windows: on the
+    critical path. The index keeps the :class:`chainer.Parameter` objects and each
+    persistent's owner and name, and every call reads the current arrays and values from
+    them, so that an array replaced since (a deserializer, ``to_device``, an update rule
+    that assigns a new one) is seen as before. What it does not see is the tree itself
+    changing afterwards (a link, parameter or persistent added or removed), which the
+    flat layouts built from it (:class:`ModelLayouts`) do not follow either.
+    """
+
+    def __init__(self, link: chainer.Link) -> None:
+        self.link = link
+        self.params: List[Tuple[str, chainer.Parameter]] = list(link.namedparams())
+        self.persistents = persistent_slots(link)   # (path, owner, name)
+        self._owners = {path.rpartition('/')[0] or '/': owner
+                        for path, owner, _ in self.persistents}
+
+    def param_arrays(self) -> Dict[str, Any]:
+        return {name: p.array for name, p in self.params}
+
+    def grad_arrays(self) -> Dict[str, Any]:
+        return {name: p.grad for name, p in self.params}
+
+    def named_persistents(self) -> List[Tuple[str, Any]]:
+        return [(path, owner.__dict__[name]) for path, owner, name in self.persistents]
+
+    def persistent_arrays(self) -> List[Tuple[str, Any]]:
+        """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
+        types = chainer.get_array_types()
+        return [(key, value) for key, value in self.named_persistents()
+                if isinstance(value, types) and value is not None]
+
+    def persistent_scalars(self) -> Dict[str, Any]:
+        """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
+        types = chainer.get_array_types()
+        return {key: value for key, value in self.named_persistents()
+                if not isinstance(value, types)}
+
+    def set_persistent_scalars(self, values: Mapping[str, Any]) -> None:
+        """Set each persistent of ``values`` (paths as :meth:`persistent_scalars` gives)."""
+        for key, value in values.items():
+            path, _, name = key.rpartition('/')
+            owner = self._owners.get(path or '/')
+            if owner is None:   # a link with no persistent when indexed: find it
+                owner = dict(self.link.namedlinks())[path or '/']
+            set_persistent(owner, name, value)
+
+    def state_arrays(self) -> Dict[str, Any]:
+        arrays = self.param_arrays()
+        arrays.update(self.persistent_arrays())
+        return arrays
+
+
+# The same, walking the link anew (callers with no index at hand).
 def param_arrays(link: chainer.Link) -> Dict[str, Any]:
-    return {name: p.array for name, p in link.namedparams()}
+    return ModelIndex(link).param_arrays()
 
 
 def grad_arrays(link: chainer.Link) -> Dict[str, Any]:
-    return {name: p.grad for name, p in link.namedparams()}
+    return ModelIndex(link).grad_arrays()
 
 
 def state_arrays(link: chainer.Link) -> Dict[str, Any]:
-    arrays = param_arrays(link)
-    arrays.update(persistent_arrays(link))
-    return arrays
+    return ModelIndex(link).state_arrays()
+
+
+def persistent_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
+    return ModelIndex(link).persistent_arrays()
+
+
+def persistent_scalars(link: chainer.Link) -> Dict[str, Any]:
+    return ModelIndex(link).persistent_scalars()
+
+
+def set_persistent_scalars(link: chainer.Link, values: Mapping[str, Any]) -> None:
+    ModelIndex(link).set_persistent_scalars(values)

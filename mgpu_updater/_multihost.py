@@ -36,7 +36,7 @@ import numpy
 
 import chainer
 
-from ._flat_buffers import ModelLayouts, grad_arrays, persistent_arrays, state_arrays
+from ._flat_buffers import ModelLayouts, state_arrays
 from ._groups import Group, ensure_grads
 from ._local.protocol import before_window, collective_order, issue, pack_window
 from ._replica import WindowResult
@@ -108,8 +108,9 @@ class MpiGroup(Group):
         check_same_order({rank: issued for rank, (_, issued) in enumerate(gathered)},
                          comm.updates)
         ensure_grads(model)
-        layouts.grad.unpack(comm.buffer, grad_arrays(model))
-        layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+        index = layouts.index_of(model)
+        layouts.grad.unpack(comm.buffer, index.grad_arrays())
+        layouts.stat.unpack(comm.buffer, dict(index.persistent_arrays()))
         results = [result for result, _ in gathered]
         results[self.rank] = own
         self._check_epochs(results)

@@ -49,6 +49,21 @@ def test_the_declared_order_bcasts_then_reduces_statistics_then_gradients(parity
         ('allreduce', 'stat/<f4'), ('allreduce', 'grad/<f4'))
 
 
+def test_the_order_is_declared_once_per_layouts_and_arguments():
+    """Every rank asks for the order twice an update; it is declared once per layouts and
+    arguments (the layouts do not change after construction), and each form is its own."""
+    layouts = ModelLayouts(classifier(batchnorm=True), double_buffered=True)
+    forms = [dict(parity=p) for p in SYNC_AND_PARITIES] + [
+        dict(across_hosts=True), dict(sharded=True)]
+    first = [collective_order(layouts, **kw) for kw in forms]
+    assert [collective_order(layouts, **kw) for kw in forms] == first
+    assert all(collective_order(layouts, **kw) is order for kw, order in zip(forms, first))
+    assert len(set(first)) == len(forms)
+    assert collective_order(layouts, sharded=True)[-1] == ('reduce_scatter', 'grad/<f4')
+    other = ModelLayouts(MLP())   # another model's layouts: its own declaration
+    assert collective_order(other) == (('bcast', 'param/<f4'), ('reduce', 'grad/<f4'))
+
+
 def test_several_dtypes_go_in_sorted_buffer_order():
     layouts = ModelLayouts(_MixedDtypes())
     assert collective_order(layouts) == (

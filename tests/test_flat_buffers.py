@@ -202,3 +202,48 @@ def test_persistent_helpers_on_a_batchnorm_link():
     assert persistent_scalars(bn) == {'/N': 0}
     set_persistent_scalars(bn, {'/N': 5})
     assert bn.N == 5
+
+
+def test_the_index_reads_what_a_fresh_walk_reads_after_arrays_change():
+    """``ModelLayouts.index`` keeps the parameters and each persistent's owner, found once;
+    every read is of the current arrays and values: after the arrays and persistents were
+    replaced (as a deserializer does) and changed, it gives what walking the model anew
+    gives, and setting scalars through it sets them on the model."""
+    model = _WithPersistents()
+    layouts = ModelLayouts(model)
+    index = layouts.index_of(model)
+    assert index is layouts.index and index.link is model
+    rng = numpy.random.RandomState(2)
+    for p in model.params():
+        p.array = rng.randn(*p.shape).astype(p.dtype)       # a new array, not in place
+        p.grad = rng.randn(*p.shape).astype(p.dtype)
+    bn = model.predictor.bn
+    bn.__dict__['avg_mean'] = rng.randn(16).astype(numpy.float32)   # as serialize loads it
+    model.steps = 13
+    bn.N = 9
+
+    def same(a, b):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name] is b[name], name
+    same(index.param_arrays(), {n: p.array for n, p in model.namedparams()})
+    same(index.grad_arrays(), grad_arrays(model))
+    same(index.state_arrays(), state_arrays(model))
+    same(dict(index.persistent_arrays()), dict(persistent_arrays(model)))
+    assert dict(index.persistent_arrays())['/predictor/bn/avg_mean'] is bn.avg_mean
+    assert index.persistent_scalars() == persistent_scalars(model) == {
+        '/steps': 13, '/predictor/bn/N': 9}
+    index.set_persistent_scalars({'/steps': 21, '/predictor/bn/N': 3})
+    assert (model.steps, bn.N) == (21, 3)
+
+
+def test_the_index_of_another_model_is_that_models():
+    """A model that is not the one the layouts were built from gets a walk of its own."""
+    model, other = _WithPersistents(), _WithPersistents()
+    layouts = ModelLayouts(model)
+    other.steps = 5
+    index = layouts.index_of(other)
+    assert index is not layouts.index and index.link is other
+    assert index.persistent_scalars()['/steps'] == 5
+    assert all(a is p.array for (_, a), p in zip(sorted(index.param_arrays().items()),
+                                                 [p for _, p in sorted(other.namedparams())]))

@@ -94,11 +94,11 @@ from typing import (Any, Callable, ClassVar, Collection, Dict, List, NamedTuple,
 
 import math
 import pickle
+import weakref
 
 import numpy
 
-from .._flat_buffers import (ModelLayouts, grad_arrays, persistent_arrays, persistent_scalars,
-                    set_persistent_scalars, state_arrays)
+from .._flat_buffers import ModelLayouts
 from .._replica import Replica, WindowResult
 from .board import Board, posted_total
 
@@ -256,6 +256,22 @@ def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
     ``sharded``: the gradient is summed slice by slice, each rank its own
     (``reduce_scatter``), after the ranks met at the board (see :func:`before_shard_step`).
     """
+    memo = _ORDERS.setdefault(layouts, {})
+    key = (parity, across_hosts, sharded)
+    if key not in memo:
+        memo[key] = _declare(layouts, parity, across_hosts, sharded)
+    return memo[key]
+
+
+#: Every update asks for its order, before and after its window, on every rank (50 us
+#: each with the caches cold): it is declared once per layouts and arguments, which
+#: do not change after their construction.
+_ORDERS: 'weakref.WeakKeyDictionary[ModelLayouts, Dict[tuple, Tuple[Collective, ...]]]' = \
+    weakref.WeakKeyDictionary()
+
+
+def _declare(layouts: ModelLayouts, parity: Optional[int], across_hosts: bool,
+             sharded: bool) -> Tuple[Collective, ...]:
     reduce = 'allreduce' if across_hosts else 'reduce'
     order = [] if across_hosts else [
         Collective('bcast', name) for name in sorted(layouts.state.buffer_names().values())]
@@ -318,13 +334,14 @@ def pack_window(comm: Any, layouts: ModelLayouts, model: Any, parity: Optional[i
                 size: int) -> None:
     """Copy this replica's gradients and its float persistents (weighted ``1/size``, so
     that the sum is the mean) into the buffers that the reductions sum."""
-    layouts.grad_set(parity).pack(grad_arrays(model), comm.buffer)
+    layouts.grad_set(parity).pack(layouts.index_of(model).grad_arrays(), comm.buffer)
     pack_stats(comm, layouts, model, size)
 
 
 def pack_stats(comm: Any, layouts: ModelLayouts, model: Any, size: int) -> None:
     """Copy this replica's float persistents, weighted ``1/size``, into ``stat``."""
-    layouts.stat.pack(dict(persistent_arrays(model)), comm.buffer, scale=1.0 / size)
+    layouts.stat.pack(dict(layouts.index_of(model).persistent_arrays()), comm.buffer,
+                      scale=1.0 / size)
 
 
 # ------------------------------------------------------------------------------ the master
@@ -367,9 +384,10 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
     update's, by rank (:meth:`.sharded_step.MasterShards.orders`)."""
     order = collective_order(layouts, parity)
     comm.begin_update()
-    layouts.state.pack(state_arrays(model), comm.buffer, skip=in_place)
+    index = layouts.index_of(model)
+    layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
     issue(comm, before_window(order))
-    scalars = persistent_scalars(model)
+    scalars = index.persistent_scalars()
     if orders is None:
         workers.send(Step(loss_scale, scalars, parity))
         return
@@ -407,7 +425,7 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
                       for r in [own] + [others[k] for k in sorted(others)]]  # type: ignore[list-item]
     issue(comm, after_window(order))
     comm.end_update()
-    layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+    layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
     if then is not None:
         then(*posted_total(posted))
     if by_board:
@@ -429,7 +447,7 @@ def master_finish_sharded(workers: Workers, comm: Any, board: Board, layouts: Mo
     pack_window(comm, layouts, model, None, size)
     count, loss = posted_total(board.meet(own.count, own.loss_sum, workers.check))
     issue(comm, before_shard_step(order))
-    layouts.stat.unpack(comm.buffer, dict(persistent_arrays(model)))
+    layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
     factor = decide(count, loss)
     issue(comm, shard_step_collectives(order))
     if factor is not None:
@@ -503,9 +521,10 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     issue(comm, before_window(order))
     if views is not None:
         views.bind()
-    layouts.state.unpack(comm.buffer, state_arrays(model),
+    index = layouts.index_of(model)
+    layouts.state.unpack(comm.buffer, index.state_arrays(),
                          skip=views.names if views is not None else ())
-    set_persistent_scalars(model, step.scalars)
+    index.set_persistent_scalars(step.scalars)
     result = replica.run_window(step.loss_scale)
     if sharded:
         # the other ranks' slices before the post, its own (only it reads it) after
