@@ -173,16 +173,21 @@ def named_persistents(link: chainer.Link) -> Iterator[Tuple[str, Any]]:
     (chainermn/extensions/allreduce_persistent.py:5-10).
     """
     for path, owner, name in persistent_slots(link):
-        yield path, owner.__dict__[name]
+        yield path, persistent_value(owner, name)
 
 
 def persistent_slots(link: chainer.Link) -> List[Tuple[str, chainer.Link, str]]:
     """``(path, owner, name)`` of every persistent value of ``link`` and its sublinks, in
-    :func:`named_persistents`' order: the value is ``owner.__dict__[name]`` (read as
-    :func:`named_persistents` says), so that a caller that keeps this list reads the
-    current values without walking the links again."""
+    :func:`named_persistents`' order; :func:`persistent_value` reads each one, so that a
+    caller that keeps this list reads the current values without walking the links again."""
     return [((f'{path}/{name}' if path != '/' else f'/{name}'), sub, name)
             for path, sub in link.namedlinks() for name in sorted(sub._persistent)]
+
+
+def persistent_value(link: chainer.Link, name: str) -> Any:
+    """The persistent value ``name`` of ``link`` itself, from ``link.__dict__`` (see
+    :func:`named_persistents`)."""
+    return link.__dict__[name]
 
 
 def set_persistent(link: chainer.Link, name: str, value: Any) -> None:

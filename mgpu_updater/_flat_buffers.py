@@ -15,7 +15,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import persistent_slots, set_persistent
+from ._chainer_private import persistent_slots, persistent_value, set_persistent
 
 
 class _Entry(NamedTuple):
@@ -185,7 +185,7 @@ class ModelIndex:
         return {name: p.grad for name, p in self.params}
 
     def named_persistents(self) -> List[Tuple[str, Any]]:
-        return [(path, owner.__dict__[name]) for path, owner, name in self.persistents]
+        return [(path, persistent_value(owner, name)) for path, owner, name in self.persistents]
 
     def persistent_arrays(self) -> List[Tuple[str, Any]]:
         """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
