@@ -56,6 +56,13 @@ class Group(abc.ABC):
     size = 1
     model: chainer.Link
 
+    @property
+    def step_state(self) -> str:
+        """Which optimizer step the updates take: ``'master'`` (here always), or in the
+        local group ``'sharded'``, or ``'trial'`` while ``shard_optimizer='auto'`` tries
+        both (:mod:`mgpu_updater._local.step_trial`)."""
+        return 'master'
+
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
               optimizer: Any = None) -> bool:
         """Send the parameters out and start the others' windows (no-op alone). True when

@@ -56,7 +56,8 @@ class Settings(NamedTuple):
     read_values: bool = True        # the master reads its window's values on the host
     nonfinite: str = 'raise'        # the updater's policy (each rank of a sharded step)
     optimizer: Any = None           # the 'main' optimizer (the sharded step needs its rules)
-    shard_optimizer: bool = False   # whether the step may be sharded (_local/sharded_step)
+    shard_optimizer: Any = 'auto'   # whether the step may be sharded (_local/sharded_step;
+                                    # 'auto': a trial decides, _local/step_trial)
 
 
 class Started(NamedTuple):
@@ -144,7 +145,8 @@ def _local_group(s: Settings) -> LocalGroup:
             comm_name=backend, shard_keys=keys, nonfinite=s.nonfinite), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
-                      s.start_method, s.start_timeout, shard_keys=keys)
+                      s.start_method, s.start_timeout, shard_keys=keys,
+                      shard_trial=s.shard_optimizer == 'auto')
 
 
 def _shard_keys(s: Settings, backend: str) -> Optional[tuple]:

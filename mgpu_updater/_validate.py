@@ -343,6 +343,17 @@ def blas_threads(value: Any) -> Any:
     return int(value)
 
 
+def shard_optimizer(value: Any) -> Any:
+    """``'auto'``, True or False (see :mod:`mgpu_updater._local.step_trial`)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == 'auto'):
+        return value
+    raise TypeError(f"shard_optimizer must be 'auto', True or False ({value!r} of type "
+                    f"{type(value).__name__} given); pass 'auto' (the default: on CPU "
+                    'replicas the first updates try the sharded step and the master\'s step '
+                    'and keep the faster; the result is the same), True to shard every step '
+                    "that can be, or False for the master's step")
+
+
 def reuse_host_memory(value: Any) -> Any:
     """``'auto'``, True or False (see :mod:`mgpu_updater._host_memory`)."""
     if isinstance(value, bool) or (isinstance(value, str) and value == 'auto'):
@@ -357,4 +368,5 @@ def reuse_host_memory(value: Any) -> Any:
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory']
+           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory',
+           'shard_optimizer']

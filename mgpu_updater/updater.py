@@ -34,9 +34,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        identical to ``StandardUpdater`` on one batch holding all those samples (with the
        defaults; ``loss_reduction`` and ``replica_reduction`` say otherwise).
     4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
-       The optimizer and its hyperparameters are never modified. (With
-       ``shard_optimizer=True``, on CPU replicas an elementwise step is split by slices
-       over the replicas instead, bitwise the same.)
+       The optimizer and its hyperparameters are never modified. (On CPU replicas an
+       elementwise step may be split by slices over the replicas instead, bitwise the
+       same: ``shard_optimizer``.)
 
     BatchNorm running statistics (float persistents) are averaged over the replicas with
     equal weights after each update; integer and scalar persistents keep the master's
@@ -123,8 +123,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (your process) from the first update on, for the rest of its life (glibc has
             no way back). Results do not change; a process keeps its peak heap. No effect
             where the C library is not glibc.
-        shard_optimizer: opt-in (default False). True: on CPU replicas, where the
-            optimizer's step is elementwise (Chainer's optimizers but MSVAG; hooks
+        shard_optimizer: ``'auto'`` (default), True or False. True: on CPU replicas, where
+            the optimizer's step is elementwise (Chainer's optimizers but MSVAG; hooks
             ``WeightDecay``, ``Lasso``, ``GradientHardClipping`` only), every replica sums
             and steps its own slice of the parameters, with its slice of the optimizer's
             state, in shared memory (ZeRO stage 1;
@@ -132,7 +132,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             the workers waiting for it; the replicas meet at a board in shared memory
             (:mod:`mgpu_updater._local.board`), each deciding the step itself. Any other
             update (another hook, loss scaling, pipelined, GPUs, across hosts, a CPU other
-            than x86-64) is the master's step.
+            than x86-64) is the master's step. False: always the master's step.
+            ``'auto'``: where the step could be sharded, the first updates (about 200)
+            take both steps in turns, timed, and the faster is kept
+            (:mod:`mgpu_updater._local.step_trial`; :attr:`optimizer_step` says which);
+            the result is the same either way, which is faster depends on the machine.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -156,7 +160,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  micro_batch_size: Union[None, int, str] = None,
                  blas_threads: Union[None, int, str] = 'auto',
                  reuse_host_memory: Union[bool, str] = 'auto',
-                 shard_optimizer: bool = False) -> None:
+                 shard_optimizer: Union[bool, str] = 'auto') -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -176,7 +180,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.report_times = bool(report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
-        self.shard_optimizer = _validate.flag('shard_optimizer', shard_optimizer)
+        self.shard_optimizer = _validate.shard_optimizer(shard_optimizer)
         self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
@@ -204,6 +208,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: seconds of the last update's window on each replica, in replica order (MPI:
         #: rank order): 'data' and 'compute', as each replica measured them
         self.last_replica_times: List[Dict[str, float]] = []
+
+    @property
+    def optimizer_step(self) -> str:
+        """Which optimizer step the updates take (``shard_optimizer``): ``'sharded'``
+        (where an update can be), ``'master'``, or ``'trial'`` while ``'auto'`` still
+        times both."""
+        return self._group.step_state
 
     # ------------------------------------------------------------------ epoch bookkeeping
     # The master's loader runs ahead of training; the epoch is that of the last batch used.

@@ -1,6 +1,6 @@
 """The sharded optimizer step (``mgpu_updater._local.sharded_step``, issue 15).
 
-Its contract: bitwise the master's step (``shard_optimizer=False``, the default), which the
+Its contract: bitwise the master's step (``shard_optimizer=False``), which the
 equivalence tests hold to a large-batch ``StandardUpdater``. Every test compares the two in
 one process, on CPU replicas, and checks that the sharded run really sharded (or, for what it
 must not shard, that it said why and still matched). The master-step run is the reference.
@@ -395,9 +395,8 @@ def test_why_an_update_is_not_sharded_is_said():
         updater.finalize()
 
 
-def test_the_default_is_the_masters_step():
-    """Opt-in: on this project's VM the sharded step was not measured better everywhere
-    (README, Performance), which issue 15 asks of a new default."""
+def test_the_default_is_the_trial():
+    """``'auto'``: the first updates try both steps (tests/test_step_trial.py)."""
     model = classifier(seed=3)
     opt = optimizers.SGD(0.1)
     opt.setup(model)
@@ -405,144 +404,32 @@ def test_the_default_is_the_masters_step():
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2)
     try:
         updater.update()
-        assert updater.shard_optimizer is False and updater._group.shards is None
+        assert updater.shard_optimizer == 'auto' and updater._group.shards is not None
+        assert updater.optimizer_step == 'trial'
+    finally:
+        updater.finalize()
+
+
+def test_false_is_the_masters_step():
+    model = classifier(seed=3)
+    opt = optimizers.SGD(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
+                                          shard_optimizer=False)
+    try:
+        updater.update()
+        assert updater._group.shards is None and updater.optimizer_step == 'master'
         assert ('reduce', 'grad/<f4') in updater._group.comm.issued()
     finally:
         updater.finalize()
 
 
-def test_shard_optimizer_must_be_a_bool():
+def test_shard_optimizer_must_be_auto_or_a_bool():
     model = classifier(seed=3)
     opt = optimizers.SGD(0.1)
     opt.setup(model)
     its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
-    with pytest.raises(TypeError, match=r"shard_optimizer must be True or False \('yes' given\)"):
+    with pytest.raises(TypeError, match=r"shard_optimizer must be 'auto', True or False "
+                                        r"\('yes' of type str given\); pass 'auto'"):
         ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2, shard_optimizer='yes')
-
-
-# --------------------------------------------------------------------------------------
-# The state: the user's optimizer, in shared memory only while the workers live
-
-
-def test_the_optimizer_state_is_ordinary_arrays_after_finalize_and_resumes_exactly(tmp_path):
-    """Stop after 3 updates, save the optimizer and model as a snapshot would, load them
-    into a fresh model, optimizer and updater, run 3 more: bitwise a run of 6."""
-    def fresh():
-        model = classifier(seed=3)
-        opt = optimizers.Adam(1e-2)
-        opt.setup(model)
-        return model, opt
-
-    def updater_for(opt, skip):
-        its = []
-        for r in range(2):
-            it = chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
-            for _ in range(skip):
-                it.next()
-            its.append(it)
-        return ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
-                                           shard_optimizer=True)
-
-    model, opt = fresh()
-    updater = updater_for(opt, 0)
-    for _ in range(6):
-        updater.update()
-    updater.finalize()
-    whole = {n: np.array(p.array) for n, p in model.namedparams()}
-
-    model, opt = fresh()
-    updater = updater_for(opt, 0)
-    for _ in range(3):
-        updater.update()
-    updater.finalize()
-    for _, p in model.namedparams():
-        for value in p.update_rule.state.values():
-            assert value.flags.owndata and value.flags.writeable   # copied off the buffer
-    serializers.save_npz(tmp_path / 'model.npz', model)
-    serializers.save_npz(tmp_path / 'opt.npz', opt)
-
-    model, opt = fresh()
-    serializers.load_npz(tmp_path / 'model.npz', model)
-    serializers.load_npz(tmp_path / 'opt.npz', opt)
-    assert opt.t == 3
-    updater = updater_for(opt, 3)
-    try:
-        for _ in range(3):
-            updater.update()
-            assert updater._group.shards.reason is None
-    finally:
-        updater.finalize()
-    for name, p in model.namedparams():
-        assert np.array_equal(p.array, whole[name]), name
-
-
-def test_a_snapshot_taken_while_training_holds_the_sharded_state(tmp_path):
-    """A snapshot in the middle reads the state where the replicas stepped it."""
-    model = classifier(seed=3)
-    opt = optimizers.MomentumSGD(0.05)
-    opt.setup(model)
-    its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), 4, shuffle=False)
-           for r in range(2)]
-    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
-                                          shard_optimizer=True)
-    try:
-        updater.update()
-        before = {n: np.array(p.array) for n, p in model.namedparams()}
-        updater.update()
-        serializers.save_npz(tmp_path / 'opt.npz', opt)
-        after = {n: np.array(p.array) for n, p in model.namedparams()}
-    finally:
-        updater.finalize()
-    saved = np.load(tmp_path / 'opt.npz')
-    for name in before:
-        # MomentumSGD: param += v, so v is the last step, slice 0's and slice 1's alike
-        v = saved[f'{name[1:]}/v']
-        np.testing.assert_allclose(v, after[name] - before[name], rtol=1e-5, atol=1e-7)
-        assert np.abs(v).max() > 0, name
-
-
-def test_a_sharded_update_issues_reduce_scatter_on_the_gradient():
-    model = classifier(seed=3)
-    opt = optimizers.SGD(0.1)
-    opt.setup(model)
-    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4) for r in range(2)]
-    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
-                                          shard_optimizer=True)
-    try:
-        updater.update()
-        issued = updater._group.comm.issued()
-    finally:
-        updater.finalize()
-    assert issued == [('bcast', 'param/<f4'), ('reduce_scatter', 'grad/<f4')]
-
-
-def test_a_master_that_skips_a_collective_of_a_sharded_update_fails_naming_both_sequences(
-        monkeypatch):
-    """The order check covers the sharded update: here the master leaves out the
-    statistics' reduce (BatchNorm), the worker does not."""
-    from mgpu_updater._local import protocol
-    from mgpu_updater.comm.base import CollectiveOrderError
-    model = classifier(seed=4, batchnorm=True)
-    opt = optimizers.SGD(0.1)
-    opt.setup(model)
-    its = [chainer.iterators.SerialIterator(dataset(64, seed=50 + r), 4) for r in range(2)]
-    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
-                                          shard_optimizer=True)
-    try:
-        updater.update()   # the declared order: passes
-        assert updater._group.shards.reason is None
-        declared = protocol.collective_order
-
-        def without_stats(layouts, parity=None, across_hosts=False, sharded=False):
-            out = declared(layouts, parity, across_hosts, sharded)
-            return tuple(c for c in out if not c.buffer.startswith('stat')) if sharded else out
-        monkeypatch.setattr(protocol, 'collective_order', without_stats)
-        with pytest.raises(CollectiveOrderError) as info:
-            updater.update()
-        message = str(info.value)
-        assert "rank 0 issued [('bcast', 'param/<f4'), ('reduce_scatter', 'grad/<f4')]" in message
-        assert ("rank 1 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4'), "
-                "('reduce_scatter', 'grad/<f4')]") in message or \
-            "rank 1 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4')]" in message
-    finally:
-        updater.finalize()

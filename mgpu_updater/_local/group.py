@@ -22,6 +22,7 @@ from .pool import WorkerPool
 from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
                        master_finish_sharded, slot_views)
 from .sharded_step import MasterShards, StateLayout
+from .step_trial import StepTrial
 from .worker import WorkerInit, main as worker_main
 
 
@@ -36,7 +37,8 @@ class LocalGroup(Group):
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
                  master_device: Any, devices: List[Any], payloads: Dict[int, Any],
                  start_method: str, start_timeout: float,
-                 shard_keys: Optional[Tuple[str, ...]] = None) -> None:
+                 shard_keys: Optional[Tuple[str, ...]] = None,
+                 shard_trial: bool = False) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -56,6 +58,10 @@ class LocalGroup(Group):
         self._hooks: Tuple[Any, ...] = ()   # the optimizer's hooks, read at begin
         if states is not None and self.comm.can_reduce_scatter and self.grads.views:
             self.shards = MasterShards(self.comm, layouts, states, model)
+        #: under ``shard_optimizer='auto'``: which step is faster here, measured
+        #: (:mod:`.step_trial`); None: every update that can be is sharded
+        self.trial = StepTrial() if self.shards is not None and shard_trial else None
+        self._sharded = False   # whether the update begun last is sharded
         if self.shards is not None or (self.comm.packs_in_shared_memory and STORE_ORDER):
             self.board = Board.create(self.size, spin_for(self.size, available_cores()))
         #: whether every rank says at the board that its gradient is packed (decided here,
@@ -75,14 +81,30 @@ class LocalGroup(Group):
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
               optimizer: Any = None) -> bool:
+        trial = self.trial
+        if trial is not None:
+            trial.begin()
         bound = self.params.bind()
         orders = None
         if (self.shards is not None and parity is None and optimizer is not None
+                and (trial is None or trial.wants_shard())
                 and self.shards.prepare(optimizer, loss_scale, bound)):
             self._hooks, orders = self.shards.orders(optimizer)
         master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
                      in_place=bound, orders=orders)
-        return orders is not None
+        self._sharded = orders is not None
+        return self._sharded
+
+    @property
+    def step_state(self) -> str:
+        if self.trial is not None:
+            return self.trial.state
+        return 'sharded' if self.shards is not None else 'master'
+
+    def _stepped(self) -> None:
+        """The update's step is over (the trial times the update up to here)."""
+        if self.trial is not None:
+            self.trial.record(self._sharded)
 
     def finish_sharded(self, own: WindowResult, optimizer: Any,
                        factor_of: Callable[[int, float], Optional[float]],
@@ -106,6 +128,7 @@ class LocalGroup(Group):
             others = master_finish_sharded(self.pool, self.comm, self.board, self.layouts,
                                            self.model, self.size, own, decide, own_step)
             self.grads.receive()
+        self._stepped()
         # ``update`` was counted inside ``comm``
         watch.times['comm'] -= watch.times.get('update', 0.0)
         return [own] + others
@@ -127,8 +150,10 @@ class LocalGroup(Group):
         def summed(count: int, loss: float) -> None:
             self.grads.receive()
             step(count, loss)
-        return [own] + master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                                     self.size, own, self._pack_board, then=summed)
+        results = [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                        None, self.size, own, self._pack_board, then=summed)
+        self._stepped()
+        return results
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
