@@ -32,6 +32,8 @@ def _start(opt, **kwargs):
     opt.setup(model)
     its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), B, shuffle=False)
            for r in range(N)]
+    kwargs.setdefault('shard_optimizer', False)   # the master step's path (a sharded
+    # update posts twice: tests/test_sharded_step.py)
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
                                           accumulate_steps=K, **kwargs)
     steps = []
