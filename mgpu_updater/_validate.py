@@ -343,26 +343,31 @@ def blas_threads(value: Any) -> Any:
     return int(value)
 
 
-def shard_optimizer(value: Any) -> Any:
-    """``'auto'``, True or False (see :mod:`mgpu_updater._local.step_trial`)."""
+def _auto_or_flag(name: str, value: Any, fix: str) -> Any:
+    """``'auto'``, True or False; else a TypeError naming ``name``, echoing the value and
+    saying ``fix``."""
     if isinstance(value, bool) or (isinstance(value, str) and value == 'auto'):
         return value
-    raise TypeError(f"shard_optimizer must be 'auto', True or False ({value!r} of type "
-                    f"{type(value).__name__} given); pass 'auto' (the default: on CPU "
-                    'replicas the first updates try the sharded step and the master\'s step '
-                    'and keep the faster; the result is the same), True to shard every step '
-                    "that can be, or False for the master's step")
+    raise TypeError(f"{name} must be 'auto', True or False ({value!r} of type "
+                    f"{type(value).__name__} given); {fix}")
+
+
+def shard_optimizer(value: Any) -> Any:
+    """``'auto'``, True or False (see :mod:`mgpu_updater._local.step_trial`)."""
+    return _auto_or_flag('shard_optimizer', value,
+                         "pass 'auto' (the default: on CPU replicas the first updates try the "
+                         "sharded step and the master's step and keep the faster; the result "
+                         "is the same), True to shard every step that can be, or False for "
+                         "the master's step")
 
 
 def reuse_host_memory(value: Any) -> Any:
     """``'auto'``, True or False (see :mod:`mgpu_updater._host_memory`)."""
-    if isinstance(value, bool) or (isinstance(value, str) and value == 'auto'):
-        return value
-    raise TypeError(f"reuse_host_memory must be 'auto', True or False ({value!r} of type "
-                    f"{type(value).__name__} given); pass 'auto' (the default: every replica "
-                    'process keeps the host memory it frees for its next micro-batch, unless '
-                    'the environment configures malloc), True to do so anyway, or False to '
-                    'leave malloc as it is')
+    return _auto_or_flag('reuse_host_memory', value,
+                         "pass 'auto' (the default: every replica process keeps the host "
+                         "memory it frees for its next micro-batch, unless the environment "
+                         "configures malloc), True to do so anyway, or False to leave malloc "
+                         "as it is")
 
 
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
