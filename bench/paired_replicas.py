@@ -441,6 +441,8 @@ def measure(k, args, ranks):
                         times[key].append(value)
         mn_weights = ranks.turn(WEIGHTS)
         ranks.next_k()
+        # which step each updater took at the end ('auto': 'trial' until its trial is over)
+        steps = {name: updater.optimizer_step for name, (updater, _, _) in ours.items()}
     finally:
         for updater, _, _ in ours.values():
             updater.finalize()
@@ -457,6 +459,7 @@ def measure(k, args, ranks):
            'outside_ms': {name.split(':')[1]: ms for name, ms in medians.items()
                           if name.startswith('outside:')},
            'weights_checksum': {'chainermn_ranks': mn_weights, **ours_weights},
+           'optimizer_step': steps,
            'weights_rel_diff_to_chainermn': {
                name: abs(c - mn_weights[0]) / abs(mn_weights[0])
                for name, c in ours_weights.items()},
@@ -514,6 +517,14 @@ def markdown(result):
                       r['weights_rel_diff_to_chainermn']['ours'],
                       r['weights_rel_diff_to_chainermn']['ours_master_step'])
                   for r in result['rows']) + '.']
+    if all('optimizer_step' in r for r in result['rows']):
+        lines += ['', 'The step each updater took at the end (`optimizer_step`; \'trial\': '
+                  'shard_optimizer=\'auto\' still timing both): ' + '; '.join(
+                      'k={}: {} {}, master step {}'.format(
+                          r['k'], result.get('compare') or 'sharded',
+                          r['optimizer_step']['ours'],
+                          r['optimizer_step']['ours_master_step'])
+                      for r in result['rows']) + '.']
     lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',
               '|---:|---|---:|---:|---:|---|']
     for r in result['rows']:

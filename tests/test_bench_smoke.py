@@ -421,6 +421,9 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, bl
             whole = row['ms'][name + '_lockstep' if name.startswith('limit') else name]
             assert 0 < row['window_ms'][name] < whole
             assert 0 < row['outside_ms'][name] < whole
+        # the step each of ours took, as the updater says it
+        assert row['optimizer_step'] == {'ours': 'master' if compare else 'sharded',
+                                         'ours_master_step': 'master'}
         # ours and ChainerMN stepped on the same samples from the same weights: the
         # same weights at the end, to rounding (both ChainerMN ranks alike)
         mn = row['weights_checksum']['chainermn_ranks']
