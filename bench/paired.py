@@ -29,6 +29,12 @@ holds where the whole interval is at or below 1.02. ``--pairs`` defaults to 600 
 the same time per k; 20 pairs (quartiles 0.98-1.09 on a 2-core VM) could not tell 1.00
 from 1.03.
 
+Each row also times every method's forward passes (the model's calls inside the update,
+wrapped alike on each model instance): ours' over the other's, update by update, is the
+part of the ratio that is the same computation running slower rather than the updater's
+own code around it (on the 2-core Xeon VM the first forward of ours' update read 1.4-2.4%
+slower than ``StandardUpdater``'s while a second forward right after it read the same).
+
 Ours sets the process's malloc thresholds at its first update (``reuse_host_memory``), which
 the warm-up includes, so every timed update of both runs under the same malloc. Prints a
 Markdown table; with ``--out`` writes ``paired.json`` and ``paired.md`` there.
@@ -49,7 +55,7 @@ import numpy  # noqa: E402
 
 from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.paired/3'
+SCHEMA = 'mgpu_updater.bench.paired/4'
 ORDER_SEED = 0   # every method's iterator shuffles with this seed: the same batches
 GOAL = 1.02   # issue 15: one replica within 2%
 
@@ -82,6 +88,21 @@ def _max_abs_diff(a, b):
     """How far apart two models' weights are (0.0: bitwise equal)."""
     pa, pb = dict(a.namedparams()), dict(b.namedparams())
     return max(float(abs(pa[name].array - pb[name].array).max()) for name in pa)
+
+
+def _timed_forward(model, seconds):
+    """Wrap ``model.forward`` (on this instance only) so that each call adds its seconds to
+    ``seconds[0]``: every method's forward passes, timed the same way."""
+    forward = model.forward
+    clock = time.perf_counter
+
+    def timed(*args, **kwargs):
+        start = clock()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            seconds[0] += clock() - start
+    model.forward = timed
 
 
 def verdict(low, high):
@@ -124,24 +145,40 @@ def measure(k, args):
         _iterator(dataset, b), _common.make_optimizer(ours_model), devices=['@numpy'],
         accumulate_steps=k)
     methods.append(('ours', _observed_step(updater, ours_model)))
+    models = {'hand': model, 'ours': ours_model}
+    if k == 1:
+        models['standard'] = standard_model
+    # each update's forward passes (the loss_func's calls of the model), timed alike
+    forward_seconds = {name: [0.0] for name in models}
+    for name, m in models.items():
+        _timed_forward(m, forward_seconds[name])
     times = {name: [] for name, _ in methods}
+    forwards = {name: [] for name, _ in methods}
     try:
         for i in range(args.warmup + pairs):
             shift = i % len(methods)   # each method first and last in turn
             for name, step in methods[shift:] + methods[:shift]:
+                forward_seconds[name][0] = 0.0
                 start = time.perf_counter()
                 step()
                 if i >= args.warmup:
                     times[name].append(time.perf_counter() - start)
+                    forwards[name].append(forward_seconds[name][0])
     finally:
         updater.finalize()
     row = {'k': k, 'pairs': pairs,
            **{name + '_ms': 1e3 * statistics.median(t) for name, t in times.items()},
            **_ratio_row(times['ours'], times['hand']),
-           'weights_max_abs_diff': _max_abs_diff(ours_model, model)}
+           'weights_max_abs_diff': _max_abs_diff(ours_model, model),
+           # where the difference is: ours' forward passes / the loop's, update by update
+           'forward_ms': {name: 1e3 * statistics.median(f) for name, f in forwards.items()},
+           'forward_ratio': _common.ratio_summary(
+               [o / h for o, h in zip(forwards['ours'], forwards['hand'])])}
     if 'standard' in times:
         row['standard'] = _ratio_row(times['ours'], times['standard'])
         row['standard']['weights_max_abs_diff'] = _max_abs_diff(ours_model, standard_model)
+        row['standard']['forward_ratio'] = _common.ratio_summary(
+            [o / s for o, s in zip(forwards['ours'], forwards['standard'])])
     return row
 
 
@@ -149,6 +186,10 @@ def _cells(r):
     return '{:.3f} | {:.3f}-{:.3f} | {:.3f}-{:.3f} | {}'.format(
         r['ratio_median'], r['ratio_ci95'][0], r['ratio_ci95'][1], r['ratio_q1'],
         r['ratio_q3'], r['goal'])
+
+
+def _forward_cell(s):
+    return '{:.3f} ({:.3f}-{:.3f})'.format(s['median'], s['ci95'][0], s['ci95'][1])
 
 
 def markdown(result):
@@ -166,16 +207,21 @@ def markdown(result):
                  result['machine']['loadavg_start'],
                  result['machine'].get('loadavg_end')), '',
              '| k | ours against | rounds | its ms/update | ours ms/update | ratio (median) '
-             '| 95% interval | quartiles | goal | weights apart |',
-             '|---:|---|---:|---:|---:|---:|---:|---:|---|---:|']
+             '| 95% interval | quartiles | goal | weights apart | forwards only: ratio '
+             '(95% interval) |',
+             '|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|']
     for r in result['rows']:
-        lines.append('| {} | hand-written loop | {} | {:.1f} | {:.1f} | {} | {:.2g} |'.format(
-            r['k'], r['pairs'], r['hand_ms'], r['ours_ms'], _cells(r),
-            r['weights_max_abs_diff']))
+        lines.append('| {} | hand-written loop | {} | {:.1f} | {:.1f} | {} | {:.2g} | {} |'
+                     .format(r['k'], r['pairs'], r['hand_ms'], r['ours_ms'], _cells(r),
+                             r['weights_max_abs_diff'], _forward_cell(r['forward_ratio'])))
         if 'standard' in r:
-            lines.append('| {} | StandardUpdater | {} | {:.1f} | {:.1f} | {} | {:.2g} |'.format(
-                r['k'], r['pairs'], r['standard_ms'], r['ours_ms'], _cells(r['standard']),
-                r['standard']['weights_max_abs_diff']))
+            lines.append('| {} | StandardUpdater | {} | {:.1f} | {:.1f} | {} | {:.2g} | {} |'
+                         .format(r['k'], r['pairs'], r['standard_ms'], r['ours_ms'],
+                                 _cells(r['standard']), r['standard']['weights_max_abs_diff'],
+                                 _forward_cell(r['standard']['forward_ratio'])))
+    lines += ['', '"forwards only": ours\' forward passes (the model\'s calls inside the '
+              'update) over the other\'s, update by update: the part of the ratio that is '
+              'the same computation running slower, not the updater\'s own code.']
     return '\n'.join(lines) + '\n'
 
 

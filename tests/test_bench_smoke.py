@@ -245,7 +245,7 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
     _run_bench('paired.py', '--model', 'tiny', '--ks', '1,2', '--pairs', '3', '--warmup', '1',
                '--out', str(tmp_path), timeout=120)
     result = json.loads((tmp_path / 'paired.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired/3'
+    assert result['schema'] == 'mgpu_updater.bench.paired/4'
     assert [r['k'] for r in result['rows']] == [1, 2]
     assert 'standard' in result['rows'][0] and 'standard' not in result['rows'][1]
     for ratio in result['rows'] + [result['rows'][0]['standard']]:
@@ -257,6 +257,16 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
         assert ratio['goal'] in ('within 2%', 'above 2%', 'not resolved')
     for row in result['rows']:
         assert row['pairs'] == 3 and row['hand_ms'] > 0 and row['ours_ms'] > 0
+        # every method's forward passes timed: a part of its update, their ratio per round
+        for name, ms in row['forward_ms'].items():
+            assert 0 < ms < row[name + '_ms']
+        forward = [row['forward_ratio']] + (
+            [row['standard']['forward_ratio']] if 'standard' in row else [])
+        for ratio in forward:
+            assert len(ratio['ratios']) == 3 and all(r > 0 for r in ratio['ratios'])
+            assert min(ratio['ratios']) <= ratio['ci95'][0] <= ratio['ci95'][1] <= max(
+                ratio['ratios'])
+    assert set(result['rows'][0]['forward_ms']) == {'hand', 'ours', 'standard'}
     assert result['rows'][0]['standard_ms'] > 0
     # the same samples in the same order: ours ends where StandardUpdater does, bitwise,
     # and within rounding of the hand-written loop (which divides each loss by k)
