@@ -277,6 +277,28 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
     assert str(ROOT) not in (tmp_path / 'paired.json').read_text()   # committed: no paths
 
 
+def test_window_order_bench_times_each_order_against_standard_updater(tmp_path):
+    """``bench/window_order.py``: StandardUpdater, ours, ours with the gradients cleared
+    before the forward and ours without prefetch, alternating over the same samples; every
+    update's and every forward's ratio to StandardUpdater's, and the same weights at the end."""
+    _run_bench('window_order.py', '--model', 'tiny', '--rounds', '3', '--warmup', '1',
+               '--out', str(tmp_path), timeout=120)
+    result = json.loads((tmp_path / 'window_order.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.window_order/1'
+    assert [r['method'] for r in result['rows']] == [
+        'standard', 'ours', 'ours_cleared_before_forward', 'ours_prefetch_0']
+    for row in result['rows']:
+        assert 0 < row['forward_ms'] < row['ms']
+        for ratio in (row['ratio'], row['forward_ratio']):
+            assert len(ratio['ratios']) == 3 and all(r > 0 for r in ratio['ratios'])
+            assert ratio['q1'] <= ratio['median'] <= ratio['q3']
+        # the order of clearing and loading changes no number: bitwise the same weights
+        assert row['weights_max_abs_diff'] == 0.0
+    assert result['rows'][0]['ratio']['ratios'] == [1.0] * 3
+    assert '| ours, prefetch=0 |' in (tmp_path / 'window_order.md').read_text()
+    assert str(ROOT) not in (tmp_path / 'window_order.json').read_text()
+
+
 def test_sample_order_bench_times_standard_updater_against_itself(tmp_path):
     """``bench/sample_order.py``: StandardUpdater over seed 0 (twice), seeds 1 and 2 and the
     one-shard order, alternating; every ratio to seed 0 with its interval."""
