@@ -32,8 +32,10 @@ from 1.03.
 Each row also times every method's forward passes (the model's calls inside the update,
 wrapped alike on each model instance): ours' over the other's, update by update, is the
 part of the ratio that is the same computation running slower rather than the updater's
-own code around it (on the 2-core Xeon VM the first forward of ours' update read 1.4-2.4%
-slower than ``StandardUpdater``'s while a second forward right after it read the same).
+own code around it (on the 2-core Xeon VM ours' forwards read 1.063 of
+``StandardUpdater``'s, ``paired-6-xeon``; ``bench/window_order.py`` found why: the
+gradients cleared before the forward instead of after it, and the loader thread loading the
+next batch during it).
 
 Ours sets the process's malloc thresholds at its first update (``reuse_host_memory``), which
 the warm-up includes, so every timed update of both runs under the same malloc. Prints a

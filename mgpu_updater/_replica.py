@@ -218,8 +218,8 @@ class Replica:
         # The last update's gradients are cleared after the window's first forward, just
         # before its first backward: the order of Chainer's ``Optimizer.update``
         # (chainer/optimizer.py:874-876: ``loss = lossfun(...)``, then ``cleargrads()``).
-        # Cleared before the forward, the forward's temporaries took the freed memory and
-        # ran 1.5-2% slower on a 2-core Xeon (bench/paired.py, 'forwards only').
+        # Cleared before it, the forward ran about 2% slower on a 2-core Xeon VM, the whole
+        # update 1.1% (bench/window_order.py; bench/results/window-order).
         cleared = False
         self.graph_roots = {}
         keep_graphs = self.keep_graphs and bool(chainer.config.keep_graph_on_report)
