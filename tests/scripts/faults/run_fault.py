@@ -204,6 +204,10 @@ def main():
     # the harness sends SIGUSR1 to a driver that hangs, before it kills it: every
     # thread's stack goes to stderr, which the harness reports
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C as in a terminal: a driver started from a background job of a shell without
+    # job control (``cmd &`` in a script, ``nohup``) inherits SIGINT ignored, and Python
+    # then leaves it so; the master_sigint scenarios would test the launcher, not us
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     created = spy_segments()
     if args.scenario == 'serve':
         serve(args, created)
