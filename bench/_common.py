@@ -198,6 +198,11 @@ def ratio_summary(ratios):
             'ci95': list(median_interval(ratios)), 'ratios': ratios}
 
 
+def ratio_cell(summary):
+    """A :func:`ratio_summary` as a Markdown cell: ``median (low-high)``, the 95% interval."""
+    return '{:.3f} ({:.3f}-{:.3f})'.format(summary['median'], *summary['ci95'])
+
+
 def cpu_model():
     try:
         with open('/proc/cpuinfo') as f:

@@ -190,10 +190,6 @@ def _cells(r):
         r['ratio_q3'], r['goal'])
 
 
-def _forward_cell(s):
-    return '{:.3f} ({:.3f}-{:.3f})'.format(s['median'], s['ci95'][0], s['ci95'][1])
-
-
 def markdown(result):
     lines = ['# One replica, paired: ours / the hand-written loop, and / StandardUpdater at '
              'k=1', '',
@@ -215,12 +211,12 @@ def markdown(result):
     for r in result['rows']:
         lines.append('| {} | hand-written loop | {} | {:.1f} | {:.1f} | {} | {:.2g} | {} |'
                      .format(r['k'], r['pairs'], r['hand_ms'], r['ours_ms'], _cells(r),
-                             r['weights_max_abs_diff'], _forward_cell(r['forward_ratio'])))
+                             r['weights_max_abs_diff'], _common.ratio_cell(r['forward_ratio'])))
         if 'standard' in r:
             lines.append('| {} | StandardUpdater | {} | {:.1f} | {:.1f} | {} | {:.2g} | {} |'
                          .format(r['k'], r['pairs'], r['standard_ms'], r['ours_ms'],
                                  _cells(r['standard']), r['standard']['weights_max_abs_diff'],
-                                 _forward_cell(r['standard']['forward_ratio'])))
+                                 _common.ratio_cell(r['standard']['forward_ratio'])))
     lines += ['', '"forwards only": ours\' forward passes (the model\'s calls inside the '
               'update) over the other\'s, update by update: the part of the ratio that is '
               'the same computation running slower, not the updater\'s own code.']

@@ -131,13 +131,9 @@ def markdown(result):
              '|---|---:|---|---:|---|---:|']
     for r in result['rows']:
         lines.append('| {} | {:.2f} | {} | {:.2f} | {} | {:.2g} |'.format(
-            LABELS[r['method']], r['ms'], _cell(r['ratio']), r['forward_ms'],
-            _cell(r['forward_ratio']), r['weights_max_abs_diff']))
+            LABELS[r['method']], r['ms'], _common.ratio_cell(r['ratio']), r['forward_ms'],
+            _common.ratio_cell(r['forward_ratio']), r['weights_max_abs_diff']))
     return '\n'.join(lines) + '\n'
-
-
-def _cell(s):
-    return '{:.3f} ({:.3f}-{:.3f})'.format(s['median'], s['ci95'][0], s['ci95'][1])
 
 
 def main(argv=None):
