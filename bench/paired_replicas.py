@@ -12,9 +12,10 @@ order rotating each round, so that a slow stretch weighs on all of them alike, a
 ``paired.py`` does for one replica:
 
 - **ours**: ``ParallelAccumulatingUpdater`` on two ``'@numpy'`` replicas, ``k``
-  micro-batches of ``b`` each, with ``shard_optimizer=True`` (``ours``) and with the
-  default master step (``ours_master_step``): two updaters, each with its own worker
-  process, in this process.
+  micro-batches of ``b`` each, with ``--compare``'s arguments (``ours``, the first) and
+  with the defaults (``ours_default``): two updaters, each with its own worker process, in
+  this process. Without ``--compare`` both have the defaults, and their ratio is what the
+  bench reads between two identical updaters (an A/A check).
 - **ChainerMN** (``naive`` communicator, ``mpiexec -n 2``): ``StandardUpdater`` over
   ``create_multi_node_optimizer`` at ``k*b`` samples per rank, as ChainerMN's examples run.
 - **the limit**: in the same two MPI processes, each rank the hand-written loop (``k``
@@ -73,10 +74,9 @@ to ``/4``) ours' windows read 1.010-1.018 of the same loops on the same weights 
 the same day, 0.995, 1.006 and 0.995 (``bench/results/paired-replicas-5``) and 1.000 in two
 runs not kept.
 
-``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments (on
-top of the master step, ``shard_optimizer=False``, unless given) in place of the sharded
-step, labelled with them: an A/B of two settings in one run, e.g. ``--compare prefetch=2``
-reads the old loader against the default (the row "ours (prefetch=2) / ours (master step)").
+``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments,
+labelled with them: an A/B of two settings in one run, e.g. ``--compare prefetch=2``
+reads the old loader against the default (the row "ours (prefetch=2) / ours (defaults)").
 
 Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 ``paired_replicas.md`` there.
@@ -95,7 +95,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/5'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/6'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -111,32 +111,32 @@ NAN = float('nan')
 # The ratios reported: (key, label, numerator, denominator, verdict): issue 15's goals,
 # and (verdict None) the figures that say where a difference comes from.
 RATIOS = (
-    ('ours/chainermn', 'ours (sharded step) / ChainerMN', 'ours', 'chainermn', 'ahead'),
-    ('ours_master_step/chainermn', 'ours (master step) / ChainerMN', 'ours_master_step',
+    ('ours/chainermn', 'ours (first) / ChainerMN', 'ours', 'chainermn', 'ahead'),
+    ('ours_default/chainermn', 'ours (defaults) / ChainerMN', 'ours_default',
      'chainermn', 'ahead'),
-    ('limit/ours', 'the limit / ours (sharded step)', 'limit', 'ours', 'limit'),
-    ('limit/ours_master_step', 'the limit / ours (master step)', 'limit', 'ours_master_step',
+    ('limit/ours', 'the limit / ours (first)', 'limit', 'ours', 'limit'),
+    ('limit/ours_default', 'the limit / ours (defaults)', 'limit', 'ours_default',
      'limit'),
-    ('ours/ours_master_step', 'ours (sharded step) / ours (master step)', 'ours',
-     'ours_master_step', 'ahead'),
-    ('limit_same/ours_master_step', 'the limit on ours\' weights / ours (master step)',
-     'limit_same', 'ours_master_step', 'limit'),
+    ('ours/ours_default', 'ours (first) / ours (defaults)', 'ours',
+     'ours_default', 'ahead'),
+    ('limit_same/ours_default', 'the limit on ours\' weights / ours (defaults)',
+     'limit_same', 'ours_default', 'limit'),
     ('limit/chainermn', 'the limit / ChainerMN (for scale)', 'limit', 'chainermn', None),
     ('limit_same/limit', 'the limit on ours\' weights / the limit (what the weights do)',
      'limit_same', 'limit', None),
     ('limit_lockstep/limit', 'the limit in lockstep / the limit (what the lockstep costs)',
      'limit_lockstep', 'limit', None),
-    ('ours/limit_lockstep', 'ours (sharded step) / the limit in lockstep (what '
+    ('ours/limit_lockstep', 'ours (first) / the limit in lockstep (what '
      'communication costs)', 'ours', 'limit_lockstep', None),
-    ('ours_master_step/limit_lockstep', 'ours (master step) / the limit in lockstep',
-     'ours_master_step', 'limit_lockstep', None),
-    ('window:ours_master_step/window:limit', 'ours (master step): the slower replica\'s '
-     'forward/backward / the limit\'s', 'window:ours_master_step', 'window:limit', None),
-    ('outside:ours_master_step/outside:limit', 'ours (master step): the update less that '
-     '/ the limit in lockstep\'s', 'outside:ours_master_step', 'outside:limit', None),
-    ('window:ours_master_step/window:limit_same', 'ours (master step): the slower '
+    ('ours_default/limit_lockstep', 'ours (defaults) / the limit in lockstep',
+     'ours_default', 'limit_lockstep', None),
+    ('window:ours_default/window:limit', 'ours (defaults): the slower replica\'s '
+     'forward/backward / the limit\'s', 'window:ours_default', 'window:limit', None),
+    ('outside:ours_default/outside:limit', 'ours (defaults): the update less that '
+     '/ the limit in lockstep\'s', 'outside:ours_default', 'outside:limit', None),
+    ('window:ours_default/window:limit_same', 'ours (defaults): the slower '
      'replica\'s forward/backward / the limit\'s on ours\' weights',
-     'window:ours_master_step', 'window:limit_same', None),
+     'window:ours_default', 'window:limit_same', None),
 )
 
 
@@ -166,8 +166,8 @@ def parse_args(argv=None):
                         'the others are averaged (default 4; 1: one timed update a turn)')
     p.add_argument('--out', help='folder for paired_replicas.json and paired_replicas.md')
     p.add_argument('--compare', metavar='KEY=VALUE,...', default='',
-                   help='build the first updater with these arguments instead of '
-                        'shard_optimizer=True (e.g. prefetch=2)')
+                   help='build the first updater with these arguments instead of the '
+                        'defaults (e.g. prefetch=2)')
     p.add_argument('--rank-of', help=argparse.SUPPRESS)   # an MPI rank: the socket's path
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(',') if k]
@@ -182,12 +182,12 @@ def parse_args(argv=None):
 
 
 def first_kwargs(compare):
-    """The first updater's arguments: ``shard_optimizer=True``, or ``--compare``'s
-    ``KEY=VALUE`` pairs (values as Python literals, else strings) on the master step."""
+    """The first updater's arguments: ``--compare``'s ``KEY=VALUE`` pairs (values as
+    Python literals, else strings); none: the defaults."""
     import ast
+    kwargs = {}
     if not compare:
-        return {'shard_optimizer': True}
-    kwargs = {'shard_optimizer': False}
+        return kwargs
     for pair in compare.split(','):
         key, sep, value = pair.partition('=')
         if not sep or not key.strip().isidentifier():
@@ -202,7 +202,7 @@ def first_kwargs(compare):
 def first_label(result):
     """What the first updater is called in the tables."""
     compare = result.get('compare')
-    return 'ours ({})'.format(compare) if compare else 'ours (sharded step)'
+    return 'ours ({})'.format(compare) if compare else 'ours (first, defaults)'
 
 
 # ------------------------------------------------------------------------- the MPI ranks
@@ -395,7 +395,7 @@ def measure(k, args, ranks):
     dataset = _common.make_dataset(_common.dataset_size(2 * k * b))
     ours = {}
     for name, kwargs in (('ours', args.first_kwargs),
-                         ('ours_master_step', {'shard_optimizer': False})):
+                         ('ours_default', {})):
         model = _common.make_model(args.model)
         updater = _case._our_updater(model, dataset, 'cpu', 2, b, accumulate_steps=k,
                                      **kwargs)
@@ -441,8 +441,6 @@ def measure(k, args, ranks):
                         times[key].append(value)
         mn_weights = ranks.turn(WEIGHTS)
         ranks.next_k()
-        # which step each updater took at the end ('auto': 'trial' until its trial is over)
-        steps = {name: updater.optimizer_step for name, (updater, _, _) in ours.items()}
     finally:
         for updater, _, _ in ours.values():
             updater.finalize()
@@ -459,7 +457,6 @@ def measure(k, args, ranks):
            'outside_ms': {name.split(':')[1]: ms for name, ms in medians.items()
                           if name.startswith('outside:')},
            'weights_checksum': {'chainermn_ranks': mn_weights, **ours_weights},
-           'optimizer_step': steps,
            'weights_rel_diff_to_chainermn': {
                name: abs(c - mn_weights[0]) / abs(mn_weights[0])
                for name, c in ours_weights.items()},
@@ -488,43 +485,35 @@ def markdown(result):
                  result['machine']['cpu'],
                  result['machine']['cores'], result['machine']['loadavg_start'],
                  result['machine']['loadavg_end']), '',
-             '| k | rounds | ours (sharded) ms | ours (master step) ms | ChainerMN ms | '
+             '| k | rounds | ours (first) ms | ours (defaults) ms | ChainerMN ms | '
              'limit ms | limit in lockstep ms | limit on ours\' weights ms |',
              '|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in result['rows']:
         ms = r['ms']
         lines.append('| {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |'.format(
-            r['k'], r['rounds'], ms['ours'], ms['ours_master_step'], ms['chainermn'],
+            r['k'], r['rounds'], ms['ours'], ms['ours_default'], ms['chainermn'],
             ms['limit'], ms['limit_lockstep'], ms['limit_same']))
     lines += ['', 'Where the time goes (medians over the rounds, ms): the slower replica\'s '
               'forwards and backwards (ours: each replica\'s own window compute; the limit: '
               'its loops\'), and the update less that (the limit: in lockstep).', '',
-              '| k | window: ours (sharded) | ours (master step) | the limit | the limit on '
-              'ours\' weights | outside: ours (sharded) | ours (master step) | the limit | '
+              '| k | window: ours (first) | ours (defaults) | the limit | the limit on '
+              'ours\' weights | outside: ours (first) | ours (defaults) | the limit | '
               'the limit on ours\' weights |',
               '|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in result['rows']:
         w, o = r['window_ms'], r['outside_ms']
         lines.append('| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} '
                      '| {:.2f} |'.format(
-                         r['k'], w['ours'], w['ours_master_step'], w['limit'],
-                         w['limit_same'], o['ours'], o['ours_master_step'], o['limit'],
+                         r['k'], w['ours'], w['ours_default'], w['limit'],
+                         w['limit_same'], o['ours'], o['ours_default'], o['limit'],
                          o['limit_same']))
     lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
               'ChainerMN\'s (0: equal checksums): ' + '; '.join(
-                  'k={}: {} {:.1g}, master step {:.1g}'.format(
-                      r['k'], result.get('compare') or 'sharded',
+                  'k={}: {} {:.1g}, defaults {:.1g}'.format(
+                      r['k'], result.get('compare') or 'first',
                       r['weights_rel_diff_to_chainermn']['ours'],
-                      r['weights_rel_diff_to_chainermn']['ours_master_step'])
+                      r['weights_rel_diff_to_chainermn']['ours_default'])
                   for r in result['rows']) + '.']
-    if all('optimizer_step' in r for r in result['rows']):
-        lines += ['', 'The step each updater took at the end (`optimizer_step`; \'trial\': '
-                  'shard_optimizer=\'auto\' still timing both): ' + '; '.join(
-                      'k={}: {} {}, master step {}'.format(
-                          r['k'], result.get('compare') or 'sharded',
-                          r['optimizer_step']['ours'],
-                          r['optimizer_step']['ours_master_step'])
-                      for r in result['rows']) + '.']
     lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',
               '|---:|---|---:|---:|---:|---|']
     for r in result['rows']:
@@ -534,9 +523,7 @@ def markdown(result):
                 r['k'], label, s['median'], s['ci95'][0], s['ci95'][1], s['q1'], s['q3'],
                 s['verdict']))
     text = '\n'.join(lines) + '\n'
-    if result.get('compare'):   # the first updater is not the sharded step: say what it is
-        text = text.replace('ours (sharded step)', first_label(result)).replace(
-            'ours (sharded)', first_label(result))
+    text = text.replace('ours (first)', first_label(result))
     return text
 
 
@@ -549,7 +536,7 @@ def coordinate(args, argv):
         'model': args.model, 'micro_batch': args.micro_batch,
         # updates per turn of a method: the first not timed, the others averaged
         'block': args.block,
-        # the first updater ('ours' in the rows): the sharded step, or --compare's arguments
+        # the first updater ('ours' in the rows): --compare's arguments (none: the defaults)
         'compare': args.compare, 'first_kwargs': args.first_kwargs,
         'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
                     'loadavg_start': _common.loadavg()},

@@ -38,35 +38,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.timeline/2'
+SCHEMA = 'mgpu_updater.bench.timeline/3'
 STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its stamps
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 
 # What each process of ours stamps: (module, attribute, phase). The master runs all but
-# the last three; a worker runs ``worker_step``, and within it ``window`` and ``pack``, and
-# in a sharded update (``--shard-optimizer 1``) ``meet`` (its wait at the board) and then
-# ``worker_shard`` (its sum and step, within it ``reduce``). The master's 'reduce' and
-# 'step' are, when sharded, its slice's, and its 'meet' its two waits at the board: for
-# the workers' posts, then for their slices stepped; in an update of the master's step
-# its one wait there, for the workers' posts (their gradients packed).
+# the last; a worker runs ``worker_step``, and within it ``window`` and ``pack``. The
+# master's 'meet' is its wait at the board for the workers' posts (their gradients packed).
 PHASES = (
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater.update', 'update'),
     ('mgpu_updater._replica', 'Replica.run_window', 'window'),
     ('mgpu_updater._local.group', 'master_begin', 'begin'),
     ('mgpu_updater._local.group', 'master_finish', 'finish'),
-    ('mgpu_updater._local.group', 'master_finish_sharded', 'finish'),
     ('mgpu_updater._local.protocol', 'pack_window', 'pack'),
     ('mgpu_updater._local.protocol', 'take_results', 'gather'),
     ('mgpu_updater._local.pool', 'WorkerPool.send', 'send'),
     ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce', 'reduce'),
-    ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce_scatter', 'reduce'),
     ('mgpu_updater._local.group', 'SummedGrads.receive', 'receive'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
-    ('mgpu_updater._local.sharded_step', 'MasterShards.step', 'step'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
-    ('mgpu_updater._local.board', 'Board.wait', 'meet'),
+    ('mgpu_updater._local.board', 'Board.meet', 'meet'),
     ('mgpu_updater._local.worker', 'worker_step', 'worker_step'),
-    ('mgpu_updater._local.protocol', 'worker_shard_step', 'worker_shard'),
 )
 
 
@@ -119,8 +111,7 @@ def run_ours(args):
     dataset = _common.make_dataset(_common.dataset_size(2 * args.k * args.micro_batch))
     model = _common.make_model(args.model)
     updater = _case._our_updater(model, dataset, 'cpu', 2, args.micro_batch,
-                                 accumulate_steps=args.k, prefetch=args.prefetch,
-                                 shard_optimizer=bool(args.shard_optimizer))
+                                 accumulate_steps=args.k, prefetch=args.prefetch)
     step = _case._observed_step(updater, model)
     try:
         for _ in range(args.warmup + args.updates):
@@ -220,16 +211,10 @@ def analyse_ours(folder, warmup):
     first = updates[0][0]
     for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
-    # its waits at the board: in a sharded update two (the posts, then the slices
-    # stepped), in one of the master's step one (the workers' gradients packed)
-    meets = [e - s for s, e in _spans(master, 'meet') if s > first]
-    if len(meets) > 1.5 * len(out['update']):
-        out['master meet'], out['master stepped'] = meets[0::2], meets[1::2]
-    else:
-        out['master meet'], out['master stepped'] = meets, []
+    # its wait at the board (the workers' gradients packed)
+    out['master meet'] = [e - s for s, e in _spans(master, 'meet') if s > first]
     # the master's own work outside forward/backward: less its waits for the worker
-    parts = [out['master gather']] + [v for v in (out['master meet'], out['master stepped'])
-                                      if v]
+    parts = [out['master gather']] + ([out['master meet']] if out['master meet'] else [])
     waits = [sum(w) for w in zip(*parts)]
     out['own'] = [o - w for o, w in zip(out['outside'], waits)]
     steps = _spans(worker, 'worker_step')[warmup:]
@@ -244,8 +229,6 @@ def analyse_ours(folder, warmup):
     out['worker start'] = [w[0] - s[0] for s, w in zip(steps, worker_windows)]
     out['worker window'] = [e - s for s, e in worker_windows]
     out['worker idle'] = [steps[i + 1][0] - steps[i][1] for i in range(len(steps) - 1)]
-    out['worker shard'] = [e - s for s, e in _spans(worker, 'worker_shard')[warmup:]]
-    out['worker meet'] = [e - s for s, e in _spans(worker, 'meet')[warmup:]]
     return out
 
 
@@ -295,15 +278,12 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
      'wait'),
     ('ours: the master takes the workers\' results (mailboxes at the board)',
      'master gather', None),
-    ('ours sharded: the worker waits at the board', 'worker meet', None),
-    ('ours sharded: the master waits for the slices stepped', 'master stepped', None),
     ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',
      None, 'allreduce'),
     ('  master packs its gradient', 'master pack', None),
     ('  master sums the slots (shm reduce)', 'master reduce', None),
     ('  master takes the sum (param.grad = views)', 'master receive', None),
-    ('optimizer step (ours sharded: the master\'s slice)', 'master step', 'step'),
-    ('worker sums and steps its slice (sharded)', 'worker shard', None),
+    ('optimizer step', 'master step', 'step'),
     ('report', 'master report', None),
     ('parameters out, Step sent (begin)', 'master begin', None),
     ('Step sent (its write starts) -> the worker has it', 'step latency', None),
@@ -315,8 +295,6 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
 
 PAIRS = (   # (label, numerator, denominator): compared repeat by repeat
     ('ours / ChainerMN', 'ours', 'chainermn'),
-    ('ours (master step) / ChainerMN', 'ours_master_step', 'chainermn'),
-    ('ours (sharded step) / ours (master step)', 'ours', 'ours_master_step'),
 )
 
 
@@ -339,18 +317,14 @@ def paired_ratios(repeats, median_interval):
 
 def markdown(result):
     ours, mn = result['ours'], result.get('chainermn')
-    master = result.get('ours_master_step')   # --master-step: ours with shard_optimizer=0
-    names = ['ours'] + (['ours_master_step'] if master else []) + ['chainermn']
-    sharded = result['config'].get('shard_optimizer')
-    heads = (['ours (sharded step)' if sharded else 'ours']
-             + (['ours (master step, the default)'] if master else []) + ['ChainerMN (naive)'])
+    names = ['ours', 'chainermn']
+    heads = ['ours', 'ChainerMN (naive)']
     lines = ['# Where an update\'s time goes: 2 CPU replicas, ours and ChainerMN', '',
-             '`python bench/timeline.py{}{}{}`'.format(
+             '`python bench/timeline.py{}`'.format(
                  ' --k {}'.format(result['config']['k']) if result['config']['k'] != 1
-                 else '', ' --shard-optimizer 1' if sharded else '',
-                 ' --master-step' if master else ''), '',
+                 else ''), '',
              'Model `{model}`, micro-batch {micro_batch} per replica, k = {k}, ours with '
-             'prefetch={prefetch}, shard_optimizer={shard_optimizer}; {repeats} repeats, '
+             'prefetch={prefetch}; {repeats} repeats, '
              'alternating the methods, each '
              '{updates} timed updates after {warmup} warm-up; 1 BLAS thread per process, '
              'ours\' malloc thresholds for all. Milliseconds, medians over every timed '
@@ -362,8 +336,6 @@ def markdown(result):
              '|---|' + '---:|' * len(heads)]
     for label, ours_key, mn_key in ROWS:
         cells = [ours.get(ours_key) if ours_key else None]
-        if master:
-            cells.append(master.get(ours_key) if ours_key else None)
         cells.append(mn.get(mn_key) if (mn and mn_key) else None)
         lines.append('| {} | {} |'.format(label, ' | '.join(
             '-' if c is None else str(c) for c in cells)))
@@ -387,27 +359,12 @@ def markdown(result):
             lines.append('| {} | {:.3f} | {:.3f}-{:.3f} |'.format(label, r['median'],
                                                                  *r['ci95']))
         lines.append('')
-    if master:
-        lines.append('Outside forward/backward, ours (sharded step) / ours (master step): '
-                     '**{:.2f}x** ({} ms against {} ms); less the waits for the other '
-                     'replica: **{:.2f}x** ({} ms against {} ms).'.format(
-                         ours['outside'] / master['outside'], ours['outside'],
-                         master['outside'], ours['own'] / master['own'], ours['own'],
-                         master['own']))
-        lines.append('')
     if mn:
         lines.append('Outside forward/backward, ours / ChainerMN: **{:.2f}x** '
                      '({} ms against {} ms); less the waits: **{:.2f}x** ({} ms against '
                      '{} ms).'.format(ours['outside'] / mn['outside'], ours['outside'],
                                       mn['outside'], ours['own'] / mn['own'], ours['own'],
                                       mn['own']))
-        if master:
-            lines += ['', 'Outside forward/backward, ours (master step) / ChainerMN: '
-                      '**{:.2f}x** ({} ms against {} ms); less the waits: **{:.2f}x** ({} '
-                      'ms against {} ms).'.format(
-                          master['outside'] / mn['outside'], master['outside'],
-                          mn['outside'], master['own'] / mn['own'], master['own'],
-                          mn['own'])]
     else:
         lines.append('ChainerMN did not run: {}.'.format(result.get('chainermn_skipped')))
     return '\n'.join(lines) + '\n'
@@ -423,19 +380,12 @@ def parse_args(argv=None):
                    help='ours and ChainerMN alternate this many times (default 3)')
     p.add_argument('--prefetch', type=_prefetch, default='auto',
                    help="ours' prefetch: 'auto' (default, the updater's) or an int >= 0")
-    p.add_argument('--shard-optimizer', type=int, default=0, choices=(0, 1),
-                   help="ours' shard_optimizer (default 0, the updater's default)")
-    p.add_argument('--master-step', action='store_true',
-                   help='also run ours with shard_optimizer=0 in every repeat (a third '
-                        'column; with --shard-optimizer 1)')
     p.add_argument('--model', default='cnn', choices=('cnn', 'mlp', 'tiny'))
     p.add_argument('--micro-batch', type=int, default=32)
     p.add_argument('--out', help='folder for timeline.json and timeline.md')
     p.add_argument('--part', choices=('ours', 'chainermn'), help=argparse.SUPPRESS)
     p.add_argument('--json', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.master_step and not args.shard_optimizer:
-        p.error('--master-step compares with --shard-optimizer 1')
     if (args.updates < 2 or min(args.warmup, args.k, args.micro_batch, args.repeats) < 1
             or (args.prefetch != 'auto' and args.prefetch < 0)):
         p.error('--updates must be >= 2, --warmup, --k, --micro-batch and --repeats >= 1, '
@@ -452,7 +402,6 @@ def _child(args, part, env, prefix=(), timeout=600, **extra):
                           '--updates', str(args.updates), '--warmup', str(args.warmup),
                           '--k', str(args.k), '--model', args.model,
                           '--prefetch', str(args.prefetch),
-                          '--shard-optimizer', str(args.shard_optimizer),
                           '--micro-batch', str(args.micro_batch)]
     for key, value in extra.items():
         cmd += ['--' + key, value]
@@ -478,7 +427,7 @@ def main(argv=None):
     result = {'schema': SCHEMA, 'config': {
         'model': args.model, 'micro_batch': args.micro_batch, 'k': args.k,
         'updates': args.updates, 'warmup': args.warmup, 'repeats': args.repeats,
-        'prefetch': args.prefetch, 'shard_optimizer': args.shard_optimizer}}
+        'prefetch': args.prefetch}}
     import importlib.util
     import shutil
     candidate = Path(sys.executable).parent / 'mpiexec'
@@ -486,7 +435,7 @@ def main(argv=None):
     if importlib.util.find_spec('mpi4py') is None or mpiexec is None:
         result['chainermn_skipped'] = 'mpi4py or mpiexec is not installed'
         mpiexec = None
-    ours, mn, master, result['repeats'] = [], [], [], []
+    ours, mn, result['repeats'] = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             stamps = os.path.join(tmp, 'stamps{}'.format(r))
@@ -494,13 +443,6 @@ def main(argv=None):
             _child(args, 'ours', dict(env, **{STAMPS: stamps}))
             ours.append(analyse_ours(stamps, args.warmup))
             rep = {'ours': medians(ours[-1])}
-            if args.master_step:
-                stamps = os.path.join(tmp, 'master{}'.format(r))
-                os.mkdir(stamps)
-                _child(args, 'ours', dict(env, **{STAMPS: stamps}),
-                       **{'shard-optimizer': '0'})
-                master.append(analyse_ours(stamps, args.warmup))
-                rep['ours_master_step'] = medians(master[-1])
             if mpiexec is not None:
                 out = os.path.join(tmp, 'chainermn{}.json'.format(r))
                 _child(args, 'chainermn', env, json=out, prefix=(
@@ -510,8 +452,6 @@ def main(argv=None):
             result['repeats'].append(rep)
     result['ours'] = medians(pooled(ours))
     result['paired'] = paired_ratios(result['repeats'], _common.median_interval)
-    if master:
-        result['ours_master_step'] = medians(pooled(master))
     if mn:
         result['chainermn'] = medians(pooled(mn))
     result['machine'] = {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),

@@ -19,8 +19,6 @@ and that no other module of the package uses these names.
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | reporter's "not registered" KeyError | _replica | chainer/reporter.py:172-173 | none |
-| `_hookable._pre_update_hooks` / `_post_update_hooks` of an optimizer and a rule | _local/sharded_step | chainer/optimizer.py:29-30, 198, 591 | none (i) |
-| `rule._state = ...`, `rule._init_states(param)`, `rule._use_fp32_update` | _local/sharded_step | chainer/optimizer.py:192, 196, 447-452, 473-484 | partly (j) |
 | Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
 
 (a) Folding the window's factor into the loss would make backward stamp the right scale on
@@ -31,10 +29,6 @@ the master, but pipelined and empty-window updates still need the write. (b)
 ``random_state`` argument. (f) ``chainer.config.show()`` prints the same names, as text.
 (g) ``check_cuda_available`` raises with its text. (h) Made by ``enable_final``, importable
 by no name.
-(i) ``add_hook`` and ``remove_hook`` only; the sharded step must know that every hook is
-one of the elementwise ones it can run on a slice. (j) ``rule.state`` reads the dict; a
-slice's rule needs a dict of its own, set before its first update, as Chainer's own
-``UpdateRule.serialize`` does (chainer/optimizer.py:447-452).
 
 ``StandardUpdater``'s ``self._iterators`` / ``self._optimizers`` are not wrapped: the public
 ``get_iterator('main')`` / ``get_optimizer('main')`` replace them.
@@ -96,48 +90,6 @@ def set_update_loss_scale(model: chainer.Link, scale: Optional[float]) -> None:
     """
     for param in model.params():
         param._loss_scale = scale
-
-
-# --------------------------------------------------------------------------------------
-# Update rules and hooks (the sharded step: mgpu_updater._local.sharded_step)
-
-
-def optimizer_hooks(optimizer: chainer.Optimizer) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """The optimizer's hooks, (pre, post), each name -> hook in registration order.
-
-    ``Optimizer.setup`` makes ``optimizer._hookable`` (chainer/optimizer.py:591), whose
-    ``_pre_update_hooks`` and ``_post_update_hooks`` are ordered dicts
-    (chainer/optimizer.py:29-30); an optimizer not set up has none.
-    """
-    hookable = optimizer._hookable
-    if hookable is None:
-        return {}, {}
-    return dict(hookable._pre_update_hooks), dict(hookable._post_update_hooks)
-
-
-def rule_has_hooks(rule: Any) -> bool:
-    """Whether an update rule has hooks of its own (``rule._hookable``,
-    chainer/optimizer.py:198, whose dicts chainer/optimizer.py:29-30 make)."""
-    hookable = rule._hookable
-    return bool(hookable._pre_update_hooks or hookable._post_update_hooks)
-
-
-def rule_uses_fp32_update(rule: Any) -> bool:
-    """``rule._use_fp32_update`` (chainer/optimizer.py:196; set by ``use_fp32_update``)."""
-    return bool(rule._use_fp32_update)
-
-
-def init_rule_state(rule: Any, param: Any) -> None:
-    """Create the rule's state for ``param`` if it has none, as its first update does:
-    ``UpdateRule._init_states`` (chainer/optimizer.py:473-484)."""
-    rule._init_states(param)
-
-
-def set_rule_state(rule: Any, state: Optional[Dict[str, Any]]) -> None:
-    """Give a rule its state dict (``rule._state``, chainer/optimizer.py:192, which the
-    ``state`` property returns), as ``UpdateRule.serialize`` does for a copy
-    (chainer/optimizer.py:447-452)."""
-    rule._state = state
 
 
 # --------------------------------------------------------------------------------------

@@ -168,12 +168,13 @@ class ModelIndex:
     them, so that an array replaced since (a deserializer, ``to_device``, an update rule
     that assigns a new one) is seen as before. What it does not see is the tree itself
     changing afterwards (a link, parameter or persistent added or removed), which the
-    flat layouts built from it (:class:`ModelLayouts`) do not follow either.
+    flat layouts built from it (:class:`ModelLayouts`) do not follow either. A parameter
+    registered in several links is indexed once (:func:`unique_params`).
     """
 
     def __init__(self, link: chainer.Link) -> None:
         self.link = link
-        self.params: List[Tuple[str, chainer.Parameter]] = list(link.namedparams())
+        self.params: List[Tuple[str, chainer.Parameter]] = unique_params(link)
         self.persistents = persistent_slots(link)   # (path, owner, name)
         self._owners = {path.rpartition('/')[0] or '/': owner
                         for path, owner, _ in self.persistents}
@@ -212,6 +213,20 @@ class ModelIndex:
         arrays = self.param_arrays()
         arrays.update(self.persistent_arrays())
         return arrays
+
+
+def unique_params(link: chainer.Link) -> List[Tuple[str, chainer.Parameter]]:
+    """``link.namedparams()`` with each :class:`chainer.Parameter` once, under the first
+    name Chainer gives it: a parameter registered in several links (tied weights,
+    ``self.l3.W = self.l2.W``) is one array with one gradient, packed, summed and sent
+    once. Every rank walks its replica alike, so every rank keeps the same name."""
+    seen = set()
+    out = []
+    for name, param in link.namedparams():
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((name, param))
+    return out
 
 
 # The same, walking the link anew (callers with no index at hand).

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
+from ._flat_buffers import unique_params
 from ._replica import WindowResult, total_loss
 
 
@@ -40,7 +41,7 @@ class ReduceHandle:
     def apply(self, model: chainer.Link) -> None:
         grads = self.wait()
         ensure_grads(model)
-        for name, param in model.namedparams():
+        for name, param in unique_params(model):
             param.grad[...] = grads[name]
 
     def detached(self) -> 'ReduceHandle':
@@ -56,23 +57,8 @@ class Group(abc.ABC):
     size = 1
     model: chainer.Link
 
-    @property
-    def step_state(self) -> str:
-        """Which optimizer step the updates take: ``'master'`` (here always), or in the
-        local group ``'sharded'``, or ``'trial'`` while ``shard_optimizer='auto'`` tries
-        both (:mod:`mgpu_updater._local.step_trial`)."""
-        return 'master'
-
-    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
-              optimizer: Any = None) -> bool:
-        """Send the parameters out and start the others' windows (no-op alone). True when
-        this update's optimizer step is sharded: then :meth:`finish_sharded` follows, which
-        steps too (only :class:`~mgpu_updater._local.group.LocalGroup` shards)."""
-        return False
-
-    def finish_sharded(self, own: WindowResult, optimizer: Any, factor_of: Any,
-                       watch: Any) -> List[WindowResult]:
-        raise NotImplementedError(f'{type(self).__name__} never shards the step')
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
+        """Send the parameters out and start the others' windows (no-op alone)."""
 
     @abc.abstractmethod
     def finish(self, own: WindowResult) -> List[WindowResult]:
@@ -94,7 +80,7 @@ class Group(abc.ABC):
         """Default: reduce now, keep a copy of the summed gradient for later."""
         results = self.finish(own)
         ensure_grads(self.model)
-        saved = {name: p.grad.copy() for name, p in self.model.namedparams()}
+        saved = {name: p.grad.copy() for name, p in unique_params(self.model)}
         return results, ReduceHandle(lambda: saved)
 
     def states(self) -> Dict[int, Dict[str, Any]]:

@@ -16,6 +16,7 @@ import chainer
 
 from ._chainer_private import is_unregistered_observer_error
 from ._chunks import Chunking, split
+from ._flat_buffers import unique_params
 from ._loader import Batch, EpochInfo, Loader
 from ._timing import Stopwatch
 
@@ -267,7 +268,7 @@ class Replica:
             self._check_gradients()
             factor = self.scaling.window(count)
             if factor != 1.0:
-                for param in self.model.params():
+                for _, param in unique_params(self.model):   # a tied one once
                     if param.grad is not None:
                         param.grad *= factor
         loss_sum: Any = 0.0
@@ -421,8 +422,8 @@ def total_loss(results: List[WindowResult]) -> float:
 
 def mean_loss(windows: List[Tuple[int, Any]]) -> Any:
     """The mean loss of windows given as (samples, loss sum), summed in their order (NaN
-    without a sample): the one home of this arithmetic, which every rank of a sharded
-    update repeats on the same values (:func:`mgpu_updater._local.board.posted_total`)."""
+    without a sample): the one home of this arithmetic (the board's posts use it too,
+    :func:`mgpu_updater._local.board.posted_total`)."""
     count = sum(c for c, _ in windows)
     if count == 0:
         return math.nan

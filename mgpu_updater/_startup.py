@@ -54,10 +54,6 @@ class Settings(NamedTuple):
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
     reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
     read_values: bool = True        # the master reads its window's values on the host
-    nonfinite: str = 'raise'        # the updater's policy (each rank of a sharded step)
-    optimizer: Any = None           # the 'main' optimizer (the sharded step needs its rules)
-    shard_optimizer: Any = 'auto'   # whether the step may be sharded (_local/sharded_step;
-                                    # 'auto': a trial decides, _local/step_trial)
 
 
 class Started(NamedTuple):
@@ -128,7 +124,6 @@ def _local_group(s: Settings) -> LocalGroup:
         param.update_rule = None
     config = _inherit.master_config()
     seeds = _inherit.draw_seeds(len(s.worker_iterators))
-    keys = _shard_keys(s, backend)
     depth, gated = loader_plan(s)
     payloads = {}
     for rank, it in enumerate(s.worker_iterators, start=1):
@@ -142,22 +137,10 @@ def _local_group(s: Settings) -> LocalGroup:
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
-            comm_name=backend, shard_keys=keys, nonfinite=s.nonfinite), s.model)
+            comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
-                      s.start_method, s.start_timeout, shard_keys=keys,
-                      shard_trial=s.shard_optimizer == 'auto')
-
-
-def _shard_keys(s: Settings, backend: str) -> Optional[tuple]:
-    """The optimizer's state entries where its step may be sharded on this host (CPU
-    replicas in shared memory, not pipelined, rules :mod:`._local.sharded_step` knows),
-    else None."""
-    import numpy
-    from ._local.sharded_step import state_keys
-    if not s.shard_optimizer or s.pipelined or backend != 'shm' or s.devices[0].xp is not numpy:
-        return None
-    return state_keys(s.optimizer)
+                      s.start_method, s.start_timeout)
 
 
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],

@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import chainer
 
+from ._flat_buffers import unique_params
 from ._groups import Group, ReduceHandle
 from ._replica import WindowResult, total_loss
 
@@ -33,8 +34,7 @@ def decide(count: int, loss: float, nonfinite: str, dynamic: bool,
     under the ``nonfinite`` policy 'raise' or 'skip'); and whether the loss was non-finite
     (for the caller to raise or warn). With dynamic loss scaling a non-finite step is
     Chainer's to skip (and to lower the scale), exactly as on one device. The one home of
-    this decision: the master's step, and every rank of a sharded one (each decides alone,
-    from the same values, :mod:`mgpu_updater._local.board`)."""
+    this decision."""
     if count == 0:
         return None, False
     if nonfinite != 'ignore' and not dynamic and not math.isfinite(loss):
@@ -126,7 +126,7 @@ class OneLateStep:
             return
         grads = self.in_flight.handle.wait()
         node = serializer['grads']
-        for name, _ in model.namedparams():
+        for name, _ in unique_params(model):
             node(name, grads[name])
         serializer('count', self.in_flight.count)
         serializer('loss', float(self.in_flight.loss))   # a 0-dim array under 'ignore'
@@ -138,7 +138,7 @@ class OneLateStep:
             self.in_flight = None
             return
         node = serializer['grads']
-        grads = {name: model.xp.asarray(node(name, None)) for name, _ in model.namedparams()}
+        grads = {name: model.xp.asarray(node(name, None)) for name, _ in unique_params(model)}
         scale = float(serializer('loss_scale', -1.0))
         self.in_flight = GradientStep(int(serializer('count', 0)),
                                       float(serializer('loss', 0.0)),

@@ -352,15 +352,6 @@ def _auto_or_flag(name: str, value: Any, fix: str) -> Any:
                     f"{type(value).__name__} given); {fix}")
 
 
-def shard_optimizer(value: Any) -> Any:
-    """``'auto'``, True or False (see :mod:`mgpu_updater._local.step_trial`)."""
-    return _auto_or_flag('shard_optimizer', value,
-                         "pass 'auto' (the default: on CPU replicas the first updates try the "
-                         "sharded step and the master's step and keep the faster; the result "
-                         "is the same), True to shard every step that can be, or False for "
-                         "the master's step")
-
-
 def reuse_host_memory(value: Any) -> Any:
     """``'auto'``, True or False (see :mod:`mgpu_updater._host_memory`)."""
     return _auto_or_flag('reuse_host_memory', value,
@@ -373,5 +364,4 @@ def reuse_host_memory(value: Any) -> Any:
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory',
-           'shard_optimizer']
+           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory']

@@ -11,6 +11,7 @@ from chainer.training.updaters import StandardUpdater
 from . import _chainer_private as chainer_private
 from . import _checkpoint, _host_memory, _loss_binding, _startup, _step, _threads, _validate
 from ._checkpoint import capture_state
+from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
@@ -34,9 +35,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
        identical to ``StandardUpdater`` on one batch holding all those samples (with the
        defaults; ``loss_reduction`` and ``replica_reduction`` say otherwise).
     4. The master's optimizer updates once (its hooks run once, on the reduced gradient).
-       The optimizer and its hyperparameters are never modified. (On CPU replicas an
-       elementwise step may be split by slices over the replicas instead, bitwise the
-       same: ``shard_optimizer``.)
+       The optimizer and its hyperparameters are never modified.
 
     BatchNorm running statistics (float persistents) are averaged over the replicas with
     equal weights after each update; integer and scalar persistents keep the master's
@@ -123,20 +122,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (your process) from the first update on, for the rest of its life (glibc has
             no way back). Results do not change; a process keeps its peak heap. No effect
             where the C library is not glibc.
-        shard_optimizer: ``'auto'`` (default), True or False. True: on CPU replicas, where
-            the optimizer's step is elementwise (Chainer's optimizers but MSVAG; hooks
-            ``WeightDecay``, ``Lasso``, ``GradientHardClipping`` only), every replica sums
-            and steps its own slice of the parameters, with its slice of the optimizer's
-            state, in shared memory (ZeRO stage 1;
-            :mod:`mgpu_updater._local.sharded_step`): bitwise the master's step, without
-            the workers waiting for it; the replicas meet at a board in shared memory
-            (:mod:`mgpu_updater._local.board`), each deciding the step itself. Any other
-            update (another hook, loss scaling, pipelined, GPUs, across hosts, a CPU other
-            than x86-64) is the master's step. False: always the master's step.
-            ``'auto'``: where the step could be sharded, the first updates (about 200)
-            take both steps in turns, timed, and the faster is kept
-            (:mod:`mgpu_updater._local.step_trial`; :attr:`optimizer_step` says which);
-            the result is the same either way, which is faster depends on the machine.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -159,8 +144,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  replica_reduction: str = 'mean',
                  micro_batch_size: Union[None, int, str] = None,
                  blas_threads: Union[None, int, str] = 'auto',
-                 reuse_host_memory: Union[bool, str] = 'auto',
-                 shard_optimizer: Union[bool, str] = 'auto') -> None:
+                 reuse_host_memory: Union[bool, str] = 'auto') -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -180,7 +164,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.report_times = bool(report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
-        self.shard_optimizer = _validate.shard_optimizer(shard_optimizer)
         self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
@@ -208,13 +191,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: seconds of the last update's window on each replica, in replica order (MPI:
         #: rank order): 'data' and 'compute', as each replica measured them
         self.last_replica_times: List[Dict[str, float]] = []
-
-    @property
-    def optimizer_step(self) -> str:
-        """Which optimizer step the updates take (``shard_optimizer``): ``'sharded'``
-        (where an update can be), ``'master'``, or ``'trial'`` while ``'auto'`` still
-        times both."""
-        return self._group.step_state
 
     # ------------------------------------------------------------------ epoch bookkeeping
     # The master's loader runs ahead of training; the epoch is that of the last batch used.
@@ -264,9 +240,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
-            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
-            nonfinite=self.nonfinite,
-            optimizer=self.get_optimizer('main'), shard_optimizer=self.shard_optimizer))
+            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore'))
         self._loader, self._replica, self._group, self._nominal_samples = started
 
     # ------------------------------------------------------------------ one update
@@ -289,32 +263,23 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         parity = self._step.parity(self.iteration)
         watch = Stopwatch()
         with watch('comm'):
-            sharded = self._group.begin(loss_scale, parity, optimizer)
+            self._group.begin(loss_scale, parity)
         with self._window_threads:
             own = self._replica.run_window(loss_scale)
-        if sharded:   # the group steps too (_local/sharded_step), with the factor decided here
-            steps: List[_step.GradientStep] = []
 
-            def factor_of(count: int, loss: float) -> Optional[float]:
-                steps.append(_step.GradientStep(count, loss, loss_scale, None))
-                return self._factor(optimizer, count, loss)
-            results = self._group.finish_sharded(own, optimizer, factor_of, watch)
-            fresh = steps[0]
-        else:
-            # The policy hands over this update's gradient step as soon as the group has
-            # it in the model: the local group, before it takes the workers' results.
-            def on_step(fresh: _step.GradientStep) -> None:
-                if fresh.count == 0:
-                    return   # StopIteration below, once the results are in
-                due = self._step.due(fresh, optimizer.target)
-                if due is not None:
-                    with watch('update'):
-                        self._apply(optimizer, due)
-            with watch('comm'):
-                results, fresh = self._step.reduce(self._group, own, loss_scale, parity,
-                                                   on_step)
-            # ``update`` was counted inside ``comm``
-            watch.times['comm'] -= watch.times.get('update', 0.0)
+        # The policy hands over this update's gradient step as soon as the group has it in
+        # the model: the local group, before it takes the workers' results.
+        def on_step(fresh: _step.GradientStep) -> None:
+            if fresh.count == 0:
+                return   # StopIteration below, once the results are in
+            due = self._step.due(fresh, optimizer.target)
+            if due is not None:
+                with watch('update'):
+                    self._apply(optimizer, due)
+        with watch('comm'):
+            results, fresh = self._step.reduce(self._group, own, loss_scale, parity, on_step)
+        # ``update`` was counted inside ``comm``
+        watch.times['comm'] -= watch.times.get('update', 0.0)
         if fresh.count == 0:
             raise StopIteration
         if own.epochs:
@@ -349,7 +314,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if factor is None:
             return
         if factor != 1.0:
-            for param in model.params():
+            for _, param in unique_params(model):   # a tied parameter once
                 if param.grad is not None:
                     param.grad *= factor
         chainer_private.set_update_loss_scale(model, step.loss_scale)

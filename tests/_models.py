@@ -92,3 +92,38 @@ def run_updates(updater, model, n):
             updater.update()
         observations.append(obs)
     return observations
+
+
+class TiedMLP(chainer.Chain):
+    """An MLP whose last two layers share one weight, registered in both links
+    (``self.l3.W = self.l2.W``), as language models tie their embedding and output."""
+
+    def __init__(self, n_in=5, n_hidden=8, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n_in, n_hidden)
+            self.l2 = L.Linear(n_hidden, n_hidden)
+            self.l3 = L.Linear(n_hidden, n_hidden)
+            self.out = L.Linear(n_hidden, n_out)
+        self.l3.W = self.l2.W
+
+    def forward(self, x):
+        h = F.tanh(self.l1(x))
+        h = F.tanh(self.l2(h))
+        h = F.tanh(self.l3(h))
+        return self.out(h)
+
+
+class TiedEmbedding(chainer.Chain):
+    """A bag-of-words classifier whose output layer is its embedding matrix (one
+    parameter used twice in forward, registered once), plus a bias."""
+
+    def __init__(self, n_vocab=7, n_units=6):
+        super().__init__()
+        with self.init_scope():
+            self.embed = L.EmbedID(n_vocab, n_units)
+            self.mid = L.Linear(n_units, n_units)
+
+    def forward(self, x):
+        h = F.tanh(self.mid(F.sum(self.embed(x), axis=1)))
+        return F.linear(h, self.embed.W)

@@ -361,12 +361,12 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
     cmd = [sys.executable, str(ROOT / 'bench' / 'timeline.py'), '--model', 'tiny',
            '--micro-batch', '4', '--updates', '4', '--warmup', '1', '--repeats', '2',
-           '--shard-optimizer', '1', '--master-step', '--out', str(tmp_path)]
+           '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'timeline.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.timeline/2'
+    assert result['schema'] == 'mgpu_updater.bench.timeline/3'
     ours = result['ours']
     assert ours['updates'] == 8 and len(result['repeats']) == 2   # 2 repeats pooled
     for key in ('update', 'window', 'outside', 'master begin', 'master pack', 'master gather',
@@ -379,28 +379,18 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     assert 0 < ours['window cpu'] <= ours['window'] * 1.01 + 0.05
     assert ours['window preempted'] >= 0 and ours['window faults'] >= 0
     assert ours['own'] is not None and ours['own'] <= ours['outside']   # less its waits
-    # with --shard-optimizer 1 the worker's sum and step of its slice and both ranks'
-    # waits at the board are stamped; in the master-step column (--master-step, the
-    # updater's default) only the master waits there (for the workers' packs)
-    for key in ('worker shard', 'master meet', 'worker meet', 'master stepped'):
-        assert ours[key] is not None and ours[key] >= 0, key
-    assert ours['worker shard'] > 0
-    master = result['ours_master_step']
-    assert master['updates'] == 8
-    assert [master[key] for key in ('worker shard', 'worker meet',
-                                    'master stepped')] == [None] * 3
-    assert master['master meet'] is not None and master['master meet'] >= 0
-    assert master['own'] <= master['outside']
-    assert master['master step'] > 0
-    assert 'ours (sharded step) / ours (master step)' in (tmp_path / 'timeline.md').read_text()
+    # the master's wait at the board for the worker's pack
+    assert ours['master meet'] is not None and ours['master meet'] >= 0
+    assert ours['master step'] > 0
     # repeat by repeat: one ratio per repeat, its median inside its bootstrap interval
     pairs = result['paired']
     for key in ('update', 'window'):
-        r = pairs['ours (sharded step) / ours (master step): ' + key]
-        assert len(r['ratios']) == 2
-        assert min(r['ratios']) <= r['ci95'][0] <= r['median'] <= r['ci95'][1] <= max(
-            r['ratios'])
         assert ('ours / ChainerMN: ' + key in pairs) == ('chainermn' in result)
+        if 'chainermn' in result:
+            r = pairs['ours / ChainerMN: ' + key]
+            assert len(r['ratios']) == 2
+            assert min(r['ratios']) <= r['ci95'][0] <= r['median'] <= r['ci95'][1] <= max(
+                r['ratios'])
     if 'chainermn' in result:
         mn = result['chainermn']
         assert mn['updates'] == 8
@@ -416,23 +406,22 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize('compare, block', [('', 1), ('prefetch=2', 2)])
 def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, block):
-    """``bench/paired_replicas.py``: ours (sharded and master step, or ``--compare``'s
-    settings and the master step), ChainerMN under ``mpiexec`` and the limit's two loops,
+    """``bench/paired_replicas.py``: ours (the defaults twice, or ``--compare``'s
+    settings and the defaults), ChainerMN under ``mpiexec`` and the limit's two loops,
     taking turns of ``--block`` updates, every ratio of issue 15 with its interval and
     verdict, and ours and ChainerMN on the same work (every method as many updates)."""
     _run_bench('paired_replicas.py', '--model', 'tiny', '--micro-batch', '4', '--ks', '1,2',
                '--rounds', '3', '--warmup', '1', '--block', str(block), '--out', str(tmp_path),
                *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/5'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/6'
     assert result['block'] == block
-    assert result['first_kwargs'] == ({'shard_optimizer': False, 'prefetch': 2} if compare
-                                      else {'shard_optimizer': True})
+    assert result['first_kwargs'] == ({'prefetch': 2} if compare else {})
     assert [r['k'] for r in result['rows']] == [1, 2]
     from bench import paired_replicas
     for row in result['rows']:
         assert row['rounds'] == 3
-        assert set(row['ms']) == {'ours', 'ours_master_step', 'chainermn', 'limit',
+        assert set(row['ms']) == {'ours', 'ours_default', 'chainermn', 'limit',
                                   'limit_lockstep', 'limit_same', 'limit_same_lockstep'}
         assert all(ms > 0 for ms in row['ms'].values())
         assert set(row['ratios']) == {key for key, *_ in paired_replicas.RATIOS}
@@ -447,26 +436,24 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, bl
         # two loops waiting for the slower one never beat their summed samples/s
         assert all(r >= 1 for r in row['ratios']['limit_lockstep/limit']['ratios'])
         # each update split into the slower replica's forward/backward and the rest
-        methods = {'ours', 'ours_master_step', 'limit', 'limit_same'}
+        methods = {'ours', 'ours_default', 'limit', 'limit_same'}
         assert set(row['window_ms']) == set(row['outside_ms']) == methods
         for name in methods:
             whole = row['ms'][name + '_lockstep' if name.startswith('limit') else name]
             assert 0 < row['window_ms'][name] < whole
             assert 0 < row['outside_ms'][name] < whole
-        # the step each of ours took, as the updater says it
-        assert row['optimizer_step'] == {'ours': 'master' if compare else 'sharded',
-                                         'ours_master_step': 'master'}
         # ours and ChainerMN stepped on the same samples from the same weights: the
         # same weights at the end, to rounding (both ChainerMN ranks alike)
         mn = row['weights_checksum']['chainermn_ranks']
         assert len(mn) == 2 and mn[0] == mn[1]
         assert all(d <= 1e-5 for d in row['weights_rel_diff_to_chainermn'].values())
     text = (tmp_path / 'paired_replicas.md').read_text()
-    assert '| 2 | the limit / ours (master step) |' in text
+    assert '| 2 | the limit / ours (defaults) |' in text
     assert 'taking turns {} update(s) at a time'.format(block) in text
-    if compare:   # the first updater named by its settings, nowhere as the sharded step
-        assert '| 1 | ours (prefetch=2) / ours (master step) |' in text
-        assert 'sharded' not in text
+    if compare:   # the first updater named by its settings
+        assert '| 1 | ours (prefetch=2) / ours (defaults) |' in text
+    else:
+        assert '| 1 | ours (first, defaults) / ours (defaults) |' in text
     assert str(ROOT) not in (tmp_path / 'paired_replicas.json').read_text()
 
 
@@ -475,11 +462,10 @@ def test_paired_replicas_compare_takes_key_value_pairs_or_says_why_not(capsys):
         sys.path.insert(0, str(ROOT))
     from bench import paired_replicas
     args = paired_replicas.parse_args(['--compare', 'prefetch=2,report_times=True'])
-    assert args.first_kwargs == {'shard_optimizer': False, 'prefetch': 2,
-                                 'report_times': True}
+    assert args.first_kwargs == {'prefetch': 2, 'report_times': True}
     assert paired_replicas.parse_args(['--compare', 'prefetch=auto']).first_kwargs[
         'prefetch'] == 'auto'
-    assert paired_replicas.parse_args([]).first_kwargs == {'shard_optimizer': True}
+    assert paired_replicas.parse_args([]).first_kwargs == {}
     with pytest.raises(SystemExit):
         paired_replicas.parse_args(['--compare', 'prefetch'])
     assert "'prefetch' is not KEY=VALUE" in capsys.readouterr().err

@@ -54,12 +54,11 @@ def test_the_order_is_declared_once_per_layouts_and_arguments():
     arguments (the layouts do not change after construction), and each form is its own."""
     layouts = ModelLayouts(classifier(batchnorm=True), double_buffered=True)
     forms = [dict(parity=p) for p in SYNC_AND_PARITIES] + [
-        dict(across_hosts=True), dict(sharded=True)]
+        dict(across_hosts=True)]
     first = [collective_order(layouts, **kw) for kw in forms]
     assert [collective_order(layouts, **kw) for kw in forms] == first
     assert all(collective_order(layouts, **kw) is order for kw, order in zip(forms, first))
     assert len(set(first)) == len(forms)
-    assert collective_order(layouts, sharded=True)[-1] == ('reduce_scatter', 'grad/<f4')
     other = ModelLayouts(MLP())   # another model's layouts: its own declaration
     assert collective_order(other) == (('bcast', 'param/<f4'), ('reduce', 'grad/<f4'))
 
@@ -74,9 +73,8 @@ def test_several_dtypes_go_in_sorted_buffer_order():
 def test_messages_are_named_tuples_whose_first_field_is_the_kind():
     import pickle
     step = Step(0.5, {'/bn/N': 3}, 1)
-    assert step == ('step', 0.5, {'/bn/N': 3}, 1, None) and step[0] == step.kind == 'step'
-    assert (step.loss_scale, step.scalars, step.parity, step.orders) == (
-        0.5, {'/bn/N': 3}, 1, None)
+    assert step == ('step', 0.5, {'/bn/N': 3}, 1) and step[0] == step.kind == 'step'
+    assert (step.loss_scale, step.scalars, step.parity) == (0.5, {'/bn/N': 3}, 1)
     again = pickle.loads(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
     assert type(again) is Step and again == step
     assert [m[0] for m in (StateRequest(), Stop(), Ready(), Done(None), State({}),
@@ -316,12 +314,11 @@ class _MixedDtypes(chainer.Chain):
         return F.softmax_cross_entropy(self.predictor(x), t)
 
 
-def _updater(model, pipelined, n=2, shard_optimizer=True):
+def _updater(model, pipelined, n=2):
     its = [chainer.iterators.SerialIterator(dataset(64, seed=50 + r), 4, shuffle=False)
            for r in range(n)]
     return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                       devices=['@numpy'] * n, pipelined=pipelined,
-                                       shard_optimizer=shard_optimizer)
+                                       devices=['@numpy'] * n, pipelined=pipelined)
 
 
 def _misorder_master(monkeypatch, parity, reorder):
@@ -329,8 +326,8 @@ def _misorder_master(monkeypatch, parity, reorder):
     this parity; the workers keep the declared order."""
     declared = _protocol.collective_order
 
-    def order(layouts, p=None, across_hosts=False, sharded=False):
-        out = declared(layouts, p, across_hosts, sharded)
+    def order(layouts, p=None, across_hosts=False):
+        out = declared(layouts, p, across_hosts)
         return tuple(reorder(out)) if p == parity else out
     monkeypatch.setattr(_protocol, 'collective_order', order)
 
@@ -359,8 +356,7 @@ def _gone_within(pids, seconds):
 @pytest.mark.parametrize('parity', SYNC_AND_PARITIES)
 def test_updater_with_the_old_order_raises_and_every_worker_is_stopped(monkeypatch, parity):
     model = classifier(seed=4, batchnorm=True)
-    # the master's step (the sharded one's order: tests/test_sharded_step.py)
-    updater = _updater(model, pipelined=parity is not None, shard_optimizer=False)
+    updater = _updater(model, pipelined=parity is not None)
     try:
         updater.update()       # the declared order on every rank: passes (parity 0)
         pids = updater.worker_pids()

@@ -52,12 +52,6 @@ FAST = {
     'kill_worker_mpit': ('kill_worker', '--iterator', 'multiprocess'),
     'master_sigint_mpit': ('master_sigint', '--iterator', 'multiprocess'),
     'master_sigkill_mpit': ('master_sigkill', '--iterator', 'multiprocess'),
-    # the sharded step: the ranks wait at the board (shared memory), not on a message
-    'raise_forward_sharded': ('raise_forward', '--shard-optimizer'),
-    'kill_worker_sharded': ('kill_worker', '--shard-optimizer'),
-    'master_raises_sharded': ('raise_forward', '--replica', '0', '--shard-optimizer'),
-    'master_sigint_sharded': ('master_sigint', '--shard-optimizer'),
-    'master_sigkill_sharded': ('master_sigkill', '--shard-optimizer'),
 }
 
 
@@ -182,36 +176,6 @@ def test_faults_with_multiprocess_iterators(scenarios, scenario):
     else:
         assert report['result']['is_worker_error']
         assert report['result']['updates_done'] == 2
-
-
-# ------------------------------------------------------------------ the sharded step
-@pytest.mark.parametrize('scenario', ['raise_forward_sharded', 'kill_worker_sharded',
-                                      'master_raises_sharded', 'master_sigint_sharded',
-                                      'master_sigkill_sharded'])
-def test_faults_while_the_ranks_wait_at_the_board(scenarios, scenario):
-    """In a sharded update the ranks meet at a board in shared memory, without a message
-    (``mgpu_updater._local.board``): a worker that raises while the master waits there is
-    a WorkerError with its traceback, one SIGKILLed is one with its signal; a worker
-    waiting there for a master that raised, was interrupted or was killed leaves; all
-    within seconds, with no process and no segment left."""
-    report = scenarios.report(scenario)
-    assert_clean(report)
-    result = report['result']
-    assert report['ready']['shard_reason'] is None   # the updates before it: sharded
-    if scenario.startswith('master_sig'):
-        assert report['time_to_error'] < 5.0
-        return
-    assert result['updates_done'] == 2
-    assert result['time_to_error'] < 5.0
-    assert len(result['finalize_times']) == 2
-    if scenario == 'master_raises_sharded':
-        assert result['error_type'] == 'FaultInjected' and not result['is_worker_error']
-        return
-    assert result['error_type'] == 'WorkerError' and result['replica'] == 1
-    if scenario == 'kill_worker_sharded':
-        assert result['exitcode'] == -signal.SIGKILL
-    else:
-        assert result['traceback_has_fault']
 
 
 # ------------------------------------------------------------------ 20 times each

@@ -1,7 +1,7 @@
 """Packs announced at the board (``mgpu_updater._local.board.announces_packs``, issue 15).
 
 On the shared-memory backend, where the machine's store order lets a post publish what was
-written before it, every rank of an update that is not sharded posts at the board once its
+written before it, every rank of an update posts at the board once its
 gradient is packed (with its sample count and loss), the master sums as soon as the last
 post is in and steps, and only then takes the workers' Done messages, which travel
 meanwhile. Elsewhere Done says it, as before. The contract: bitwise the Done path, which
@@ -32,8 +32,6 @@ def _start(opt, **kwargs):
     opt.setup(model)
     its = [chainer.iterators.SerialIterator(dataset(64, seed=10 + r), B, shuffle=False)
            for r in range(N)]
-    kwargs.setdefault('shard_optimizer', False)   # the master step's path (a sharded
-    # update posts twice: tests/test_sharded_step.py)
     updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * N,
                                           accumulate_steps=K, **kwargs)
     steps = []

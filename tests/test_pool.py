@@ -175,8 +175,8 @@ def test_close_kills_the_workers_own_children(pool):
 
 
 def test_check_sees_a_failure_behind_a_message_it_kept(pool):
-    """A worker of a sharded update sends Done, then steps its slice; if that fails, its
-    Failed comes behind the Done that the master's ``check`` (run while it waits at the
+    """A worker that sends Done and then fails (in its next steps): its Failed comes
+    behind the Done that the master's ``check`` (run while it waits at the
     board) already read and kept: the next checks must still see it, within seconds."""
     p = pool('done_then_fail')
     p.send(('step', 1))

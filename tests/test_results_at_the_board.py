@@ -156,9 +156,7 @@ def _start(**kwargs):
                                               accumulate_steps=2, **kwargs)
 
 
-@pytest.mark.parametrize('shard_optimizer', [False, True])
-def test_with_the_board_no_done_crosses_a_pipe_and_the_results_are_reported(
-        monkeypatch, shard_optimizer):
+def test_with_the_board_no_done_crosses_a_pipe_and_the_results_are_reported(monkeypatch):
     """With the board, the workers' results of every update come from the mailboxes (the
     master never gathers a Done); without it (a weaker memory order), through the pipes.
     Both report the same values."""
@@ -171,7 +169,7 @@ def test_with_the_board_no_done_crosses_a_pipe_and_the_results_are_reported(
     monkeypatch.setattr(pool_module.WorkerPool, 'gather', gather)
 
     def train():
-        model, updater = _start(shard_optimizer=shard_optimizer)
+        model, updater = _start()
         reporter = chainer.Reporter()
         reporter.add_observer('main', model)
         observations = []
@@ -188,8 +186,6 @@ def test_with_the_board_no_done_crosses_a_pipe_and_the_results_are_reported(
         return observations, board is not None
     by_board, had_board = train()
     assert had_board and Done.KIND not in gathered
-    if shard_optimizer:   # (a sharded step needs the board)
-        return
     monkeypatch.setattr(group_module, 'STORE_ORDER', False)   # as on a weaker memory order
     gathered.clear()
     by_pipe, had_board = train()

@@ -1,20 +1,11 @@
 """Where the ranks meet without messages: a small shared-memory board.
 
-In an update that is not sharded, where :func:`announces_packs`, every rank posts its sample
-count and loss once its gradient is packed, and the master, which waits for every post,
-sums and steps before it reads the workers' Done messages (which follow the posts): the
-master knows within one look that the last gradient is in, where a Done took 0.1-0.3 ms
-from the worker's send to the master's read.
-
-In a sharded update (:mod:`.sharded_step`) every rank, once its window is over and its
-gradient packed, posts its sample count and loss here and waits until every rank has
-posted; each then decides the update's gradient factor itself, from the same posted values
-with the same code (:func:`mgpu_updater._step.decide`), and sums and steps its slice; a
-worker then posts once more, without values, and the master waits for that round before
-it ends the update. That takes the place of messages through the master (its decision
-out, each worker's "stepped" back), each of which cost 0.3-0.9 ms from send to receipt on
-a loaded 2-core VM, where a post is seen within microseconds by a rank that spins and
-within about 60 us by one that sleeps between looks.
+Where :func:`announces_packs`, every rank posts its sample count and loss once its
+gradient is packed, and the master, which waits for every post, sums and steps before it
+reads the workers' results: the master knows within one look that the last gradient is in,
+where a Done took 0.1-0.3 ms from the worker's send to the master's read (a post is seen
+within microseconds by a rank that spins and within about 60 us by one that sleeps between
+looks).
 
 Where a rank posts, its window's result (what a Done message would carry: the reported
 values, times, epochs) goes into its *mailbox* on the board right after the post
@@ -32,15 +23,14 @@ and its mailbox and the result's length before the result's round; a reader that
 round reads the values after it. That order holds where stores reach
 other cores in the order they were made and loads are not reordered with older loads
 (x86-64, "total store order"); there, a pipe message is not needed to publish them, nor
-the gradient each rank packed before posting. Elsewhere (ARM's weaker order) the sharded
-step is not offered (:data:`STORE_ORDER`, :func:`.sharded_step.why_not`).
+the gradient each rank packed before posting. Elsewhere (ARM's weaker order) the packs are
+not announced and Done says it (:data:`STORE_ORDER`).
 
 A round's values stay on the board until their rank posts values again, and the local
 protocol makes every rank read them before that: a worker posts new values only in the next
-update, after the master's next Step, which the master sends after it has read them (in a
-sharded update, after the update's second round, which no rank starts before it has read
-the first). Every rank posts as many rounds in an update as every other: one where packs
-are announced, two in a sharded update, none otherwise.
+update, after the master's next Step, which the master sends after it has read them. Every
+rank posts as many rounds in an update as every other: one where packs are announced, none
+otherwise.
 
 A waiter spins first, yielding the CPU between looks (``os.sched_yield``, under a
 microsecond, which also lets go of the GIL), for :data:`SPIN_LONG` where every rank of the
@@ -210,10 +200,8 @@ class Board:
 
 
 def announces_packs(board: Optional['Board']) -> bool:
-    """Whether, in an update that is not sharded, each rank says at ``board`` that its
-    gradient is packed (one post with its count and loss, after its pack and its
-    reductions), so
-    that the master sums as soon as the last rank posted, while the workers' Done
+    """Whether each rank says at ``board`` that its gradient is packed (one post with its
+    count and loss, after its pack and its reductions), so that the master sums as soon as the last rank posted, while the workers' Done
     messages are still on their way: where there is a board and the memory order lets a
     post publish the pack (:data:`STORE_ORDER`). Otherwise Done says it, as before. The
     master and its workers run on one machine, so they answer alike."""

@@ -20,9 +20,7 @@ from .._threads import available_cores
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
 from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
-                       master_finish_sharded, slot_views)
-from .sharded_step import MasterShards, StateLayout
-from .step_trial import StepTrial
+                       slot_views)
 from .worker import WorkerInit, main as worker_main
 
 
@@ -36,33 +34,20 @@ class LocalGroup(Group):
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
                  master_device: Any, devices: List[Any], payloads: Dict[int, Any],
-                 start_method: str, start_timeout: float,
-                 shard_keys: Optional[Tuple[str, ...]] = None,
-                 shard_trial: bool = False) -> None:
+                 start_method: str, start_timeout: float) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
-        states = None if shard_keys is None else StateLayout(layouts.grad, shard_keys)
-        state_spec = states.spec() if states is not None else {}   # one slot, every rank's
         self.comm, handle = comm_module.create(
-            backend, self.size, {**layouts.spec(), **state_spec}, master_device,
-            broadcast=broadcast_only(layouts) + sorted(state_spec))
+            backend, self.size, layouts.spec(), master_device,
+            broadcast=broadcast_only(layouts))
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
-        #: the sharded step's master side (:mod:`.sharded_step`; None: never sharded)
-        #: and the ranks' board (:mod:`.board`): where a sharded update's ranks meet,
-        #: and where every rank says its gradient is packed (:func:`.board.announces_packs`)
-        #: on the shared-memory backend; None: the pipes alone
-        self.shards: Optional[MasterShards] = None
+        #: the ranks' board (:mod:`.board`): where every rank says its gradient is packed
+        #: (:func:`.board.announces_packs`) on the shared-memory backend; None: the pipes
+        #: alone
         self.board: Optional[Board] = None
-        self._hooks: Tuple[Any, ...] = ()   # the optimizer's hooks, read at begin
-        if states is not None and self.comm.can_reduce_scatter and self.grads.views:
-            self.shards = MasterShards(self.comm, layouts, states, model)
-        #: under ``shard_optimizer='auto'``: which step is faster here, measured
-        #: (:mod:`.step_trial`); None: every update that can be is sharded
-        self.trial = StepTrial() if self.shards is not None and shard_trial else None
-        self._sharded = False   # whether the update begun last is sharded
-        if self.shards is not None or (self.comm.packs_in_shared_memory and STORE_ORDER):
+        if self.comm.packs_in_shared_memory and STORE_ORDER:
             self.board = Board.create(self.size, spin_for(self.size, available_cores()))
         #: whether every rank says at the board that its gradient is packed (decided here,
         #: for the workers too: :func:`.board.announces_packs`)
@@ -79,64 +64,14 @@ class LocalGroup(Group):
             self.close(abort=True)
             raise
 
-    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None,
-              optimizer: Any = None) -> bool:
-        trial = self.trial
-        if trial is not None:
-            trial.begin()
-        bound = self.params.bind()
-        orders = None
-        if (self.shards is not None and parity is None and optimizer is not None
-                and (trial is None or trial.wants_shard())
-                and self.shards.prepare(optimizer, loss_scale, bound)):
-            self._hooks, orders = self.shards.orders(optimizer)
+    def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
         master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                     in_place=bound, orders=orders)
-        self._sharded = orders is not None
-        return self._sharded
-
-    @property
-    def step_state(self) -> str:
-        if self.trial is not None:
-            return self.trial.state
-        return 'sharded' if self.shards is not None else 'master'
-
-    def _stepped(self) -> None:
-        """The update's step is over (the trial times the update up to here)."""
-        if self.trial is not None:
-            self.trial.record(self._sharded)
-
-    def finish_sharded(self, own: WindowResult, optimizer: Any,
-                       factor_of: Callable[[int, float], Optional[float]],
-                       watch: Any) -> List[WindowResult]:
-        """As :meth:`finish`, and the optimizer's step, sharded (after :meth:`begin`
-        said so): ``factor_of(count, loss)`` is the update's gradient factor, or None to
-        skip the step (it may raise). Times the own step under ``watch('update')``."""
-        shards, hooks = self.shards, self._hooks
-
-        def decide(count: int, loss: float) -> Optional[float]:
-            factor = factor_of(count, loss)
-            if factor is not None:
-                shards.count(optimizer)
-            return factor
-
-        def own_step(factor: float) -> None:
-            with watch('update'):
-                shards.step(optimizer, factor, hooks)
-
-        with watch('comm'):
-            others = master_finish_sharded(self.pool, self.comm, self.board, self.layouts,
-                                           self.model, self.size, own, decide, own_step)
-            self.grads.receive()
-        self._stepped()
-        # ``update`` was counted inside ``comm``
-        watch.times['comm'] -= watch.times.get('update', 0.0)
-        return [own] + others
+                     in_place=self.params.bind())
 
     @property
     def _pack_board(self) -> Optional[Board]:
-        """The board where an update that is not sharded learns that the gradients are
-        packed, or None (each worker's Done says so)."""
+        """The board where the master learns that the gradients are packed, or None (each
+        worker's Done says so)."""
         return self.board if self.announce_packs else None
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
@@ -150,10 +85,8 @@ class LocalGroup(Group):
         def summed(count: int, loss: float) -> None:
             self.grads.receive()
             step(count, loss)
-        results = [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                        None, self.size, own, self._pack_board, then=summed)
-        self._stepped()
-        return results
+        return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                     None, self.size, own, self._pack_board, then=summed)
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
@@ -181,8 +114,6 @@ class LocalGroup(Group):
 
     def close(self, abort: bool = False) -> None:
         try:
-            if self.shards is not None:
-                self.shards.detach()
             self.params.detach()
             self.grads.detach()
             self.pool.close()

@@ -208,8 +208,8 @@ class WorkerPool:
         """Raise :class:`WorkerError` if a worker died or reported an error (its
         ``Failed``, with its traceback); never blocks. What else a worker said meanwhile is
         kept for the next :meth:`gather`, and a worker's pipe is still watched after that,
-        for a ``Failed`` behind it (a worker that sent Done and then failed in its sharded
-        step); anything else behind it breaks the protocol. (The master runs this while it
+        for a ``Failed`` behind it (a worker that sent Done and then failed); anything else
+        behind it breaks the protocol. (The master runs this while it
         waits at the board, :mod:`.board`.)"""
         for rank, conn in self._conns.items():
             try:

@@ -10,9 +10,7 @@ declares, in that order, from one thread (the main one), and nothing else:
 2. the update's window runs (no collective);
 3. ``reduce`` of each ``stat`` buffer: float persistents (BatchNorm statistics), averaged;
 4. ``reduce`` of each buffer of the update's gradient set: ``grad``, or in pipelined mode
-   ``grad0`` and ``grad1`` alternating with the update's parity. In a sharded update
-   (:mod:`.sharded_step`) ``reduce_scatter`` instead, each rank summing its own slice,
-   issued after the ranks met at the board (:mod:`.board`).
+   ``grad0`` and ``grad1`` alternating with the update's parity.
 
 Within a step, buffers go in sorted name order (one buffer per dtype). Across hosts
 (:mod:`mgpu_updater._multihost`) the same declaration gives steps 3 and 4 as ``allreduce`` and no
@@ -54,28 +52,6 @@ mailbox at the board right after its post (:func:`deliver`, :func:`take_results`
 too large for the mailbox goes as a Done through the pipe), off the critical path.
 Elsewhere Done says that the worker's gradient is packed, and the master waits for every
 Done before it sums.
-
-A sharded update (``Step.orders`` is set: what each worker's slice is stepped with) has no
-message between Step and Done; the ranks meet at the board (:mod:`.board`) instead::
-
-    master (rank 0)                              worker (rank r)
-    as above, Step carries the orders       -->  as above
-    run its own window                           run its window
-    pack grad, stat                              pack stat, the other ranks' slices of grad
-                                                 reduce stat/* (recorded)
-    post count, loss; wait for every post   <->  post count, loss; wait for every post
-    reduce stat/*                                pack its own slice of grad
-    decide the factor (may raise)           <--  its result in its mailbox (board)
-    reduce_scatter grad/*; step slice 0          decide the factor (the same values, code)
-    take every result (already there)            reduce_scatter grad/*; step slice r
-    post; wait for every post               <--  end_update; post (the slice is stepped)
-    end_update
-
-(:func:`master_finish_sharded`, :func:`worker_step`, :func:`worker_shard_step`.) A rank
-reads another's slice of a slot only after that rank posted, and the master reads the
-summed gradient and the stepped slices only after each worker's second post. The result
-goes into the mailbox before the worker's step, so that it waits there, off the critical
-path.
 
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
 worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
@@ -122,12 +98,10 @@ class _StepFields(NamedTuple):
     loss_scale: Optional[float]      # the optimizer's loss scale (mixed precision)
     scalars: Dict[str, Any]          # the master's non-array persistents (BatchNorm's N)
     parity: Optional[int]            # the gradient set: None, or 0/1 in pipelined mode
-    orders: Optional[bytes] = None   # a sharded update: this worker's pickled (rules, hooks)
-                                     # (sharded_step.MasterShards.orders); None: not sharded
 
 
 class Step(_Kind, _StepFields):
-    """master -> worker: run one update (``Step(loss_scale, scalars, parity, orders)``)."""
+    """master -> worker: run one update (``Step(loss_scale, scalars, parity)``)."""
     KIND = 'step'
 
 
@@ -247,19 +221,17 @@ class Collective(NamedTuple):
 
 
 def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
-                     across_hosts: bool = False, sharded: bool = False) -> Tuple[Collective, ...]:
+                     across_hosts: bool = False) -> Tuple[Collective, ...]:
     """THE collectives of one update, in the order every rank issues them.
 
     ``parity`` picks the gradient set (``None``: ``grad``; 0 or 1: pipelined mode's
     ``grad0``/``grad1``). ``across_hosts``: the MPI group's form, every rank ends with the
     sums (``allreduce``) and no parameters travel (they stay equal by construction).
-    ``sharded``: the gradient is summed slice by slice, each rank its own
-    (``reduce_scatter``), after the ranks met at the board (see :func:`before_shard_step`).
     """
     memo = _ORDERS.setdefault(layouts, {})
-    key = (parity, across_hosts, sharded)
+    key = (parity, across_hosts)
     if key not in memo:
-        memo[key] = _declare(layouts, parity, across_hosts, sharded)
+        memo[key] = _declare(layouts, parity, across_hosts)
     return memo[key]
 
 
@@ -270,13 +242,13 @@ _ORDERS: 'weakref.WeakKeyDictionary[ModelLayouts, Dict[tuple, Tuple[Collective, 
     weakref.WeakKeyDictionary()
 
 
-def _declare(layouts: ModelLayouts, parity: Optional[int], across_hosts: bool,
-             sharded: bool) -> Tuple[Collective, ...]:
+def _declare(layouts: ModelLayouts, parity: Optional[int],
+             across_hosts: bool) -> Tuple[Collective, ...]:
     reduce = 'allreduce' if across_hosts else 'reduce'
     order = [] if across_hosts else [
         Collective('bcast', name) for name in sorted(layouts.state.buffer_names().values())]
     order += [Collective(reduce, name) for name in sorted(layouts.stat.buffer_names().values())]
-    order += [Collective('reduce_scatter' if sharded else reduce, name)
+    order += [Collective(reduce, name)
               for name in sorted(layouts.grad_set(parity).buffer_names().values())]
     return tuple(order)
 
@@ -302,19 +274,6 @@ def after_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
     return order[len(before_window(order)):]
 
 
-def before_shard_step(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
-    """Of the collectives after the window, those a rank issues before the sharded step:
-    every one but the gradient's ``reduce_scatter``, which come last. (The master issues
-    them after the board, a worker before it.)"""
-    return tuple(c for c in after_window(order) if c.verb != 'reduce_scatter')
-
-
-def shard_step_collectives(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
-    """The gradient's ``reduce_scatter`` collectives: issued after the board, before the
-    step."""
-    return tuple(c for c in after_window(order) if c.verb == 'reduce_scatter')
-
-
 def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
     """Issue ``collectives`` on ``comm``, in order, from this thread."""
     for verb, name in collectives:
@@ -324,8 +283,6 @@ def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
             comm.reduce(name)
         elif verb == 'allreduce':
             comm.allreduce(name)
-        elif verb == 'reduce_scatter':
-            comm.reduce_scatter(name)
         else:
             raise ValueError(f'unknown collective verb {verb!r} for buffer {name!r}')
 
@@ -376,23 +333,16 @@ def take_results(workers: Workers, board: Board) -> Dict[int, WindowResult]:
 
 def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
                  loss_scale: Optional[float], parity: Optional[int],
-                 in_place: Collection[str] = (),
-                 orders: Optional[Dict[int, bytes]] = None) -> None:
+                 in_place: Collection[str] = ()) -> None:
     """The master's half, before its window: parameters out, then the workers start.
     ``in_place``: parameters whose arrays already are their slices of the broadcast buffer
-    (:class:`mgpu_updater._local.group.SlotParams`), not copied. ``orders``: a sharded
-    update's, by rank (:meth:`.sharded_step.MasterShards.orders`)."""
+    (:class:`mgpu_updater._local.group.SlotParams`), not copied."""
     order = collective_order(layouts, parity)
     comm.begin_update()
     index = layouts.index_of(model)
     layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
     issue(comm, before_window(order))
-    scalars = index.persistent_scalars()
-    if orders is None:
-        workers.send(Step(loss_scale, scalars, parity))
-        return
-    for rank, order in orders.items():
-        workers.send(Step(loss_scale, scalars, parity, order), ranks=[rank])
+    workers.send(Step(loss_scale, index.persistent_scalars(), parity))
 
 
 def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
@@ -430,32 +380,6 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
         then(*posted_total(posted))
     if by_board:
         others = take_results(workers, board)   # type: ignore[arg-type]
-    return [others[rank] for rank in sorted(others)]
-
-
-def master_finish_sharded(workers: Workers, comm: Any, board: Board, layouts: ModelLayouts,
-                          model: Any, size: int, own: WindowResult,
-                          decide: Callable[[int, float], Optional[float]],
-                          own_step: Callable[[float], None]) -> List[WindowResult]:
-    """The master's half of a sharded update, after its window: pack, meet the workers at
-    the board, reduce the statistics, ``decide(count, loss)`` the factor (None: no step;
-    it may raise), sum slice 0 and step it (``own_step(factor)``), take every Done, then
-    meet the workers once more (their slices stepped). The summed gradient is then whole
-    in the master's slot of ``grad``; the parameters are stepped in the slot. Returns the
-    workers' results."""
-    order = collective_order(layouts, None, sharded=True)
-    pack_window(comm, layouts, model, None, size)
-    count, loss = posted_total(board.meet(own.count, own.loss_sum, workers.check))
-    issue(comm, before_shard_step(order))
-    layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
-    factor = decide(count, loss)
-    issue(comm, shard_step_collectives(order))
-    if factor is not None:
-        own_step(factor)
-    others = take_results(workers, board)
-    board.post()
-    board.wait(workers.check)
-    comm.end_update()
     return [others[rank] for rank in sorted(others)]
 
 
@@ -503,20 +427,15 @@ class ParamViews:
 
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None,
-                shards: Any = None, board: Optional[Board] = None,
-                check: Callable[[], None] = lambda: None,
+                board: Optional[Board] = None,
                 done: Callable[[WindowResult], None] = lambda result: None,
                 announce_packs: bool = False) -> None:
     """The worker's half of one update: parameters in, the window, reductions issued,
     ``done(result)`` (which sends :class:`Done`); with ``announce_packs``, instead a post
     at ``board`` with its count and loss, which tells the master that its gradient is
-    packed, and the result in its mailbox there (:func:`deliver`). A sharded update
-    (``step.orders``) instead meets the other ranks at ``board`` (``check`` runs while it
-    waits), delivers its result, steps this rank's slice (:func:`worker_shard_step`) and
-    posts once more."""
+    packed, and the result in its mailbox there (:func:`deliver`)."""
     model = replica.model
-    sharded = step.orders is not None
-    order = collective_order(layouts, step.parity, sharded=sharded)
+    order = collective_order(layouts, step.parity)
     comm.begin_update()
     issue(comm, before_window(order))
     if views is not None:
@@ -526,19 +445,6 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                          skip=views.names if views is not None else ())
     index.set_persistent_scalars(step.scalars)
     result = replica.run_window(step.loss_scale)
-    if sharded:
-        # the other ranks' slices before the post, its own (only it reads it) after
-        pack_stats(comm, layouts, model, size)
-        shards.pack(model, own=False)
-        issue(comm, before_shard_step(order))
-        board.post(result.count, result.loss_sum)
-        shards.pack(model, own=True)
-        board.wait(check)
-        posted = board.posted()
-        deliver(board, result, done)
-        worker_shard_step(comm, layouts, shards, posted, step.orders)
-        board.post()
-        return
     pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
     comm.end_update()
@@ -557,13 +463,3 @@ def deliver(board: Board, result: WindowResult,
     :func:`take_results`."""
     if not board.post_result(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)):
         done(result)
-
-
-def worker_shard_step(comm: Any, layouts: ModelLayouts, shards: Any,
-                      posted: List[Tuple[int, float]], orders: bytes) -> None:
-    """The worker's half of a sharded update, after the board: sum its slice of the
-    gradients, decide the factor as the master does, from the same posts, and step the
-    slice (:class:`~.sharded_step.WorkerShards`)."""
-    issue(comm, shard_step_collectives(collective_order(layouts, None, sharded=True)))
-    shards.step(*posted_total(posted), orders)
-    comm.end_update()

@@ -7,9 +7,9 @@ afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
 payload bytes (a pickled WorkerInit)      Ready() once, after start-up
-Step(loss_scale, scalars, parity, orders) Done(WindowResult) (a sharded update: after
-                                          meeting the others at the board, .board, and
-                                          before its step)
+Step(loss_scale, scalars, parity)         Done(WindowResult) (or, where packs are
+                                          announced, a post and its result in its
+                                          mailbox at the board, .board)
 StateRequest()                            State(iterator state dict)
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
@@ -48,11 +48,8 @@ class WorkerInit(NamedTuple):
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
-    shard_keys: Optional[tuple] = None   # the optimizer's state entries (sharded_step);
-                                         # None: the step is never sharded
     board: Optional[str] = None          # the ranks' board segment (.board), or None
     announce_packs: bool = False         # post at the board that the gradient is packed
-    nonfinite: str = 'raise'             # the updater's policy (a sharded step decides it)
     prefetch_gated: bool = False         # its loader loads while it waits (_loader.plan)
 
 
@@ -232,56 +229,26 @@ def _build(init: 'WorkerInit') -> Any:
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
-    shards = board = None
+    board = None
     if init.board is not None:
         from .board import Board
         board = Board.attach(init.board, init.size, init.rank)
-    if init.shard_keys is not None and init.board is not None:
-        from .. import _step
-        from .sharded_step import StateLayout, WorkerShards
-
-        def decide(count: int, loss: float) -> Optional[float]:
-            # as the master's updater decides; under 'raise' it raises, here no step
-            return _step.decide(count, loss, init.nonfinite, False, init.scaling)[0]
-        shards = WorkerShards(comm, layouts, StateLayout(layouts.grad, init.shard_keys),
-                              decide)
-    return replica, comm, layouts, (ParamViews(comm, layouts, model), shards, board)
+    return replica, comm, layouts, (ParamViews(comm, layouts, model), board)
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
            in_place: Any) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
-    views, shards, board = in_place
+    views, board = in_place
     try:
-        _answer(conn, init, replica, comm, layouts, views, shards, board)
+        _answer(conn, init, replica, comm, layouts, views, board)
     finally:
         if board is not None:
             board.close()
 
 
-class _Stopped(Exception):
-    """The master stopped this worker while it waited at the board."""
-
-
-def _stop_check(conn: Any) -> Callable[[], None]:
-    """What a worker waiting at the board checks: the master says nothing then, unless
-    it stops us (after an error of its own or another worker's)."""
-    def check() -> None:
-        try:
-            if not conn.poll(0):
-                return
-            msg = conn.recv()
-        except (EOFError, OSError):
-            raise _Stopped() from None   # the master is gone
-        if msg[0] != Stop.KIND:
-            raise ValueError(f'got {msg[0]!r} while waiting at the board')
-        raise _Stopped()
-    return check
-
-
 def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
-            views: Any, shards: Any, board: Any) -> None:
-    check = _stop_check(conn)
+            views: Any, board: Any) -> None:
     decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
     while True:
         try:
@@ -296,15 +263,13 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
             return
         try:
             if kind == Step.KIND:
-                worker_step(msg, replica, comm, layouts, init.size, views, shards, board,
-                            check, done=lambda result: conn.send(Done(result)),
+                worker_step(msg, replica, comm, layouts, init.size, views, board,
+                            done=lambda result: conn.send(Done(result)),
                             announce_packs=init.announce_packs)
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             else:
                 raise ValueError(f'unknown command {kind!r}')
-        except _Stopped:
-            return                       # stopped, or the master is gone
         except BaseException:  # noqa: BLE001 - reported to the master
             _send_error(conn)
             _wait_stop(conn)

@@ -8,9 +8,6 @@ every rank. The verbs follow MPI:
 - ``reduce(name)``: sum ``buffer(name)`` of every rank into the root's ``buffer(name)``.
 - ``bcast(name)``: overwrite every rank's ``buffer(name)`` with the root's.
 - ``allreduce(name)``: every rank ends with the sum.
-- ``reduce_scatter(name)``: rank r sums slice r (:func:`shard_range`) of every rank's
-  ``buffer(name)``; the sums lie in :meth:`~Communicator.scattered` (only backends whose
-  :attr:`~Communicator.can_reduce_scatter` is true: the shared-memory one).
 
 Ordering contract: backends whose verbs do not synchronise by themselves (the shared-memory
 CPU backend) rely on the caller's control channel: a worker finishes ``reduce`` before it
@@ -138,28 +135,11 @@ class Communicator(abc.ABC):
         self.reduce(name)
         self.bcast(name)
 
-    #: whether :meth:`reduce_scatter` and :meth:`scattered` work (the sharded step)
-    can_reduce_scatter: bool = False
-
     #: whether a rank's pack into its buffers is a plain store into memory that every rank
     #: maps (the shared-memory backend): then a post at the local group's board
     #: (:mod:`mgpu_updater._local.board`) publishes it, as the ordering contract's control
     #: channel, where the machine's memory order allows
     packs_in_shared_memory: bool = False
-
-    def reduce_scatter(self, name: str) -> None:
-        """Sum this rank's slice (:func:`shard_range`) of every rank's ``buffer(name)``,
-        in rank order, into :meth:`scattered`. Default: not available."""
-        raise NotImplementedError(f'the {self.name or type(self).__name__} backend has no '
-                                  'reduce_scatter')
-
-    def scattered(self, name: str) -> Any:
-        """The flat array in which :meth:`reduce_scatter` leaves the sums, each rank's
-        slice at its own position; on the shared-memory backend the root's slot, which
-        every rank can read, so that after every rank's reduce_scatter it holds the whole
-        sum. Default: not available."""
-        raise NotImplementedError(f'the {self.name or type(self).__name__} backend has no '
-                                  'reduce_scatter')
 
     # -------------------------------------------------------------- what a group may ask
     # Every backend answers these; the defaults fit a backend that needs none of them.
@@ -210,19 +190,6 @@ class Communicator(abc.ABC):
             raise RuntimeError(
                 f'the {self.name or type(self).__name__} communicator was finalized; '
                 'create a new one (a new updater) to communicate again')
-
-
-SHARD_ALIGN = 16   # elements: a slice boundary never splits a 64-byte line of float32
-
-
-def shard_range(count: int, size: int, rank: int) -> Tuple[int, int]:
-    """The slice ``[lo, hi)`` of a flat buffer of ``count`` elements that ``rank`` of
-    ``size`` owns in ``reduce_scatter`` and in the sharded step: contiguous, in rank
-    order, as equal as :data:`SHARD_ALIGN` allows (a rank may own nothing)."""
-    def bound(r: int) -> int:
-        cut = -(-count * r // size)
-        return min(count, -(-cut // SHARD_ALIGN) * SHARD_ALIGN)
-    return bound(rank), bound(rank + 1)
 
 
 def named_buffer(buffers: Mapping[str, Any], name: str) -> Any:

@@ -29,14 +29,13 @@ from typing import Collection, Dict, FrozenSet, List, Optional, Sequence, Set, T
 
 import numpy
 
-from .base import (BufferSpec, CollectiveOrderError, Communicator, Issued, check_spec,
-                   shard_range)
+from .base import BufferSpec, CollectiveOrderError, Communicator, Issued, check_spec
 
 Handle = Tuple[int, BufferSpec, Dict[str, str], str, List[str]]
 """(size, spec, buffer name -> segment name, ledger segment name, broadcast-only buffer
 names): what a worker attaches."""
 
-_VERBS = ('bcast', 'reduce', 'allreduce', 'reduce_scatter')   # recorded as index + 1; 0 is "nothing"
+_VERBS = ('bcast', 'reduce', 'allreduce')   # recorded as index + 1; 0 is "nothing"
 _LEDGER_SLOTS = 64   # each rank's latest collectives of an update (a ring beyond that)
 _UPDATE, _COUNT, _FIRST = 0, 1, 2   # columns of a ledger row: update number, count, ring
 _SUM_BLOCK_BYTES = 1 << 18   # reduce sums the slots 256 KiB of the root's slot at a time
@@ -182,27 +181,7 @@ class ShmCommunicator(Communicator):
         slots = self._slots[name]
         sum_slots(slots[root], [src for r, src in enumerate(slots) if r != root])
 
-    can_reduce_scatter = True
     packs_in_shared_memory = True
-
-    def reduce_scatter(self, name: str) -> None:
-        """Sum this rank's slice of every rank's slot into the same slice of the root's
-        (rank 0's) slot: the element order of :meth:`reduce`, so the sums are bitwise the
-        same. Under the ordering contract every rank packed its slot before any rank
-        calls this (the control channel says so), and no rank reads another's slice of
-        the root's slot before that rank said it is done."""
-        if name in self._broadcast:
-            raise ValueError(f'buffer {name!r} was created broadcast-only (one shared '
-                             'slot): it cannot be reduced')
-        self._issue('reduce_scatter', name, 0)
-        slots = self._slots[name]
-        lo, hi = shard_range(slots[0].shape[0], self.size, self.rank)
-        if lo < hi:
-            sum_slots(slots[0][lo:hi], [src[lo:hi] for src in slots[1:]])
-
-    def scattered(self, name: str) -> numpy.ndarray:
-        self._check_open()
-        return self._slots[name][0]
 
     def bcast(self, name: str, root: int = 0) -> None:
         self._issue('bcast', name, root)
@@ -245,8 +224,7 @@ class ShmCommunicator(Communicator):
 
     def _issue(self, verb: str, name: str, root: int) -> None:
         """Record this collective; compare with what the control channel guarantees the
-        peers recorded already (the root's ``bcast``; every non-root's ``reduce``; for a
-        ``reduce_scatter``, the same position of every rank that already issued it)."""
+        peers recorded already (the root's ``bcast``; every non-root's ``reduce``)."""
         self._check_open()
         if name not in self._codes:
             raise KeyError(f'no buffer named {name!r}; the spec has {self._names}')
@@ -261,16 +239,12 @@ class ShmCommunicator(Communicator):
             peers: Sequence[int] = [root]
         elif verb == 'reduce' and self.rank == root:
             peers = [r for r in range(self.size) if r != root]
-        elif verb == 'reduce_scatter':   # the peers may not have reached it yet
-            peers = [r for r in range(self.size) if r != self.rank]
         else:
             return
         for rank in peers:
             self._compare_update(rank)
             theirs = self._row(rank)
             n = theirs[_COUNT]
-            if verb == 'reduce_scatter' and n <= i:
-                continue   # not there yet: rank 0's end_update compares the whole update
             if n <= i or (n - i <= _LEDGER_SLOTS and theirs[slot] != row[slot]):
                 raise self._mismatch(rank)
 

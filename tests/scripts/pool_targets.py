@@ -57,7 +57,7 @@ def target(conn, master_pid, shm_names, default_start_method):
             os._exit(3)
         elif behaviour == 'fail':
             conn.send(('error', 'Traceback (most recent call last):\n  planted\n'))
-        elif behaviour == 'done_then_fail':   # as a worker whose sharded step fails
+        elif behaviour == 'done_then_fail':   # a worker that fails right after its Done
             conn.send(('done', msg[1]))
             time.sleep(0.2)
             conn.send(('error', 'Traceback (most recent call last):\n  planted\n'))

@@ -79,8 +79,7 @@ def _worker_fault(args, created, stamp):
     site, action, at = WORKER_FAULTS[args.scenario]
     fault = faulty.Fault(site, action, replica=args.replica, at=at, stamp=stamp)
     updater = faulty.build(args.replicas, fault, prefetch=args.prefetch,
-                           start_method=args.start_method, iterator=args.iterator,
-                           shard_optimizer=args.shard_optimizer)
+                           start_method=args.start_method, iterator=args.iterator)
     out = {'scenario': args.scenario, 'replica_expected': args.replica}
     pids, segments_seen = [], []
     error = None
@@ -91,8 +90,7 @@ def _worker_fault(args, created, stamp):
                 pids = updater.worker_pids()
                 segments_seen = faulty.own_segments()
                 emit('READY', {'master': os.getpid(), 'workers': pids,
-                               'segments': sorted(created),
-                               'shard_reason': shard_reason(updater)})
+                               'segments': sorted(created)})
     except BaseException as exc:  # noqa: BLE001 - what we came for
         t_error = time.time()
         error = exc
@@ -137,13 +135,6 @@ def _worker_fault(args, created, stamp):
     emit('RESULT', out)
 
 
-def shard_reason(updater):
-    """Why the latest update's step was not sharded (None: it was; see
-    ``mgpu_updater._local.sharded_step``)."""
-    shards = getattr(updater._group, 'shards', None)
-    return 'never sharded' if shards is None else shards.reason
-
-
 def _is_reaped(pid):
     """No zombie, no running process: ``waitpid`` knows no such child."""
     try:
@@ -156,8 +147,7 @@ def _is_reaped(pid):
 def serve(args, created):
     import faulty
     updater = faulty.build(args.replicas, delay=args.delay, prefetch=args.prefetch,
-                           start_method=args.start_method, iterator=args.iterator,
-                           shard_optimizer=args.shard_optimizer)
+                           start_method=args.start_method, iterator=args.iterator)
     out = {'scenario': 'serve'}
     pids = []
     try:
@@ -167,8 +157,7 @@ def serve(args, created):
             if updater.iteration == 2:
                 pids = updater.worker_pids()
                 emit('READY', {'master': os.getpid(), 'workers': pids,
-                               'segments': sorted(created),
-                               'shard_reason': shard_reason(updater)})
+                               'segments': sorted(created)})
         out['error_type'] = None
     except BaseException as exc:  # noqa: BLE001 - SIGINT ends up here
         out['error_type'] = type(exc).__name__
@@ -198,8 +187,6 @@ def main():
     parser.add_argument('--prefetch', type=lambda text: text if text == 'auto' else int(text),
                         default='auto', help="the updater's prefetch (default 'auto', its own)")
     parser.add_argument('--iterator', choices=['serial', 'multiprocess'], default='serial')
-    parser.add_argument('--shard-optimizer', action='store_true',
-                        help='shard the optimizer step (the ranks meet at the board)')
     args = parser.parse_args()
     # the harness sends SIGUSR1 to a driver that hangs, before it kills it: every
     # thread's stack goes to stderr, which the harness reports
