@@ -66,6 +66,23 @@ def epoch_info(iterator: Any) -> EpochInfo:
                      getattr(iterator, 'previous_epoch_detail', None), iterator.is_new_epoch)
 
 
+class RepeatingIteratorStopped(RuntimeError):
+    """An iterator with ``repeat=True`` raised ``StopIteration``: something inside it
+    (its dataset's ``__getitem__``, most likely) raised it, since such an iterator never
+    ends. Under ``StandardUpdater`` it would propagate and end the training loop; here it
+    would look like the end of one replica's data while the others go on, so it is an
+    error, named by the replica that met it (:class:`mgpu_updater._replica.Replica`)."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+        super().__init__(
+            f'its iterator ({type(iterator).__name__}, repeat=True) raised StopIteration, '
+            'which an iterator that repeats never does: something inside it, most likely '
+            "its dataset's __getitem__ or get_example, raised StopIteration (see the "
+            'traceback above); fix that code, or pass repeat=False if the data is meant to '
+            'end')
+
+
 class Loader:
     """Synchronous loader (``prefetch=0``): loads in the caller's thread."""
 
@@ -78,10 +95,14 @@ class Loader:
 
     def _read(self) -> Optional[Tuple[Any, EpochInfo]]:
         """The iterator's next batch as it gave it, with its epoch bookkeeping after it;
-        ``None`` once it is exhausted."""
+        ``None`` once it is exhausted. An iterator that repeats never ends: a
+        ``StopIteration`` out of one (raised inside its dataset, a converter of its own)
+        is :class:`RepeatingIteratorStopped`, not the end of the data."""
         try:
             batch = self.iterator.next()
-        except StopIteration:
+        except StopIteration as exc:
+            if getattr(self.iterator, 'repeat', False):
+                raise RepeatingIteratorStopped(self.iterator) from exc
             return None
         return batch, epoch_info(self.iterator)
 

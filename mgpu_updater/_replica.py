@@ -17,7 +17,7 @@ import chainer
 from ._chainer_private import is_unregistered_observer_error
 from ._chunks import Chunking, split
 from ._flat_buffers import unique_params
-from ._loader import Batch, EpochInfo, Loader
+from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 from ._timing import Stopwatch
 
 
@@ -201,7 +201,7 @@ class Replica:
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
         watch = Stopwatch()
-        window = _Window(self.loader)
+        window = _Window(self.loader, self.name)
         while True:
             try:
                 return self._attempt(window, loss_scale, watch)
@@ -338,8 +338,9 @@ def _describe(func: Any) -> str:
 class _Window:
     """The micro-batches of one window, loaded once: a redone window reuses them."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, name: str) -> None:
         self.loader = loader
+        self.name = name   # the replica's, for errors
         self.batches: List[Batch] = []
         self.exhausted = False
 
@@ -348,7 +349,10 @@ class _Window:
             return self.batches[i]
         if self.exhausted:
             return None
-        batch = self.loader.get()
+        try:
+            batch = self.loader.get()
+        except RepeatingIteratorStopped as exc:
+            raise RuntimeError(f'{self.name}: {exc}') from exc
         if batch is None:
             self.exhausted = True
         else:

@@ -127,3 +127,19 @@ class TiedEmbedding(chainer.Chain):
     def forward(self, x):
         h = F.tanh(self.mid(F.sum(self.embed(x), axis=1)))
         return F.linear(h, self.embed.W)
+
+
+class StopsAt(chainer.dataset.DatasetMixin):
+    """A dataset whose example ``at`` raises StopIteration (a bug in user code: an
+    iterator over it that repeats must not take that as the end of its data)."""
+
+    def __init__(self, base, at):
+        self.base, self.at = base, at
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        if i == self.at:
+            raise StopIteration('planted')
+        return self.base[i]
