@@ -16,7 +16,7 @@ import chainer
 
 from ._chainer_private import is_unregistered_observer_error
 from ._chunks import Chunking, split
-from ._flat_buffers import unique_params
+from ._flat_buffers import persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 from ._timing import Stopwatch
 
@@ -161,12 +161,16 @@ class Replica:
             are, summed in float64 (the master of one host under ``nonfinite='ignore'``:
             nothing needs them on the host before the step, and ``chainer.report`` takes
             device arrays, as under StandardUpdater).
+        one_of_many: whether other replicas share the update (workers, or MPI ranks):
+            then its first window checks that the model kept the parameters and
+            persistents it started with (:meth:`_check_unchanged`).
     """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
                  name: str = 'replica 0', keep_graphs: bool = False,
-                 chunking: Chunking = Chunking(), read_values: bool = True) -> None:
+                 chunking: Chunking = Chunking(), read_values: bool = True,
+                 one_of_many: bool = False) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -176,6 +180,10 @@ class Replica:
         self.keep_graphs = keep_graphs
         self.read_values = read_values
         self.chunking = chunking
+        #: what the model held when the replica started, until the first window that ran
+        #: a micro-batch checked it (:meth:`_check_unchanged`); then None
+        self._started_with = model_signature(model) if one_of_many else None
+        self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
@@ -240,6 +248,8 @@ class Replica:
                     observation: Dict[str, Any] = {}
                     with self.reporter.scope(observation):
                         loss = self._forward(arrays)
+                        if not self._loss_checked:
+                            self._check_loss(loss)
                         if not cleared:
                             self.model.cleargrads()
                             cleared = True
@@ -265,6 +275,8 @@ class Replica:
         if not cleared:   # no micro-batch: the window leaves no gradient
             self.model.cleargrads()
         if count:
+            if self._started_with is not None:
+                self._check_unchanged()
             self._check_gradients()
             factor = self.scaling.window(count)
             if factor != 1.0:
@@ -274,7 +286,10 @@ class Replica:
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         values = [t[1] for t in terms]
-        values = read_on_host(values) if self.read_values else keep_on_device(values)
+        try:
+            values = read_on_host(values) if self.read_values else keep_on_device(values)
+        except (TypeError, ValueError) as exc:
+            raise self._unreadable_report(terms, exc) from exc
         for (key, _, factor), value in zip(terms, values):
             if key is None:
                 loss_sum = loss_sum + value * factor
@@ -312,6 +327,69 @@ class Replica:
                 'link that is not part of this replica\'s model, so it computes with a '
                 f'different copy of the model. {_LOSS_FUNC_FIX}') from exc
 
+    def _check_loss(self, loss: Any) -> None:
+        """The first loss of the replica is a floating-point Variable of one element, or
+        an error that names ``loss_func`` and says what it returned."""
+        what = None
+        if not isinstance(loss, chainer.Variable):
+            text = repr(loss)
+            what = (f'{type(loss).__name__} {text[:60] + "..." if len(text) > 60 else text}'
+                    ', not a chainer.Variable: return the loss as a Variable computed from '
+                    'the model (e.g. F.softmax_cross_entropy(y, t)); a number or an array '
+                    'has no graph to back-propagate')
+        elif loss.size != 1:
+            what = (f'a Variable of shape {loss.shape}, not one value: reduce it to a '
+                    "scalar (F.mean; or F.sum with loss_reduction='sum')")
+        elif numpy.dtype(loss.dtype).kind != 'f':
+            what = (f'a Variable of dtype {numpy.dtype(loss.dtype).name}: a loss must be '
+                    'floating point (float16, float32 or float64) to be back-propagated')
+        if what is not None:
+            raise TypeError(f'{self.name}: loss_func ({_describe(self.loss_func)}) '
+                            f'returned {what}')
+        self._loss_checked = True
+
+    def _check_unchanged(self) -> None:
+        """After the first window: the model holds the parameters and array persistents
+        it started with (names, shapes, dtypes). A link created inside ``forward`` (in
+        ``init_scope``, on the first call) gets each replica's own random values, and no
+        collective carries it, so the replicas would train apart, silently."""
+        now = model_signature(self.model)
+        before, self._started_with = self._started_with, None
+        if now == before:
+            return
+        old, new = dict(before), dict(now)
+        added = sorted(set(new) - set(old))
+        gone = sorted(set(old) - set(new))
+        changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+        parts = [f'{label} {names}' for label, names in (
+            ('new', added), ('removed', gone), ('reshaped or retyped', changed)) if names]
+        raise RuntimeError(
+            f'{self.name}: its model changed during its first update '
+            f'({"; ".join(parts)}). A link created inside forward (for example in '
+            'init_scope on the first call) gets each replica\'s own initial values, and no '
+            'replica shares it, so the replicas would train apart. Create every link in '
+            '__init__; where a size is known only at the first call, give it as None '
+            '(L.Linear(None, n)): such parameters are initialised by one forward pass on '
+            'the master before the workers start, so every replica starts the same')
+
+    def _unreadable_report(self, terms: List[Tuple[Optional[str], Any, float]],
+                           exc: Exception) -> Exception:
+        """The error for a reported value that is no number (a string, None): it names
+        the key, which the conversion's own error does not."""
+        for key, value, _ in terms:
+            try:
+                _host(value)
+            except (TypeError, ValueError):
+                text = repr(value)
+                return TypeError(
+                    f'{self.name}: {"the loss" if key is None else repr(key)} was reported '
+                    f'as {type(value).__name__} '
+                    f'{text[:60] + "..." if len(text) > 60 else text}, which cannot be '
+                    'averaged over the replicas and micro-batches: report numbers, '
+                    'one-element arrays or Variables (chainer.report), and anything else '
+                    'from an extension')
+        return exc
+
     def _check_gradients(self) -> None:
         """A window that left no parameter with a gradient computed with another model."""
         if any(p.grad is not None for p in self.model.params()):
@@ -328,6 +406,16 @@ _LOSS_FUNC_FIX = (
     'method, a closure, a partial, an attribute) means the replica in each worker; one '
     'that reaches the model another way (a global variable) computes with its own copy in '
     'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
+
+
+def model_signature(model: chainer.Link) -> Tuple[Tuple[str, Tuple[Any, ...]], ...]:
+    """(name, (shape, dtype)) of every parameter (each once) and array persistent."""
+    out = [(name, (None if p.array is None else tuple(p.array.shape),
+                   None if p.array is None else numpy.dtype(p.array.dtype).str))
+           for name, p in unique_params(model)]
+    out += [(name, (tuple(a.shape), numpy.dtype(a.dtype).str))
+            for name, a in persistent_arrays(model)]
+    return tuple(sorted(out))
 
 
 def _describe(func: Any) -> str:

@@ -91,7 +91,8 @@ def start(s: Settings) -> Started:
                           name=f'replica 0 ({s.device_labels[0]})', keep_graphs=True,
                           chunking=chunking(s, own_index),
                           # MPI ranks exchange their results pickled: read them first
-                          read_values=s.read_values or s.communicator is not None)
+                          read_values=s.read_values or s.communicator is not None,
+                          one_of_many=len(s.devices) > 1 or s.communicator is not None)
     except BaseException:
         loader.close()
         raise

@@ -143,3 +143,19 @@ class StopsAt(chainer.dataset.DatasetMixin):
         if i == self.at:
             raise StopIteration('planted')
         return self.base[i]
+
+
+class GrowsInForward(chainer.Chain):
+    """Creates a link inside forward, on the first call (in ``init_scope``): each replica
+    would draw that link's initial values itself."""
+
+    def __init__(self, n_in=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n_in, n_out)
+
+    def forward(self, x):
+        if not hasattr(self, 'extra'):
+            with self.init_scope():
+                self.extra = L.Linear(3, 3)
+        return self.extra(F.relu(self.l1(x)))

@@ -225,7 +225,7 @@ def _build(init: 'WorkerInit') -> Any:
     limit_process(init.blas_threads)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
                       name=f'replica {init.rank} ({init.device})',
-                      chunking=init.chunking)
+                      chunking=init.chunking, one_of_many=True)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
