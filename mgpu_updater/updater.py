@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import chainer
@@ -242,6 +243,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore'))
         self._loader, self._replica, self._group, self._nominal_samples = started
+        # An updater dropped without finalize() (``del``, garbage collection, the
+        # interpreter's exit) still stops its workers and releases its shared memory.
+        self._release_when_dropped = weakref.finalize(self, _release, self._group,
+                                                      self._loader)
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
@@ -362,6 +367,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:
+        dropped = getattr(self, '_release_when_dropped', None)
+        if dropped is not None:
+            dropped.detach()   # released here, now
         if abort:
             self._step.drop()
         else:   # keep the gradient in flight, off the buffers that are about to go
@@ -387,3 +395,17 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
                     pass
+
+
+def _release(group: Group, loader: Optional[Loader]) -> None:
+    """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
+    finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
+    and its loader's thread. Runs from ``weakref.finalize``: when the updater is garbage,
+    or at the interpreter's exit; it must not raise."""
+    try:
+        group.close(abort=False)
+    except Exception:  # noqa: BLE001 - nobody to tell; the pool's own exit hook remains
+        pass
+    finally:
+        if loader is not None:
+            loader.close()

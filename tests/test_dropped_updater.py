@@ -1,0 +1,57 @@
+"""An updater dropped without ``finalize()`` leaves nothing behind.
+
+``del updater`` (and garbage collection) stops its workers and releases every
+shared-memory segment at once, not at the interpreter's exit; a script that exits with
+the updater still referenced releases them too, without the resource tracker's warning
+of leaked segments.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / 'tests' / 'scripts' / 'dropped_updater.py'
+
+
+def _run(mode):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / 'tests')]))
+    proc = subprocess.run([sys.executable, str(SCRIPT), mode], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def line(key):
+        return json.loads(proc.stdout.split(key + ' ', 1)[1].splitlines()[0])
+    return proc, line
+
+
+def _alive(pid):
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+    except OSError:
+        return False
+
+
+def test_del_stops_the_workers_and_releases_the_shared_memory_at_once():
+    proc, line = _run('del')
+    workers, segments = line('WORKERS'), line('SEGMENTS')
+    assert len(workers) == 1 and segments
+    assert line('DROPPED') == {'left': []}
+    assert 'leaked' not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_exit_without_finalize_leaves_no_process_no_segment_and_no_warning():
+    proc, line = _run('exit')
+    workers, segments = line('WORKERS'), line('SEGMENTS')
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(map(_alive, workers)):
+        time.sleep(0.05)
+    assert not any(map(_alive, workers))
+    assert [s for s in segments if os.path.exists('/dev/shm/' + s)] == []
+    assert 'resource_tracker' not in proc.stderr and 'leaked' not in proc.stderr, \
+        proc.stderr[-2000:]
