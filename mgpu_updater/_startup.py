@@ -54,6 +54,8 @@ class Settings(NamedTuple):
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
     reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
     read_values: bool = True        # the master reads its window's values on the host
+    stall_warning: Optional[float] = None    # seconds before a stalled worker is named
+    update_timeout: Optional[float] = None   # ... and before the update gives up
 
 
 class Started(NamedTuple):
@@ -141,7 +143,7 @@ def _local_group(s: Settings) -> LocalGroup:
             comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
-                      s.start_method, s.start_timeout)
+                      s.start_method, s.start_timeout, s.stall_warning, s.update_timeout)
 
 
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],

@@ -306,6 +306,11 @@ def seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def seconds_or_none(name: str, value: Any) -> Any:
+    """None (never), or a number of seconds > 0 as :func:`seconds` takes it."""
+    return None if value is None else seconds(name, value)
+
+
 def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f'{name} must be True or False ({value!r} given)')
@@ -364,4 +369,5 @@ def reuse_host_memory(value: Any) -> Any:
 __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory']
+           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory',
+           'seconds_or_none']

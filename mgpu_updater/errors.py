@@ -39,6 +39,11 @@ def _rebuild(text, replica, device, tb, exitcode):
     return err
 
 
+class StallWarning(RuntimeWarning):
+    """The master has waited ``stall_warning`` seconds for workers that have not finished
+    their update; the message names them and gives each one's Python stack."""
+
+
 class NonFiniteLossError(FloatingPointError):
     """The loss of an update was NaN or infinite (``nonfinite='raise'``, the default).
 

@@ -123,6 +123,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (your process) from the first update on, for the rest of its life (glibc has
             no way back). Results do not change; a process keeps its peak heap. No effect
             where the C library is not glibc.
+        stall_warning: seconds (default 60) the master waits in an update for workers
+            that have not finished their windows before it warns
+            (:class:`~mgpu_updater.StallWarning`), naming them and giving each one's
+            Python stack; None: never. The clock starts when the master's own window is
+            over.
+        update_timeout: seconds after which such a wait raises
+            :class:`~mgpu_updater.WorkerError` with the same information and every worker
+            is stopped (default None: wait as long as the workers live).
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready.
         communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
@@ -145,7 +153,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  replica_reduction: str = 'mean',
                  micro_batch_size: Union[None, int, str] = None,
                  blas_threads: Union[None, int, str] = 'auto',
-                 reuse_host_memory: Union[bool, str] = 'auto') -> None:
+                 reuse_host_memory: Union[bool, str] = 'auto',
+                 stall_warning: Optional[float] = 60.0,
+                 update_timeout: Optional[float] = None) -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -163,6 +173,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
+        self.stall_warning = _validate.seconds_or_none('stall_warning', stall_warning)
+        self.update_timeout = _validate.seconds_or_none('update_timeout', update_timeout)
         self.report_times = bool(report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
         self._step = _step.choose(self.pipelined)
@@ -241,7 +253,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
-            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore'))
+            reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
+            stall_warning=self.stall_warning, update_timeout=self.update_timeout))
         self._loader, self._replica, self._group, self._nominal_samples = started
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.

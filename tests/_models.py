@@ -159,3 +159,30 @@ class GrowsInForward(chainer.Chain):
             with self.init_scope():
                 self.extra = L.Linear(3, 3)
         return self.extra(F.relu(self.l1(x)))
+
+
+def _sleep_in_forward(seconds):
+    import time
+    time.sleep(seconds)
+
+
+class SleepsInWorker(chainer.Chain):
+    """A classifier whose forward sleeps ``seconds`` in the worker processes (or, with
+    ``in_master``, in the master) from its ``at``-th call on, once (every call with
+    ``every``)."""
+
+    def __init__(self, seconds, at=2, in_master=False, every=False):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed=0)
+        self.seconds, self.at, self.in_master, self.every = seconds, at, in_master, every
+        self.calls = 0
+
+    def forward(self, x, t):
+        import multiprocessing
+        in_worker = multiprocessing.current_process().name.startswith('mgpu-worker')
+        self.calls += 1
+        if in_worker != self.in_master and (
+                self.calls == self.at or (self.every and self.calls > self.at)):
+            _sleep_in_forward(self.seconds)
+        return self.inner(x, t)

@@ -123,6 +123,11 @@ class Board:
         return [(self._ints[r * _WORDS + _COUNT], self._floats[r * _WORDS + _LOSS])
                 for r in range(self.size)]
 
+    def behind(self) -> List[int]:
+        """The ranks that have not posted this rank's latest round yet."""
+        ints, target = self._ints, self._round
+        return [r for r in range(self.size) if ints[r * _WORDS + _ROUND] < target]
+
     def post(self, count: Optional[int] = None, loss: Optional[float] = None) -> None:
         """Start this rank's next round, with its ``count`` and ``loss`` or (None) with
         the values it posted last, which the others may still be reading."""

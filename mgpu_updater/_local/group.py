@@ -34,7 +34,9 @@ class LocalGroup(Group):
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
                  master_device: Any, devices: List[Any], payloads: Dict[int, Any],
-                 start_method: str, start_timeout: float) -> None:
+                 start_method: str, start_timeout: float,
+                 stall_warning: Optional[float] = None,
+                 update_timeout: Optional[float] = None) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -54,7 +56,7 @@ class LocalGroup(Group):
         self.announce_packs = announces_packs(self.board)
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
-        self.pool = WorkerPool(devices, start_method)
+        self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
             self.pool.start(worker_main, {r: p(handle, board, self.announce_packs)

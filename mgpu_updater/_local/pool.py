@@ -34,9 +34,10 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
 
-from .protocol import Encoder, Failed, Hello, Ready, Stop
+from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
+from .stall import StackFiles, StallWatch
 from ..errors import WorkerError
 
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
@@ -100,9 +101,14 @@ def _close_live_pools() -> None:
 
 
 class WorkerPool:
-    """The worker processes of one updater: ranks 1..N-1."""
+    """The worker processes of one updater: ranks 1..N-1.
 
-    def __init__(self, devices: Sequence[Any], start_method: str) -> None:
+    ``stall_warning`` and ``update_timeout``: seconds the master waits for a worker in an
+    update before it warns, or gives up (:mod:`.stall`; None: never)."""
+
+    def __init__(self, devices: Sequence[Any], start_method: str,
+                 stall_warning: Optional[float] = None,
+                 update_timeout: Optional[float] = None) -> None:
         self._devices = list(devices)          # labels, index = rank
         self._start_method = start_method
         self._ctx = multiprocessing.get_context(start_method)
@@ -112,6 +118,10 @@ class WorkerPool:
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
+        self._stacks = StackFiles()
+        self.stall = StallWatch(stall_warning, update_timeout, self._stacks,
+                                pid_of=lambda r: self._procs[r].pid,
+                                device_of=lambda r: str(self._devices[r]))
 
     @property
     def ranks(self) -> List[int]:
@@ -125,8 +135,9 @@ class WorkerPool:
               before_ready: Optional[Callable[[], None]] = None) -> Dict[int, Any]:
         """Start one process per payload and wait (bounded) until each says it is ready.
 
-        ``target(conn, master_pid, shm_names, default_start_method)`` is the worker's
-        entry point: it says
+        ``target(conn, master_pid, shm_names, default_start_method, stack_file)`` is the
+        worker's entry point (``stack_file``: where it dumps its stacks, :mod:`.stall`):
+        it says
         ``Hello()``, receives its payload with ``conn.recv_bytes()``, then says
         ``Ready()``. ``timeout`` bounds the whole start. ``before_ready`` runs after
         the payloads are sent and before the wait for ready: the NCCL communicator's
@@ -141,7 +152,8 @@ class WorkerPool:
         default_method = multiprocessing.get_start_method(allow_none=True)
         for rank in sorted(payloads):
             parent, child = self._ctx.Pipe(duplex=True)
-            args = (child, os.getpid(), list(shm_names), default_method)
+            args = (child, os.getpid(), list(shm_names), default_method,
+                    self._stacks.path(rank))
             proc = self._ctx.Process(target=target, args=args,
                                      name=f'mgpu-worker-{rank}', daemon=False)
             proc.start()
@@ -204,13 +216,14 @@ class WorkerPool:
                                           remote_traceback=msg[1])
                 self._raise_dead(rank)
 
-    def check(self, what: str = 'update') -> None:
+    def check(self, what: str = 'update', waiting: Collection[int] = ()) -> None:
         """Raise :class:`WorkerError` if a worker died or reported an error (its
         ``Failed``, with its traceback); never blocks. What else a worker said meanwhile is
         kept for the next :meth:`gather`, and a worker's pipe is still watched after that,
         for a ``Failed`` behind it (a worker that sent Done and then failed); anything else
         behind it breaks the protocol. (The master runs this while it
-        waits at the board, :mod:`.board`.)"""
+        waits at the board, :mod:`.board`, for the ranks of ``waiting``, which the stall
+        watch names if the wait lasts: :mod:`.stall`.)"""
         for rank, conn in self._conns.items():
             try:
                 ready = conn.poll(0)
@@ -228,6 +241,8 @@ class WorkerPool:
                                   device=str(self._devices[rank]))
             self._early[rank] = msg
         self.check_alive()
+        if waiting:
+            self.stall.check(waiting)
 
     def _last_words(self, rank: int) -> Any:
         """What a dead worker sent last and nobody read yet (its ``Failed``), or None. A
@@ -238,6 +253,8 @@ class WorkerPool:
             return None
 
     def send(self, msg: tuple, ranks: Optional[Sequence[int]] = None) -> None:
+        if msg[0] == Step.KIND:
+            self.stall.new_update()
         data = self._encoder.encode(msg)   # a worker's Decoder reads it
         for rank in (self.ranks if ranks is None else ranks):
             try:
@@ -270,6 +287,7 @@ class WorkerPool:
                                   replica=rank, device=str(self._devices[rank]))
             out[rank] = msg[1] if len(msg) > 1 else None
             waiting.discard(rank)
+        watched = what == 'update'   # the update's waits: the stall watch's (.stall)
         while waiting:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -278,6 +296,11 @@ class WorkerPool:
                     f'no answer within {timeout:.0f} s during {what} '
                     f'(still waiting for replicas {late})',
                     replica=late[0], device=str(self._devices[late[0]]))
+            if watched:
+                self.stall.check(waiting)
+                due = self.stall.due_in()
+                if due is not None:
+                    left = due if left is None else min(left, due)
             conns = {self._conns[r]: r for r in waiting}
             sentinels = {self._exits[r]: r for r in waiting}
             ready = multiprocessing.connection.wait(list(conns) + list(sentinels), timeout=left)
@@ -365,6 +388,7 @@ class WorkerPool:
         self._procs.clear()
         self._conns.clear()
         self._exits.clear()
+        self._stacks.close()
 
     def _exited(self, rank: int) -> bool:
         """Whether that worker has exited, without reaping it."""

@@ -311,7 +311,7 @@ class Workers(Protocol):
 
     def gather(self, kind: str, ranks: Optional[List[int]] = None) -> Dict[int, Any]: ...
 
-    def check(self) -> None: ...
+    def check(self, what: str = 'update', waiting: Collection[int] = ()) -> None: ...
 
 
 def take_results(workers: Workers, board: Board) -> Dict[int, WindowResult]:
@@ -321,7 +321,7 @@ def take_results(workers: Workers, board: Board) -> Dict[int, WindowResult]:
     out: Dict[int, WindowResult] = {}
     by_pipe = []
     for rank in workers.ranks:
-        data = board.result(rank, workers.check)
+        data = board.result(rank, lambda: workers.check(waiting=(rank,)))
         if data is None:
             by_pipe.append(rank)
         else:
@@ -367,7 +367,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     if by_board:
         if own is None:
             raise ValueError('master_finish: the ranks meet at the board; pass own')
-        posted = board.meet(own.count, own.loss_sum, workers.check)   # type: ignore[union-attr]
+        posted = board.meet(own.count, own.loss_sum,   # type: ignore[union-attr]
+                            lambda: workers.check(waiting=board.behind()))   # type: ignore[union-attr]
     else:
         others = workers.gather(Done.KIND)
         if then is not None:

@@ -133,19 +133,22 @@ def _kill_own_group() -> None:
 
 
 def main(conn: Any, parent_pid: int, shm_names: List[str],
-         default_start_method: Optional[str] = None) -> None:
+         default_start_method: Optional[str] = None, stack_file: Optional[str] = None) -> None:
     """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
 
     The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
     the ``Hello()``, never as a process argument (see ``.pool``).
     ``default_start_method`` is the master's default (None: the platform's), for the
-    processes the user's iterator starts here.
+    processes the user's iterator starts here. ``stack_file``: where this process dumps
+    its threads' stacks when the master asks (a stalled update, :mod:`.stall`).
     """
     import multiprocessing
     _lead_process_group()
     multiprocessing.set_start_method(default_start_method, force=True)
     # Should a SIGINT reach us anyway (sent to our group): the master decides, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .stall import register_stack_dump
+    register_stack_dump(stack_file)
 
     def orphaned() -> None:
         from ..comm.shm import unlink_quietly
