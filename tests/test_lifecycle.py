@@ -22,7 +22,7 @@ def _rank():
     return int(multiprocessing.current_process().name.rsplit('-', 1)[1])
 
 
-def first_dies_before_hello(conn, parent_pid, shm_names, default_method):
+def first_dies_before_hello(conn, parent_pid, shm_names, default_method, stack_file=None):
     """Replica 1 exits at once, as a worker re-running an unguarded script does; the
     others run the real entry point and wait for their payload."""
     if _rank() == 1:
@@ -30,11 +30,11 @@ def first_dies_before_hello(conn, parent_pid, shm_names, default_method):
     _worker.main(conn, parent_pid, shm_names, default_method)
 
 
-def never_says_hello(conn, parent_pid, shm_names, default_method):
+def never_says_hello(conn, parent_pid, shm_names, default_method, stack_file=None):
     time.sleep(60)
 
 
-def echo_payload(conn, parent_pid, shm_names, default_method):
+def echo_payload(conn, parent_pid, shm_names, default_method, stack_file=None):
     """Says hello, takes its payload, answers ready with the payload's size."""
     conn.send(('hello',))
     payload = conn.recv_bytes()

@@ -236,7 +236,7 @@ def test_a_worker_releases_its_loader_only_while_it_waits_for_the_master():
 
     class Replica:
         loader = Loader()
-    worker_module._answer(Conn(), None, Replica(), None, None, None, None, None)
+    worker_module._answer(Conn(), None, Replica(), None, None, None, None)
     assert events == ['release', 'wait', 'hold', 'state', 'send state',
                       'release', 'wait', 'hold']
 

@@ -50,8 +50,9 @@ class _Pipe:
         self.checks = 0
         self.gathered = []
 
-    def check(self):
+    def check(self, what='update', waiting=()):
         self.checks += 1
+        self.waiting = tuple(waiting)
 
     def gather(self, kind, ranks=None):
         self.gathered.append((kind, ranks))
@@ -123,6 +124,7 @@ def test_the_master_waits_for_this_rounds_result_running_its_check():
         ready.set()
         assert take_results(pipe, master) == {1: _result(3)}
         assert pipe.checks > checks        # it waited, and checked while waiting
+        assert pipe.waiting == (1,)        # ... naming the rank it waited for (a stall)
     finally:
         proc.join(30)
         master.close()
