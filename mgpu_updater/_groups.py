@@ -16,6 +16,7 @@ on the summed gradient, which the step policy applies one update later.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
@@ -101,6 +102,13 @@ class SoloGroup(Group):
         self.model = model
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
+        return [own]
+
+    def finish_stepping(self, own: WindowResult,
+                        step: Callable[[int, float], None]) -> List[WindowResult]:
+        # total_loss([own]), without the lists: this runs every update of one device
+        count = own.count
+        step(count, own.loss_sum / count if count else math.nan)
         return [own]
 
 

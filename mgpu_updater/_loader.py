@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
+from chainer.dataset import convert
 
 from ._chainer_private import call_converter
 from ._checkpoint import capture_state
@@ -90,6 +91,11 @@ class Loader:
         self.iterator = iterator
         self.converter = converter
         self.device = device
+        #: what the converter is given as its device: the replica's, as StandardUpdater
+        #: gives it, except that Chainer's own concat_examples on the CPU gets None, for
+        #: which it returns the same arrays without a transfer per array (four calls each)
+        self.converter_device = None if (converter is convert.concat_examples
+                                         and not _is_gpu(device)) else device
         self._exhausted = False
         self._closed = False
 
@@ -109,7 +115,7 @@ class Loader:
     def _convert(self, read: Tuple[Any, EpochInfo], stager: Any = None) -> Batch:
         batch, epoch = read
         if stager is None:
-            arrays = call_converter(self.converter, batch, self.device)
+            arrays = call_converter(self.converter, batch, self.converter_device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
             arrays = stager.stage(call_converter(self.converter, batch, None))
         return Batch(sample_count(batch), arrays, epoch)
@@ -119,15 +125,24 @@ class Loader:
         return None if read is None else self._convert(read, stager)
 
     def get(self) -> Optional[Batch]:
-        """The next micro-batch, or ``None`` once the iterator is exhausted."""
+        """The next micro-batch, or ``None`` once the iterator is exhausted. (What
+        :meth:`_load` does, in one call: it runs for every micro-batch.)"""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
             return None
-        item = self._load()
-        if item is None:
+        it = self.iterator
+        try:
+            batch = it.next()
+        except StopIteration as exc:
+            if getattr(it, 'repeat', False):
+                raise RepeatingIteratorStopped(it) from exc
             self._exhausted = True
-        return item
+            return None
+        epoch = EpochInfo(it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
+                          it.is_new_epoch)
+        return Batch(sample_count(batch),
+                     call_converter(self.converter, batch, self.converter_device), epoch)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)

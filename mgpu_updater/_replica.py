@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
@@ -18,7 +19,6 @@ from ._chainer_private import is_unregistered_observer_error
 from ._chunks import Chunking, split
 from ._flat_buffers import persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
-from ._timing import Stopwatch
 
 
 class WindowResult(NamedTuple):
@@ -114,10 +114,16 @@ def read_on_host(values: List[Any]) -> List[Any]:
     """
     out: List[Any] = [None] * len(values)
     on_gpu: Dict[Any, List[Tuple[int, Any]]] = {}
+    gpu_array = chainer.backends.cuda.ndarray
     for i, value in enumerate(values):
         if isinstance(value, chainer.Variable):
             value = value.array
-        if isinstance(value, chainer.backends.cuda.ndarray) and value.size == 1:
+        kind = type(value)
+        if kind is numpy.ndarray and value.size == 1:   # the CPU's case, every update
+            out[i] = float(value.item())
+        elif kind is float:
+            out[i] = value
+        elif isinstance(value, gpu_array) and value.size == 1:
             on_gpu.setdefault(value.device.id, []).append((i, value))
         else:
             out[i] = _host(value)
@@ -184,6 +190,14 @@ class Replica:
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
         self._started_with = model_signature(model) if one_of_many else None
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
+        self._gradients_checked = False   # ... and the first gradient (_check_gradients)
+        #: whether a backward of this replica ever stamped a loss scale on the parameters
+        #: (``backward(loss_scale=s)`` writes ``s`` onto every leaf it reaches, which the
+        #: optimizer's update rules divide by, chainer/optimizer.py:259, 291): until then
+        #: every stamp is None, and a scale of exactly 1 (one replica, one micro-batch of
+        #: the nominal size) back-propagates with none, leaving them so; the master then
+        #: need not write them before its step (the updater's ``_apply``)
+        self.stamped = False
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
@@ -208,11 +222,11 @@ class Replica:
         same Variable or array ``loss_func`` returned) adds up over the update instead of
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
-        watch = Stopwatch()
+        times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
         while True:
             try:
-                return self._attempt(window, loss_scale, watch)
+                return self._attempt(window, loss_scale, times)
             except MemoryError as exc:
                 if not self.chunking.auto:
                     raise
@@ -223,12 +237,17 @@ class Replica:
             _free_memory(self.model)
 
     def _attempt(self, window: '_Window', loss_scale: Optional[float],
-                 watch: Stopwatch) -> WindowResult:
+                 times: Dict[str, float]) -> WindowResult:
         # The last update's gradients are cleared after the window's first forward, just
         # before its first backward: the order of Chainer's ``Optimizer.update``
         # (chainer/optimizer.py:874-876: ``loss = lossfun(...)``, then ``cleargrads()``).
         # Cleared before it, the forward ran about 2% slower on a 2-core Xeon VM, the whole
         # update 1.1% (bench/window_order.py; bench/results/window-order).
+        # This loop runs once per micro-batch of every update, on every replica: where the
+        # host decides the speed (a small model, a fast GPU) each microsecond here is one
+        # StandardUpdater does not spend (bench/overhead.py). Hence one reporter scope per
+        # window, plain clocks, and the checks of the first window only.
+        clock = time.perf_counter
         cleared = False
         self.graph_roots = {}
         keep_graphs = self.keep_graphs and bool(chainer.config.keep_graph_on_report)
@@ -238,26 +257,48 @@ class Replica:
         weights: Dict[str, float] = {}
         summed: Dict[str, None] = {}
         epochs: List[EpochInfo] = []
-        for i in range(self.accumulate_steps):
-            with watch('data'):
+        data = compute = 0.0
+        scaling, model, reporter = self.scaling, self.model, self.reporter
+        sum_loss = scaling.loss_reduction == 'sum'
+        chunk = self.chunking.size
+        largest = 0
+        # one reporter scope for the window, a fresh observation per micro-batch (what
+        # Reporter.scope does, without its generator per micro-batch)
+        outer = reporter.observation
+        reporter.__enter__()
+        try:
+            for i in range(self.accumulate_steps):
+                start = clock()
                 batch = window.get(i)
-            if batch is None:        # iterator exhausted: the window holds what it got
-                break
-            with watch('compute'):
-                for size, arrays in split(batch.arrays, batch.size, self.chunking.size):
+                loaded = clock()
+                data += loaded - start
+                if batch is None:        # iterator exhausted: the window holds what it got
+                    break
+                size = batch.size
+                if size > largest:
+                    largest = size
+                pieces = ((size, batch.arrays),) if chunk is None or chunk >= size else \
+                    split(batch.arrays, size, chunk)
+                for size, arrays in pieces:
                     observation: Dict[str, Any] = {}
-                    with self.reporter.scope(observation):
-                        loss = self._forward(arrays)
-                        if not self._loss_checked:
-                            self._check_loss(loss)
-                        if not cleared:
-                            self.model.cleargrads()
-                            cleared = True
-                        scale = self.scaling.micro_batch(size)
-                        if loss_scale is not None:
-                            scale *= loss_scale
+                    reporter.observation = observation
+                    loss = self._forward(arrays)
+                    if not self._loss_checked:
+                        self._check_loss(loss)
+                    if not cleared:
+                        model.cleargrads()
+                        cleared = True
+                    scale = scaling.micro_batch(size)
+                    if loss_scale is not None:
+                        scale *= loss_scale
+                    if scale == 1.0 and not self.stamped:
+                        # the same gradient; leaves stamped None, as they are (see stamped)
+                        loss.backward()
+                    else:
+                        self.stamped = True
                         loss.backward(loss_scale=scale)
-                    terms.append((None, loss.array, size))
+                    loss_array = loss.array
+                    terms.append((None, loss_array, size))
                     if keep_graphs:   # the first chunk's graphs only
                         keep_graphs = False
                         self.graph_roots = {k: v for k, v in observation.items()
@@ -265,24 +306,33 @@ class Replica:
                     for key, value in observation.items():
                         if isinstance(value, chainer.Variable):
                             value = value.array
-                        if self.scaling.loss_reduction == 'sum' and value is loss.array:
+                        if sum_loss and value is loss_array:
                             summed[key] = None
                         terms.append((key, value, 1 if key in summed else size))
                         weights[key] = weights.get(key, 0.0) + size
-                    del loss
-            count += batch.size
-            epochs.append(batch.epoch)
+                    del loss, loss_array
+                compute += clock() - loaded
+                count += batch.size
+                epochs.append(batch.epoch)
+        finally:
+            reporter.__exit__(None, None, None)
+            reporter.observation = outer
+        times['data'] += data
+        times['compute'] += compute
         if not cleared:   # no micro-batch: the window leaves no gradient
-            self.model.cleargrads()
+            model.cleargrads()
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
-            self._check_gradients()
-            factor = self.scaling.window(count)
+            if not self._gradients_checked:
+                self._check_gradients()
+            factor = scaling.window(count)
             if factor != 1.0:
-                for _, param in unique_params(self.model):   # a tied one once
+                for _, param in unique_params(model):   # a tied one once
                     if param.grad is not None:
                         param.grad *= factor
+        micro_batch_size = (min(chunk, largest) if chunk is not None else largest) \
+            if count else None
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         values = [t[1] for t in terms]
@@ -299,9 +349,8 @@ class Replica:
             count=count,
             loss_sum=loss_sum,   # a float, or a 0-dim array when kept on the device
             sums=sums,
-            weights=weights, times=dict(watch.times), epochs=epochs,
-            summed=tuple(summed),
-            micro_batch_size=window.chunk_size(self.chunking.size) if count else None)
+            weights=weights, times=dict(times), epochs=epochs,
+            summed=tuple(summed), micro_batch_size=micro_batch_size)
 
     def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:
         current = window.chunk_size(self.chunking.size)
@@ -391,8 +440,11 @@ class Replica:
         return exc
 
     def _check_gradients(self) -> None:
-        """A window that left no parameter with a gradient computed with another model."""
+        """A window that left no parameter with a gradient computed with another model
+        (checked in the first window that ran a micro-batch: the loss_func's binding does
+        not change)."""
         if any(p.grad is not None for p in self.model.params()):
+            self._gradients_checked = True
             return
         raise RuntimeError(
             f'{self.name}: no parameter of its model got a gradient from this update\'s '
@@ -465,6 +517,11 @@ def _free_memory(model: chainer.Link) -> None:
 def combine(results: List[WindowResult]) -> Dict[str, Any]:
     """The sample-weighted mean of every reported value over all replicas' windows; the
     sum for the keys a replica marked ``summed`` (the loss under ``loss_reduction='sum'``)."""
+    if len(results) == 1:   # one replica: every update of one device
+        r = results[0]
+        summed_keys, weights_of = r.summed, r.weights
+        return {key: value if key in summed_keys else value / weights_of[key]
+                for key, value in r.sums.items() if weights_of[key] > 0}
     sums: Dict[str, Any] = {}
     weights: Dict[str, float] = {}
     summed = {key for r in results for key in r.summed}

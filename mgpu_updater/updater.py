@@ -1,6 +1,7 @@
 """ParallelAccumulatingUpdater: the master side."""
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -16,7 +17,6 @@ from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
-from ._timing import Stopwatch
 from .errors import NonFiniteLossError
 
 
@@ -256,6 +256,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
             stall_warning=self.stall_warning, update_timeout=self.update_timeout))
         self._loader, self._replica, self._group, self._nominal_samples = started
+        self._optimizer = self.get_optimizer('main')
+        self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
@@ -276,28 +278,29 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _update(self) -> None:
         if self._replica is None:
             self._start()
-        optimizer = self.get_optimizer('main')
+        # This runs every update: where the host decides the speed, each call here is time
+        # StandardUpdater does not spend (bench/overhead.py), hence plain clocks.
+        clock = time.perf_counter
+        optimizer = self._optimizer
         loss_scale = chainer_private.loss_scale(optimizer)
         parity = self._step.parity(self.iteration)
-        watch = Stopwatch()
-        with watch('comm'):
-            self._group.begin(loss_scale, parity)
-        with self._window_threads:
+        t0 = clock()
+        self._group.begin(loss_scale, parity)
+        t1 = clock()
+        if self._window_threads.threads is None:
             own = self._replica.run_window(loss_scale)
-
-        # The policy hands over this update's gradient step as soon as the group has it in
-        # the model: the local group, before it takes the workers' results.
-        def on_step(fresh: _step.GradientStep) -> None:
-            if fresh.count == 0:
-                return   # StopIteration below, once the results are in
-            due = self._step.due(fresh, optimizer.target)
-            if due is not None:
-                with watch('update'):
-                    self._apply(optimizer, due)
-        with watch('comm'):
-            results, fresh = self._step.reduce(self._group, own, loss_scale, parity, on_step)
-        # ``update`` was counted inside ``comm``
-        watch.times['comm'] -= watch.times.get('update', 0.0)
+        else:
+            with self._window_threads:
+                own = self._replica.run_window(loss_scale)
+        t2 = clock()
+        self._step_seconds = 0.0
+        # The policy hands over this update's gradient step (_on_step) as soon as the group
+        # has it in the model: the local group, before it takes the workers' results.
+        results, fresh = self._step.reduce(self._group, own, loss_scale, parity,
+                                           self._on_step)
+        # the step ran inside the reduction: its seconds are 'update', not 'comm'
+        times = {'comm': (t1 - t0) + (clock() - t2) - self._step_seconds,
+                 'update': self._step_seconds}
         if fresh.count == 0:
             raise StopIteration
         if own.epochs:
@@ -307,7 +310,18 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                     any(e.is_new_epoch for e in own.epochs))
         if self.auto_new_epoch and own.epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
-        self._report(results, own, watch)
+        self._report(results, own, times)
+
+    def _on_step(self, fresh: '_step.GradientStep') -> None:
+        """This update's gradient is in the model: step on what is due now."""
+        if fresh.count == 0:
+            return   # StopIteration, once the results are in
+        optimizer = self._optimizer
+        due = self._step.due(fresh, optimizer.target)
+        if due is not None:
+            start = time.perf_counter()
+            self._apply(optimizer, due)
+            self._step_seconds += time.perf_counter() - start
 
     def _factor(self, optimizer: chainer.Optimizer, count: int,
                 loss: float) -> Optional[float]:
@@ -335,10 +349,18 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             for _, param in unique_params(model):   # a tied parameter once
                 if param.grad is not None:
                     param.grad *= factor
-        chainer_private.set_update_loss_scale(model, step.loss_scale)
+        # The update rules divide each gradient by its parameter's stamped loss scale. The
+        # stamps are written once, and then only where the optimizer scales the loss or
+        # the master's backward stamped a scale of its own (Replica.stamped): else they
+        # are all None already, and writing them walked the model every update.
+        stamped = step.loss_scale is not None or self._replica.stamped
+        if stamped or not self._stamps_clear:
+            chainer_private.set_update_loss_scale(model, step.loss_scale)
+            self._stamps_clear = not stamped
         optimizer.update()
 
-    def _report(self, results: List[WindowResult], own: WindowResult, watch: Stopwatch) -> None:
+    def _report(self, results: List[WindowResult], own: WindowResult,
+                times: Dict[str, float]) -> None:
         observation = combine(results)
         if self.micro_batch_size == 'auto':
             sizes = [r.micro_batch_size or 0 for r in results]
@@ -348,14 +370,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         for key, root in self._replica.graph_roots.items():
             if key in observation:
                 observation[key] = with_graph(root, observation[key])
-        times = dict(watch.times)
-        times['data'] = own.times.get('data', 0.0)
-        times['compute'] = own.times.get('compute', 0.0)
-        times.setdefault('update', 0.0)
+        own_times = own.times
+        times['data'] = own_times.get('data', 0.0)
+        times['compute'] = own_times.get('compute', 0.0)
         self.last_times = times
-        self.last_replica_times = [dict(r.times) for r in results]
+        self.last_replica_times = [r.times for r in results]
         if self.report_times:
-            observation.update({f'main/time/{k}': v for k, v in times.items()})
+            for key, value in times.items():
+                observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value
         chainer.report(observation)
 
     # ------------------------------------------------------------------ state
@@ -408,6 +430,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
                     pass
+
+
+_TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'update')}
 
 
 def _release(group: Group, loader: Optional[Loader]) -> None:
