@@ -175,14 +175,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.stall_warning = _validate.seconds_or_none('stall_warning', stall_warning)
         self.update_timeout = _validate.seconds_or_none('update_timeout', update_timeout)
-        self.report_times = bool(report_times)
+        self.report_times = _validate.flag('report_times', report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
         self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
+        optimizer = _validate.main_optimizer(optimizer)
         model = _validate.optimizer(optimizer)
         _validate.converter(converter)
         _validate.callable_or_none('loss_func', loss_func)
+        communicator = _validate.communicator(communicator)
         _validate.one_device_per_rank(communicator, self.device_labels)
         self._communicator = communicator
         self._worker_iterators = its[1:]
