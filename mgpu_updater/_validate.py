@@ -353,28 +353,29 @@ _WAITS = {
 }
 
 
-def seconds(name: str, value: Any) -> float:
+def seconds(name: str, value: Any, none_means: str = '') -> float:
     """A time limit: a number of seconds > 0 (a Python or numpy number, not a bool), finite
-    and at most :data:`LONGEST_WAIT`: every wait it bounds has a deadline."""
+    and at most :data:`LONGEST_WAIT`: every wait it bounds has a deadline. ``none_means``:
+    what None would mean, where the caller takes it (:func:`seconds_or_none`)."""
+    alternative = f', or None for {none_means}' if none_means else ''
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f'{name} must be a number of seconds > 0 '
                         f'({value!r} of type {type(value).__name__} '
-                        f'given); pass e.g. {name}=120')
+                        f'given); pass e.g. {name}=120{alternative}')
     if not value > 0:   # also refuses NaN
         raise ValueError(f'{name} must be a number of seconds > 0 '
-                         f'({value!r} given); pass e.g. {name}=120')
+                         f'({value!r} given); pass e.g. {name}=120{alternative}')
     if not value <= LONGEST_WAIT:   # also infinity
-        why = _WAITS.get(name, 'every wait has a deadline, so that a process that hangs '
-                               'is named')
+        why = _WAITS.get(name, 'the wait it bounds cannot be longer')
         raise ValueError(f'{name} must be at most {LONGEST_WAIT} seconds, about 24 days '
                          f'({value!r} given): {why}; pass a finite number of seconds, '
-                         f'e.g. {name}=600')
+                         f'e.g. {name}=600{alternative}')
     return float(value)
 
 
 def seconds_or_none(name: str, value: Any) -> Any:
     """None (never), or a number of seconds > 0 as :func:`seconds` takes it."""
-    return None if value is None else seconds(name, value)
+    return None if value is None else seconds(name, value, 'no limit')
 
 
 def flag(name: str, value: Any) -> bool:

@@ -420,6 +420,24 @@ def test_start_timeout_without_limit_is_refused(value):
     assert 'OverflowError' not in message
 
 
+@pytest.mark.parametrize('name', ['stall_warning', 'update_timeout'])
+@pytest.mark.parametrize('value', [float('inf'), 1e7])
+def test_stall_waits_without_limit_are_refused_and_none_is_said(name, value):
+    """Their waits have the same bound (poll()); None is their 'no limit'."""
+    rejected(ValueError, rf'^{name} must be at most 2147483 seconds, about 24 days '
+                         rf'\({re.escape(repr(value))} given\): the wait it bounds cannot be '
+                         rf'longer; pass a finite number of seconds, e\.g\. {name}=600, or '
+                         r'None for no limit$', **{name: value})
+
+
+@pytest.mark.parametrize('name', ['stall_warning', 'update_timeout'])
+def test_stall_waits_name_none_as_the_alternative(name):
+    rejected(TypeError, rf"^{name} must be a number of seconds > 0 \('60' of type str given\); "
+                        rf'pass e\.g\. {name}=120, or None for no limit$', **{name: '60'})
+    rejected(ValueError, rf'^{name} must be a number of seconds > 0 \(0 given\); '
+                         rf'pass e\.g\. {name}=120, or None for no limit$', **{name: 0})
+
+
 def test_start_timeout_at_the_limit_is_accepted():
     updater = build(start_timeout=2147483)
     assert updater.start_timeout == 2147483.0
@@ -558,6 +576,10 @@ _COUNTS = [
     ('start_timeout', numpy.int32(30), lambda u: u.start_timeout, 30.0),
     ('start_timeout', numpy.float32(30.5), lambda u: u.start_timeout, 30.5),
     ('start_timeout', numpy.float64(0.25), lambda u: u.start_timeout, 0.25),
+    ('stall_warning', numpy.float32(30.5), lambda u: u.stall_warning, 30.5),
+    ('stall_warning', numpy.int64(60), lambda u: u.stall_warning, 60.0),
+    ('update_timeout', numpy.int32(600), lambda u: u.update_timeout, 600.0),
+    ('update_timeout', numpy.float64(1.5), lambda u: u.update_timeout, 1.5),
 ]
 
 
@@ -585,7 +607,8 @@ def test_numpy_integers_are_accepted_by_shard_iterators(name, value):
 
 
 @pytest.mark.parametrize('name', ['accumulate_steps', 'prefetch', 'micro_batch_size',
-                                  'blas_threads', 'start_timeout', 'n', 'batch_size'])
+                                  'blas_threads', 'start_timeout', 'stall_warning',
+                                  'update_timeout', 'n', 'batch_size'])
 @pytest.mark.parametrize('value', [True, numpy.bool_(True)])
 def test_bools_stay_refused_for_counts_and_seconds(name, value):
     with pytest.raises(TypeError, match=rf'^{name} must be .*\(True( of type (bool|bool_))? '
