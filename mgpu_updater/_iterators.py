@@ -54,9 +54,10 @@ def compact(dataset: Any, indices: numpy.ndarray) -> Any:
     """A dataset of ``len(indices)`` examples whose ``k``-th is ``dataset[indices[k]]``
     (the same values, of the same types), holding nothing else; or None where
     ``dataset`` is not one of the kinds known to hold its examples in memory: a numpy
-    array (a ``numpy.memmap`` too, which pickles whole), a list or tuple, a ``TupleDataset`` or ``DictDataset`` of those, and a
-    ``SubDataset`` (``split_dataset_random``) or ``TransformDataset`` over any of these.
-    ``indices`` are non-negative and below ``len(dataset)``.
+    array (a ``numpy.memmap`` too, which pickles whole), a list or tuple, a
+    ``TupleDataset`` or ``DictDataset`` of those, and a ``SubDataset``
+    (``split_dataset_random``) or ``TransformDataset`` over any of these. ``indices`` are
+    non-negative and below ``len(dataset)``.
     """
     kind = type(dataset)
     if kind in (numpy.ndarray, numpy.memmap) and dataset.ndim >= 1:
