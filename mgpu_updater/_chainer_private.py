@@ -20,6 +20,7 @@ and that no other module of the package uses these names.
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | reporter's "not registered" KeyError | _replica | chainer/reporter.py:172-173 | none |
 | Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
+| `SubDataset._dataset`, `._start`, `._order`; `TupleDataset._datasets`; `DictDataset._datasets`; `TransformDataset._dataset`, `._transform` | _iterators | chainer/datasets/sub_dataset.py:50-59, 64-76; chainer/datasets/tuple_dataset.py:38, 41-48; chainer/datasets/dict_dataset.py:27, 30-38; chainer/datasets/transform_dataset.py:44-45, 50-52 | none (i) |
 
 (a) Folding the window's factor into the loss would make backward stamp the right scale on
 the master, but pipelined and empty-window updates still need the write. (b)
@@ -28,7 +29,9 @@ the master, but pipelined and empty-window updates still need the write. (b)
 (d) Its ``serialize`` and ``__getstate__`` reset the worker pool. (e) Only the sampler's
 ``random_state`` argument. (f) ``chainer.config.show()`` prints the same names, as text.
 (g) ``check_cuda_available`` raises with its text. (h) Made by ``enable_final``, importable
-by no name.
+by no name. (i) Their constructors take these, nothing reads them back; indexing a
+``TupleDataset`` with an array of indices would give the columns, but would also read every
+example of a column that loads lazily (files), which is what must not happen.
 
 ``StandardUpdater``'s ``self._iterators`` / ``self._optimizers`` are not wrapped: the public
 ``get_iterator('main')`` / ``get_optimizer('main')`` replace them.
@@ -42,7 +45,9 @@ shims of ``_compat.py`` (a stub ``numpy.distutils``, ``numpy.sctypes``,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import numpy
 
 import chainer
 from chainer.dataset import convert
@@ -201,6 +206,58 @@ def order_sampler_rng(it: Any) -> Any:
     (chainer/iterators/order_samplers.py:59).
     """
     return getattr(getattr(it, 'order_sampler', None), '_random', None)
+
+
+# --------------------------------------------------------------------------------------
+# Datasets
+
+
+def sub_dataset_indices(dataset: chainer.datasets.SubDataset,
+                        positions: numpy.ndarray) -> Tuple[Any, numpy.ndarray]:
+    """``(base, indices)``: the base dataset of a ``SubDataset`` and the indices into it of
+    its examples at ``positions`` (each in ``[0, len(dataset))``), as ``get_example`` maps
+    them: ``order[start + i]``, or ``start + i`` without an order.
+
+    Reads ``_dataset``, ``_start`` and ``_order``, which the constructor keeps
+    (chainer/datasets/sub_dataset.py:50-59) and ``get_example`` reads
+    (chainer/datasets/sub_dataset.py:64-76).
+    """
+    indices = dataset._start + numpy.asarray(positions, dtype=numpy.int64)
+    if dataset._order is not None:
+        indices = numpy.asarray(dataset._order)[indices]
+    return dataset._dataset, indices
+
+
+def tuple_dataset_columns(dataset: chainer.datasets.TupleDataset) -> Tuple[Any, ...]:
+    """The datasets a ``TupleDataset`` zips, in order: ``dataset[i]`` is the tuple of their
+    ``i``-th examples.
+
+    Reads ``_datasets``, kept by the constructor (chainer/datasets/tuple_dataset.py:38) and
+    indexed by ``__getitem__`` (chainer/datasets/tuple_dataset.py:41-48).
+    """
+    return tuple(dataset._datasets)
+
+
+def dict_dataset_columns(dataset: chainer.datasets.DictDataset) -> Dict[str, Any]:
+    """The datasets of a ``DictDataset`` by key: ``dataset[i]`` is the dict of their
+    ``i``-th examples.
+
+    Reads ``_datasets``, kept by the constructor (chainer/datasets/dict_dataset.py:27) and
+    indexed by ``__getitem__`` (chainer/datasets/dict_dataset.py:30-38).
+    """
+    return dict(dataset._datasets)
+
+
+def transform_dataset_parts(
+        dataset: chainer.datasets.TransformDataset) -> Tuple[Any, Callable[[Any], Any]]:
+    """``(base, transform)`` of a ``TransformDataset``: ``dataset[i]`` is
+    ``transform(base[i])``.
+
+    Reads ``_dataset`` and ``_transform``, kept by the constructor
+    (chainer/datasets/transform_dataset.py:44-45) and used by ``get_example``
+    (chainer/datasets/transform_dataset.py:50-52).
+    """
+    return dataset._dataset, dataset._transform
 
 
 # --------------------------------------------------------------------------------------

@@ -94,19 +94,23 @@ def saving(serializer: Any) -> bool:
 
 def serialize_counters(updater: Any, serializer: Any) -> None:
     """The model, the optimizer, the counters, the step in flight and the chunk sizes
-    'auto' found; on load, refuse a snapshot of another layout (number of devices,
-    ``accumulate_steps``): the shards and the batch composition depend on both.
+    'auto' found; on load, first refuse (before anything is loaded) a snapshot of another
+    layout (number of devices, ``accumulate_steps``: the shards and the batch composition
+    depend on both) or of another updater (:func:`check_layout`).
 
     Keys (unchanged since the first release): ``optimizer:main/``, ``model:main/``,
     ``iteration``, ``n_devices``, ``accumulate_steps``, ``skipped_updates``,
     ``micro_batch_sizes`` (under ``'auto'`` only), ``pending/`` (see :mod:`._step`).
     """
+    if not saving(serializer):
+        check_layout(updater, serializer)
     optimizer = updater.get_optimizer('main')
     optimizer.serialize(serializer['optimizer:main'])
     optimizer.target.serialize(serializer['model:main'])
     updater.iteration = serializer('iteration', updater.iteration)
-    n_devices = serializer('n_devices', updater.n_devices)
-    steps = serializer('accumulate_steps', updater.accumulate_steps)
+    if saving(serializer):   # read (first) by check_layout on load
+        serializer('n_devices', updater.n_devices)
+        serializer('accumulate_steps', updater.accumulate_steps)
     updater._skipped = serializer('skipped_updates', updater._skipped)
     if updater.micro_batch_size == 'auto':
         _serialize_micro_batch_sizes(updater, serializer)
@@ -114,13 +118,51 @@ def serialize_counters(updater: Any, serializer: Any) -> None:
         updater._step.save(serializer['pending'], optimizer.target)
         return
     updater._step.load(serializer['pending'], optimizer.target)
-    if int(n_devices) != updater.n_devices or int(steps) != updater.accumulate_steps:
+
+
+def check_layout(updater: Any, deserializer: Any) -> None:
+    """Refuse a snapshot this updater cannot resume from, reading only ``n_devices`` and
+    ``accumulate_steps`` (so that nothing is overwritten): one taken with another layout,
+    or by another updater (``StandardUpdater``'s has neither key). Each error says how to
+    start from the snapshot's model and optimizer alone."""
+    n_devices = _read_int(deserializer, 'n_devices')
+    steps = _read_int(deserializer, 'accumulate_steps')
+    where = _path(deserializer)
+    alone = (f"chainer.serializers.load_npz(snapshot, model, path='{where}model:main/') and "
+             f"chainer.serializers.load_npz(snapshot, optimizer, "
+             f"path='{where}optimizer:main/')")
+    if n_devices is None or steps is None:
         raise ValueError(
-            f'this snapshot was taken with {int(n_devices)} device(s) and '
-            f'accumulate_steps={int(steps)}, but this updater has {updater.n_devices} and '
-            f'accumulate_steps={updater.accumulate_steps}; resume with the same devices and '
-            'accumulate_steps (the iterator shards and the batch composition depend on '
-            'both), or load only the model with load_npz(path, model, path="updater/model:main/")')
+            'this snapshot was not taken by ParallelAccumulatingUpdater (it has no '
+            f'{where}n_devices or {where}accumulate_steps: a StandardUpdater snapshot?); '
+            'nothing was loaded. Its iteration and iterator state belong to another '
+            'updater; start from its model and optimizer alone, loading them before '
+            f'training: {alone}')
+    if n_devices != updater.n_devices or steps != updater.accumulate_steps:
+        raise ValueError(
+            f'this snapshot was taken with {n_devices} device(s) and '
+            f'accumulate_steps={steps}, but this updater has {updater.n_devices} and '
+            f'accumulate_steps={updater.accumulate_steps}; nothing was loaded. Resume with '
+            'the same devices and accumulate_steps (the iterator shards and the batch '
+            'composition depend on both), or start from its model and optimizer alone, '
+            f'loading them before training: {alone}')
+
+
+def _read_int(deserializer: Any, key: str) -> Any:
+    """The integer stored under ``key``, or None when the snapshot has none (a strict
+    deserializer raises KeyError, a lenient one hands back the None it was given)."""
+    try:
+        value = deserializer(key, None)
+    except KeyError:
+        return None
+    return None if value is None else int(numpy.asarray(value))
+
+
+def _path(deserializer: Any) -> str:
+    """Where the updater sits in the snapshot: ``'updater/'`` in a Trainer's (what
+    ``NpzDeserializer`` keeps as ``path``; else that default)."""
+    path = getattr(deserializer, 'path', None)
+    return path.lstrip('/') if isinstance(path, str) else 'updater/'
 
 
 def _serialize_micro_batch_sizes(updater: Any, serializer: Any) -> None:

@@ -1,4 +1,4 @@
-"""Building one iterator per device from one dataset."""
+"""Building one iterator per device from one dataset; each worker gets only its shard."""
 from __future__ import annotations
 
 from typing import Any, List, Optional
@@ -7,9 +7,13 @@ import numpy
 
 import chainer
 
+from ._chainer_private import (dict_dataset_columns, sub_dataset_indices,
+                               transform_dataset_parts, tuple_dataset_columns)
+
 
 class Shard(chainer.datasets.SubDataset):
-    """A :class:`chainer.datasets.SubDataset` that indexes one example in one step.
+    """A :class:`chainer.datasets.SubDataset` that indexes one example in one step, and
+    pickles (to a worker process) only its own examples where the dataset allows.
 
     ``SerialIterator`` and ``MultiprocessIterator`` read a batch one integer index at a
     time; through ``SubDataset`` each goes ``DatasetMixin.__getitem__`` ->
@@ -18,16 +22,64 @@ class Shard(chainer.datasets.SubDataset):
     update pays per sample. Here an integer index (Python or numpy) goes straight to the
     base dataset through the shard's own index list, with a list's bounds and negative
     indices, which are ``SubDataset``'s; anything else is ``SubDataset``'s.
+
+    Pickled (a worker's payload, ``copy.deepcopy``), a shard whose base dataset
+    :func:`compact` knows becomes a shard over a copy of its own examples, in its order:
+    the same length, the same example at every index, so every iterator over it draws
+    the same batches and its snapshots hold the same state. Any other base is pickled
+    whole (see :func:`shard_iterators`).
     """
 
-    def __init__(self, dataset: Any, start: int, finish: int, order: Any) -> None:
+    def __init__(self, dataset: Any, start: int, finish: int, order: Any = None) -> None:
         super().__init__(dataset, start, finish, order=order)
-        self._indices = [int(i) for i in order[start:finish]]
+        self._indices = [int(i) for i in (range(start, finish) if order is None
+                                          else order[start:finish])]
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, (int, numpy.integer)):
             return self._dataset[self._indices[index]]
         return super().__getitem__(index)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        indices = numpy.asarray(self._indices, dtype=numpy.int64)
+        whole = len(indices) == len(self._dataset) and numpy.array_equal(
+            indices, numpy.arange(len(indices)))
+        own = None if whole else compact(self._dataset, indices)
+        if own is None:
+            return super().__reduce_ex__(protocol)
+        return Shard, (own, 0, len(indices))
+
+
+def compact(dataset: Any, indices: numpy.ndarray) -> Any:
+    """A dataset of ``len(indices)`` examples whose ``k``-th is ``dataset[indices[k]]``
+    (the same values, of the same types), holding nothing else; or None where
+    ``dataset`` is not one of the kinds known to hold its examples in memory: a numpy
+    array (a ``numpy.memmap`` too, which pickles whole), a list or tuple, a
+    ``TupleDataset`` or ``DictDataset`` of those, and a ``SubDataset``
+    (``split_dataset_random``) or ``TransformDataset`` over any of these. ``indices`` are
+    non-negative and below ``len(dataset)``.
+    """
+    kind = type(dataset)
+    if kind in (numpy.ndarray, numpy.memmap) and dataset.ndim >= 1:
+        return dataset[indices]   # a memmap's: an ndarray, as a pickled memmap's rows are
+    if kind in (list, tuple):
+        return [dataset[i] for i in indices.tolist()]
+    if kind is chainer.datasets.TupleDataset:
+        columns = [compact(c, indices) for c in tuple_dataset_columns(dataset)]
+        return None if any(c is None for c in columns) else \
+            chainer.datasets.TupleDataset(*columns)
+    if kind is chainer.datasets.DictDataset:
+        named = {k: compact(c, indices) for k, c in dict_dataset_columns(dataset).items()}
+        return None if any(c is None for c in named.values()) else \
+            chainer.datasets.DictDataset(**named)
+    if kind in (chainer.datasets.SubDataset, Shard):
+        base, inner = sub_dataset_indices(dataset, indices)
+        return compact(base, inner)
+    if kind is chainer.datasets.TransformDataset:
+        base, transform = transform_dataset_parts(dataset)
+        inner = compact(base, indices)
+        return None if inner is None else chainer.datasets.TransformDataset(inner, transform)
+    return None
 
 
 def shard_iterators(dataset: Any, n: int, batch_size: int, *,
@@ -44,6 +96,18 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
 
     Example: ``shard_iterators(train, 2, 32, iterator_class=MultiprocessIterator,
     n_processes=2)``.
+
+    Memory: each worker process receives only its shard's examples (a copy of them, made
+    while its start-up payload is pickled) when ``dataset`` is a numpy array (or a
+    ``numpy.memmap``, which would otherwise be read whole into each payload), a list or
+    tuple, a ``TupleDataset`` or ``DictDataset`` of those, or a ``SubDataset`` (e.g. from
+    ``split_dataset_random``) or ``TransformDataset`` over any of these. Any other dataset
+    (a class of your own, a ``ConcatenatedDataset``...) reaches every worker whole, as its
+    pickle holds it: little for one that reads its examples from files in
+    ``get_example`` (``ImageDataset`` holds the paths), but N devices hold N copies of
+    one that keeps them in memory. Where that does not fit, make such a dataset read
+    lazily, or build one iterator per device yourself, each over a dataset that holds
+    only its part.
     """
     from ._validate import positive_int
     n = positive_int('n', n)

@@ -8,6 +8,8 @@ import numbers
 import types
 from typing import Any, Dict, List, Sequence, Tuple
 
+import numpy
+
 import chainer
 from chainer.dataset import iterator as iterator_module
 
@@ -116,26 +118,72 @@ def _label(spec: Any, i: int) -> str:
 
 
 def iterators(value: Any, n_devices: int) -> List[Any]:
+    """One iterator per device, master first. A bare iterator with one device, or
+    StandardUpdater's ``{'main': ...}`` holding either, is taken as well."""
+    name = 'iterators'
+    if isinstance(value, dict):
+        value, name = _main_iterators(value, n_devices), "iterators['main']"
     if isinstance(value, iterator_module.Iterator):
         value = [value]
     elif not isinstance(value, (list, tuple)):
-        raise TypeError(f'iterators must be a chainer iterator or a list of them, one per '
+        raise TypeError(f'{name} must be a chainer iterator or a list of them, one per '
                         f'device ({_show(value)} given); wrap the dataset in e.g. '
                         'chainer.iterators.SerialIterator')
     value = list(value)
     if len(value) != n_devices:
-        raise ValueError(f'iterators has {len(value)} iterator(s) but devices has '
-                         f'{n_devices}; give exactly one iterator per device '
+        example = (f", e.g. iterators={{'main': {_its(n_devices)}}}"
+                   if name != 'iterators' else '')
+        raise ValueError(f'{name} has {len(value)} iterator(s) but devices has '
+                         f'{n_devices}; give exactly one iterator per device{example} '
                          '(mgpu_updater.shard_iterators builds them from one dataset)')
     for i, it in enumerate(value):
         if not isinstance(it, iterator_module.Iterator):
-            raise TypeError(f'iterators[{i}] is {_show(it)}, not a '
+            raise TypeError(f'{name}[{i}] is {_show(it)}, not a '
                             'chainer.dataset.Iterator; wrap the dataset in e.g. '
                             'chainer.iterators.SerialIterator')
     if len({id(it) for it in value}) != len(value):
-        raise ValueError('iterators holds the same iterator object more than once; each '
+        raise ValueError(f'{name} holds the same iterator object more than once; each '
                          'device needs its own iterator over its own shard')
     return value
+
+
+def _its(n: int) -> str:
+    return '[' + ', '.join(f'it{i}' for i in range(min(n, 3))) + (', ...]' if n > 3 else ']')
+
+
+def _main_iterators(value: Dict[Any, Any], n_devices: int) -> Any:
+    """What ``{'main': ...}`` holds. StandardUpdater takes a dict of named iterators and
+    trains on 'main'; here 'main' holds one iterator per device (a bare one with one
+    device). Other names would ride along unused and out of the snapshots: refused."""
+    keys = sorted(map(str, value))
+    one_each = f"iterators={{'main': {_its(max(n_devices, 2))}}}"
+    if 'main' not in value:
+        raise ValueError(f"iterators given as a dict needs a 'main' key (keys {keys} given); "
+                         f'pass {one_each}, one iterator per device, or the list itself')
+    if len(value) > 1:
+        raise ValueError(f"iterators has keys {keys}; this updater reads only 'main' (one "
+                         'iterator per device): give the others to what uses them (e.g. '
+                         'extensions.Evaluator(it, model)), not to the updater; for one '
+                         f'iterator per device pass {one_each}')
+    return value['main']
+
+
+def main_optimizer(value: Any) -> Any:
+    """The optimizer itself, also when given as StandardUpdater's ``{'main': optimizer}``.
+    Several optimizers are refused: this updater trains one model with one optimizer."""
+    if not isinstance(value, dict):
+        return value
+    keys = sorted(map(str, value))
+    if len(value) > 1:
+        raise ValueError(f'optimizer has keys {keys}: this updater trains one model with one '
+                         "optimizer; several optimizers (e.g. a GAN's generator and "
+                         'discriminator) need their own update_core: subclass '
+                         'chainer.training.updaters.StandardUpdater (one process), or pass '
+                         "the one optimizer as optimizer or {'main': optimizer}")
+    if 'main' not in value:
+        raise ValueError(f"optimizer given as a dict needs a 'main' key (keys {keys} given); "
+                         "pass the optimizer itself, or {'main': optimizer}")
+    return value['main']
 
 
 def optimizer(value: Any) -> chainer.Link:
@@ -294,27 +342,49 @@ def micro_batch_size(value: Any) -> Any:
     return int(value)
 
 
-def seconds(name: str, value: Any) -> float:
-    """A time limit: a number of seconds > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+#: The longest timeout the operating system's ``poll()`` takes, in whole seconds (2**31 - 1
+#: milliseconds): ``multiprocessing.connection.wait`` raises OverflowError beyond it.
+LONGEST_WAIT = 2147483
+
+
+_WAITS = {
+    'start_timeout': 'the start waits for the workers with a deadline, so that a worker '
+                     'that hangs while starting is named',
+}
+
+
+def seconds(name: str, value: Any, none_means: str = '') -> float:
+    """A time limit: a number of seconds > 0 (a Python or numpy number, not a bool), finite
+    and at most :data:`LONGEST_WAIT`: every wait it bounds has a deadline. ``none_means``:
+    what None would mean, where the caller takes it (:func:`seconds_or_none`)."""
+    alternative = f', or None for {none_means}' if none_means else ''
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f'{name} must be a number of seconds > 0 '
                         f'({value!r} of type {type(value).__name__} '
-                        f'given); pass e.g. {name}=120')
+                        f'given); pass e.g. {name}=120{alternative}')
     if not value > 0:   # also refuses NaN
         raise ValueError(f'{name} must be a number of seconds > 0 '
-                         f'({value!r} given); pass e.g. {name}=120')
+                         f'({value!r} given); pass e.g. {name}=120{alternative}')
+    if not value <= LONGEST_WAIT:   # also infinity
+        why = _WAITS.get(name, 'the wait it bounds cannot be longer')
+        raise ValueError(f'{name} must be at most {LONGEST_WAIT} seconds, about 24 days '
+                         f'({value!r} given): {why}; pass a finite number of seconds, '
+                         f'e.g. {name}=600{alternative}')
     return float(value)
 
 
 def seconds_or_none(name: str, value: Any) -> Any:
     """None (never), or a number of seconds > 0 as :func:`seconds` takes it."""
-    return None if value is None else seconds(name, value)
+    return None if value is None else seconds(name, value, 'no limit')
 
 
 def flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f'{name} must be True or False ({value!r} given)')
-    return value
+    """True or False (numpy's too); anything else, a string such as ``'no'`` above all,
+    is refused rather than read by its truth."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f'{name} must be True or False ({value!r} of type '
+                        f'{type(value).__name__} given); pass {name}=True or {name}=False')
+    return bool(value)
 
 
 def converter(value: Any) -> Any:
@@ -322,6 +392,40 @@ def converter(value: Any) -> Any:
         raise TypeError('converter must be callable (None given); the default is '
                         'chainer.dataset.concat_examples')
     return callable_or_none('converter', value)
+
+
+_MPI4PY_VERBS = ('Allreduce', 'Bcast', 'Reduce', 'allgather')
+
+
+def communicator(value: Any) -> Any:
+    """None, or a ChainerMN communicator: checked for what this package uses of it
+    (``rank``, ``size``, ``mpi_comm`` with mpi4py's verbs, ``bcast_obj``; see
+    :mod:`mgpu_updater.comm.mpi`), by its attributes, never importing mpi4py."""
+    if value is None:
+        return None
+    fix = ("pass communicator=chainermn.create_communicator('naive') (CPU) or "
+           "('pure_nccl') (GPU) in every MPI rank, or None for the devices of this host")
+    missing = [n for n in ('rank', 'size', 'mpi_comm', 'bcast_obj') if not hasattr(value, n)]
+    if missing == ['mpi_comm', 'bcast_obj'] and all(hasattr(value, v) for v in _MPI4PY_VERBS):
+        raise TypeError(f'communicator must be a ChainerMN communicator ({_show(value)} '
+                        "given, an mpi4py communicator); wrap it: communicator="
+                        "chainermn.create_communicator('naive', mpi_comm=<it>) (or "
+                        "'pure_nccl')")
+    if missing:
+        raise TypeError(f'communicator must be a ChainerMN communicator ({_show(value)} '
+                        f'given, which has no {", ".join(missing)}); {fix}')
+    verbs = [v for v in _MPI4PY_VERBS if not callable(getattr(value.mpi_comm, v, None))]
+    if verbs:
+        raise TypeError(f'communicator must be a ChainerMN communicator ({_show(value)} '
+                        f'given, whose mpi_comm {_show(value.mpi_comm)} has no '
+                        f'{", ".join(verbs)}); {fix}')
+    rank, size = value.rank, value.size
+    if (any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (rank, size))
+            or not 0 <= rank < size):
+        raise ValueError(f'communicator must be a ChainerMN communicator ({_show(value)} '
+                         f'given, whose rank {rank!r} and size {size!r} are not those of an '
+                         f'MPI rank); {fix}')
+    return value
 
 
 def one_device_per_rank(communicator: Any, labels: List[str]) -> None:
@@ -366,8 +470,8 @@ def reuse_host_memory(value: Any) -> Any:
                          "as it is")
 
 
-__all__ = ['positive_int', 'choice', 'devices', 'iterators', 'optimizer',
+__all__ = ['positive_int', 'choice', 'devices', 'iterators', 'main_optimizer', 'optimizer',
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
-           'converter', 'one_device_per_rank', 'blas_threads', 'reuse_host_memory',
-           'seconds_or_none']
+           'converter', 'communicator', 'one_device_per_rank', 'blas_threads',
+           'reuse_host_memory', 'seconds_or_none']

@@ -54,8 +54,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     Args:
         iterators: one iterator per device, each over its own shard (a bare iterator is
-            accepted with one device); see :func:`mgpu_updater.shard_iterators`.
-        optimizer: a set-up Chainer optimizer; its target is the model.
+            accepted with one device); see :func:`mgpu_updater.shard_iterators`. As
+            StandardUpdater's dict, ``{'main': [it0, it1, ...]}`` (or ``{'main': it}``
+            with one device); other keys are refused, since only 'main' is read.
+        optimizer: a set-up Chainer optimizer; its target is the model. ``{'main':
+            optimizer}`` works too; several optimizers (a GAN) need their own updater.
         devices: device specifiers, master first: GPU ids, ``'@cupy:N'``, or ``'@numpy'``
             / ``-1`` (may repeat) for CPU replicas; a dict with a ``'main'`` key works too.
         accumulate_steps: micro-batches per device per update (int >= 1).
@@ -89,7 +92,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             master for its next batch), since on the CPU a load during forward/backward
             takes the GIL from it, unless loading keeps a replica waiting (files, a
             ``MultiprocessIterator``): then it loads ahead as with an int.
-        report_times: report ``main/time/{data,compute,comm,update}`` every update.
+        report_times: report ``main/time/{data,compute,comm,update}`` every update
+            (True or False).
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
             ``'skip'`` warns and skips that update; ``'ignore'`` does not look, as
@@ -132,8 +136,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             :class:`~mgpu_updater.WorkerError` with the same information and every worker
             is stopped (default None: wait as long as the workers live).
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
-        start_timeout: seconds the workers get to start and report ready.
-        communicator: a ChainerMN communicator: run across MPI ranks, one device per rank.
+        start_timeout: seconds the workers get to start and report ready (finite, at
+            most 2147483, the longest wait the operating system's ``poll()`` takes).
+        communicator: a ChainerMN communicator (``chainermn.create_communicator``): run
+            across MPI ranks, one device per rank.
     """
 
     def __init__(self, iterators: Any, optimizer: chainer.Optimizer, *,
@@ -175,14 +181,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.stall_warning = _validate.seconds_or_none('stall_warning', stall_warning)
         self.update_timeout = _validate.seconds_or_none('update_timeout', update_timeout)
-        self.report_times = bool(report_times)
+        self.report_times = _validate.flag('report_times', report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
         self._step = _step.choose(self.pipelined)
         self._devices, self.device_labels = _validate.devices(devices)
         its = _validate.iterators(iterators, len(self._devices))
+        optimizer = _validate.main_optimizer(optimizer)
         model = _validate.optimizer(optimizer)
         _validate.converter(converter)
         _validate.callable_or_none('loss_func', loss_func)
+        communicator = _validate.communicator(communicator)
         _validate.one_device_per_rank(communicator, self.device_labels)
         self._communicator = communicator
         self._worker_iterators = its[1:]

@@ -53,6 +53,16 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/configuration.py', '66'): "'_local', threading.local()",
     ('chainer/configuration.py', '102'): 'set(self._local.__dict__)',
     ('chainer/dataset/convert.py', '125-144'): 'def _call_converter(converter, batch, device)',
+    ('chainer/datasets/dict_dataset.py', '27'): 'self._datasets = datasets',
+    ('chainer/datasets/dict_dataset.py', '30-38'):
+        'for key, dataset in six.iteritems(self._datasets)}',
+    ('chainer/datasets/sub_dataset.py', '50-59'): 'self._order = order',
+    ('chainer/datasets/sub_dataset.py', '64-76'): 'index = self._order[index]',
+    ('chainer/datasets/transform_dataset.py', '44-45'): 'self._transform = transform',
+    ('chainer/datasets/transform_dataset.py', '50-52'): 'return self._transform(in_data)',
+    ('chainer/datasets/tuple_dataset.py', '38'): 'self._datasets = datasets',
+    ('chainer/datasets/tuple_dataset.py', '41-48'):
+        'batches = [dataset[index] for dataset in self._datasets]',
     ('chainer/device_resident.py', '29'): 'class DeviceResident(utils.enable_final(',
     ('chainer/iterators/multiprocess_iterator.py', '157-158'): 'self._state = state',
     ('chainer/iterators/multiprocess_iterator.py', '216-238'): 'def serialize(self, serializer)',
@@ -496,6 +506,49 @@ def test_link_metaclass_is_every_links_and_importable_by_no_name():
 
 
 # --------------------------------------------------------------------------------------
+# Datasets
+
+
+def _rows(n=10):
+    return np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+
+
+@pytest.mark.parametrize('order', [None, np.random.RandomState(0).permutation(10),
+                                   list(np.random.RandomState(1).permutation(10))])
+def test_sub_dataset_indices_are_where_get_example_reads(order):
+    base = [('example', i) for i in range(10)]
+    sub = chainer.datasets.SubDataset(base, 3, 8, order=order)
+    positions = np.array([4, 0, 2, 2])
+    found, indices = private.sub_dataset_indices(sub, positions)
+    assert found is base
+    assert [base[i] for i in indices] == [sub[int(p)] for p in positions]
+
+
+def test_tuple_and_dict_dataset_columns_are_what_they_index():
+    x, t = _rows(), np.arange(10, dtype=np.int32)
+    tuples = chainer.datasets.TupleDataset(x, t)
+    columns = private.tuple_dataset_columns(tuples)
+    assert len(columns) == 2 and columns[0] is x and columns[1] is t
+    for i in (0, 7, -1):
+        assert all(np.array_equal(a, b) for a, b in zip(tuples[i], (x[i], t[i])))
+    named = chainer.datasets.DictDataset(x=x, t=t)
+    assert private.dict_dataset_columns(named) == {'x': x, 't': t}
+    assert all(np.array_equal(named[4][k], {'x': x, 't': t}[k][4]) for k in ('x', 't'))
+
+
+def test_transform_dataset_parts_are_what_get_example_calls():
+    base = _rows()
+
+    def transform(row):
+        return row * 2
+
+    dataset = chainer.datasets.TransformDataset(base, transform)
+    found, function = private.transform_dataset_parts(dataset)
+    assert found is base and function is transform
+    np.testing.assert_array_equal(dataset[3], function(found[3]))
+
+
+# --------------------------------------------------------------------------------------
 # No other module uses these names
 
 # Private names of Chainer's and ChainerMN's objects: none may be read or written outside
@@ -504,7 +557,8 @@ _PRIVATE = frozenset({
     '_loss_scale', '_loss_scaling_is_dynamic', '_call_converter', '_persistent', '_state',
     '_previous_epoch_detail', '_prefetch_loop', '_random', '_init_comms',
     '_resolution_error', '_iterators', '_optimizers', '_hookable', '_pre_update_hooks',
-    '_post_update_hooks', '_init_states', '_use_fp32_update'})
+    '_post_update_hooks', '_init_states', '_use_fp32_update', '_dataset', '_datasets',
+    '_start', '_finish', '_order', '_transform'})
 # On ``self`` these name the package's own attributes, except StandardUpdater's.
 _PRIVATE_ON_SELF_TOO = frozenset({'_iterators', '_optimizers'})
 _REPORTER_TEXT = 'not registered to the reporter'

@@ -4,6 +4,7 @@ echoes the value and says what to do. And a loss that becomes NaN or infinite.""
 import multiprocessing
 import re
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -373,3 +374,329 @@ def test_nonfinite_loss_ignore_steps_as_standard_updater_does():
 def test_public_names():
     assert mgpu_updater.WorkerError.__module__ == 'mgpu_updater.errors'
     assert issubclass(NonFiniteLossError, FloatingPointError)
+
+
+# ------------------------------------------------------------------ report_times
+@pytest.mark.parametrize('value', ['no', 'False', 0, 1, None, 1.0])
+def test_report_times_is_a_flag(value):
+    """Validated as ``pipelined`` is: ``'no'`` used to read as True."""
+    rejected(TypeError, rf'^report_times must be True or False \({re.escape(repr(value))} '
+                        rf'of type {type(value).__name__} given\); pass report_times=True or '
+                        r'report_times=False$', report_times=value)
+
+
+@pytest.mark.parametrize('name', ['report_times', 'pipelined'])
+@pytest.mark.parametrize('value', [True, False, numpy.bool_(True), numpy.bool_(False)])
+def test_flags_take_python_and_numpy_bools(name, value):
+    updater = build(**{name: value})
+    assert getattr(updater, name) is bool(value)
+    updater.finalize()
+
+
+# ------------------------------------------------------------------ start_timeout
+@pytest.mark.parametrize('value, error, shown', [
+    (0, ValueError, '0'), (-5, ValueError, '-5'), (-0.5, ValueError, '-0.5'),
+    (float('nan'), ValueError, 'nan'), (numpy.float32('nan'), ValueError, 'nan'),
+    ('60', TypeError, "'60' of type str"), (None, TypeError, 'None of type NoneType'),
+    (True, TypeError, 'True of type bool'), (numpy.bool_(True), TypeError, 'True of type bool_'),
+])
+def test_start_timeout_must_be_positive_seconds(value, error, shown):
+    rejected(error, rf'^start_timeout must be a number of seconds > 0 \({re.escape(shown)} '
+                    r'given\); pass e\.g\. start_timeout=120', start_timeout=value)
+
+
+@pytest.mark.parametrize('value', [float('inf'), numpy.inf, numpy.float32('inf'), 1e7,
+                                   2147483.648])
+def test_start_timeout_without_limit_is_refused(value):
+    """Every wait of the start is bounded (a worker that hangs while starting is named).
+    Waits beyond what the operating system's poll() takes (2147483.647 s) used to fail
+    with OverflowError at the first update; infinity too."""
+    message = rejected(
+        ValueError, rf'^start_timeout must be at most 2147483 seconds, about 24 days '
+                    rf'\({re.escape(repr(value))} given\): the start waits for the workers '
+                    r'with a deadline, so that a worker that hangs while starting is named; '
+                    r'pass a finite number of seconds, e\.g\. start_timeout=600',
+        start_timeout=value)
+    assert 'OverflowError' not in message
+
+
+@pytest.mark.parametrize('name', ['stall_warning', 'update_timeout'])
+@pytest.mark.parametrize('value', [float('inf'), 1e7])
+def test_stall_waits_without_limit_are_refused_and_none_is_said(name, value):
+    """Their waits have the same bound (poll()); None is their 'no limit'."""
+    rejected(ValueError, rf'^{name} must be at most 2147483 seconds, about 24 days '
+                         rf'\({re.escape(repr(value))} given\): the wait it bounds cannot be '
+                         rf'longer; pass a finite number of seconds, e\.g\. {name}=600, or '
+                         r'None for no limit$', **{name: value})
+
+
+@pytest.mark.parametrize('name', ['stall_warning', 'update_timeout'])
+def test_stall_waits_name_none_as_the_alternative(name):
+    rejected(TypeError, rf"^{name} must be a number of seconds > 0 \('60' of type str given\); "
+                        rf'pass e\.g\. {name}=120, or None for no limit$', **{name: '60'})
+    rejected(ValueError, rf'^{name} must be a number of seconds > 0 \(0 given\); '
+                         rf'pass e\.g\. {name}=120, or None for no limit$', **{name: 0})
+
+
+def test_start_timeout_at_the_limit_is_accepted():
+    updater = build(start_timeout=2147483)
+    assert updater.start_timeout == 2147483.0
+    updater.finalize()
+
+
+# ------------------------------------------------------------------ communicator
+class NotMpiComm:
+    """Something with a rank and a size that is not a communicator."""
+    rank = 0
+    size = 1
+
+
+class MpiCommLike:
+    """What an mpi4py ``Intracomm`` offers (``rank``, ``size``, the buffer verbs), without
+    the ``mpi_comm`` and ``bcast_obj`` of ChainerMN's communicators."""
+    rank = 0
+    size = 1
+
+    def Allreduce(self, *args, **kwargs):
+        raise AssertionError('not called')
+
+    Bcast = Reduce = allgather = Allreduce
+
+
+@pytest.mark.parametrize('value, shown, missing', [
+    ('naive', "'naive' of type str", 'rank, size, mpi_comm, bcast_obj'),
+    (3, '3 of type int', 'rank, size, mpi_comm, bcast_obj'),
+    (NotMpiComm(), '<test_validation.NotMpiComm object at', 'mpi_comm, bcast_obj'),
+])
+def test_communicator_that_is_not_chainermn(value, shown, missing):
+    """Refused at construction, not as an AttributeError at the first update."""
+    rejected(TypeError, rf'^communicator must be a ChainerMN communicator \({re.escape(shown)}'
+                        rf'.* given, which has no {missing}\); pass '
+                        r"communicator=chainermn\.create_communicator\('naive'\) \(CPU\) or "
+                        r"\('pure_nccl'\) \(GPU\) in every MPI rank, or None for the devices "
+                        r'of this host', communicator=value, devices=['@numpy'],
+             iterators=iterators(1))
+
+
+def test_communicator_given_as_an_mpi4py_communicator():
+    rejected(TypeError, r'^communicator must be a ChainerMN communicator \(.*MpiCommLike.* '
+                        r'given, an mpi4py communicator\); wrap it: '
+                        r"communicator=chainermn\.create_communicator\('naive', "
+                        r'mpi_comm=<it>\)', communicator=MpiCommLike(), devices=['@numpy'],
+             iterators=iterators(1))
+
+
+class ChainerMnLike:
+    """ChainerMN's shape: ``rank``, ``size``, ``mpi_comm``, ``bcast_obj``."""
+
+    def __init__(self, rank=0, size=1, mpi_comm=None):
+        self.rank, self.size = rank, size
+        self.mpi_comm = MpiCommLike() if mpi_comm is None else mpi_comm
+
+    def bcast_obj(self, obj, root=0):
+        raise AssertionError('not called')
+
+
+def test_communicator_whose_mpi_comm_has_not_the_verbs():
+    rejected(TypeError, r'^communicator must be a ChainerMN communicator \(.*ChainerMnLike.* '
+                        r'given, whose mpi_comm <object object at 0x[0-9a-f]+> '
+                        r'has no Allreduce, Bcast, Reduce, allgather\); pass communicator=',
+             communicator=ChainerMnLike(mpi_comm=object()), devices=['@numpy'],
+             iterators=iterators(1))
+
+
+@pytest.mark.parametrize('rank, size', [(1, 1), (-1, 2), (0, 0), (0.0, 2), (True, 2)])
+def test_communicator_whose_rank_and_size_are_not_an_mpi_rank(rank, size):
+    rejected(ValueError, rf'^communicator must be a ChainerMN communicator \(.* given, whose '
+                         rf'rank {re.escape(repr(rank))} and size {size!r} are not those of an '
+                         r'MPI rank\); pass communicator=',
+             communicator=ChainerMnLike(rank, size), devices=['@numpy'],
+             iterators=iterators(1))
+
+
+def test_communicator_checked_before_the_devices_per_rank():
+    """A string given for the communicator is named as such, not as 'one device per rank'."""
+    rejected(TypeError, r"^communicator must be a ChainerMN communicator \('pure_nccl' ",
+             communicator='pure_nccl')
+
+
+def test_a_real_chainermn_communicator_passes_and_mpi4py_stays_unimported_without_one():
+    """A ChainerMN communicator (MPI as a singleton, one rank) is accepted and trains one
+    update; without a communicator, building the updater does not import mpi4py. In a fresh
+    interpreter, so that this process never initialises MPI."""
+    pytest.importorskip('chainermn')
+    script = r'''
+import sys
+import chainer, numpy
+import chainer.links as L
+from mgpu_updater import ParallelAccumulatingUpdater
+
+def build(**kwargs):
+    data = chainer.datasets.TupleDataset(numpy.zeros((8, 4), numpy.float32),
+                                         numpy.zeros(8, numpy.int32))
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(L.Classifier(L.Linear(4, 3)))
+    return ParallelAccumulatingUpdater(chainer.iterators.SerialIterator(data, 4), optimizer,
+                                       devices=['@numpy'], **kwargs)
+
+build().finalize()
+assert 'mpi4py' not in sys.modules, 'mpi4py imported without a communicator'
+import chainermn
+updater = build(communicator=chainermn.create_communicator('naive'))
+updater.update()
+updater.finalize()
+print('trained', updater.iteration)
+'''
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == 'trained 1'
+
+
+# ------------------------------------------------------------------ numpy counts and seconds
+def _shard_its(**kwargs):
+    args = dict(dataset=dataset(), n=2, batch_size=4)
+    args.update(kwargs)
+    return mgpu_updater.shard_iterators(args.pop('dataset'), args.pop('n'),
+                                        args.pop('batch_size'))
+
+
+_COUNTS = [
+    # (argument, a numpy value, read back as, the Python value)
+    ('accumulate_steps', numpy.int64(2), lambda u: u.accumulate_steps, 2),
+    ('accumulate_steps', numpy.int32(3), lambda u: u.accumulate_steps, 3),
+    ('accumulate_steps', numpy.uint8(1), lambda u: u.accumulate_steps, 1),
+    ('prefetch', numpy.int64(0), lambda u: u.prefetch, 0),
+    ('prefetch', numpy.int32(3), lambda u: u.prefetch, 3),
+    ('micro_batch_size', numpy.int64(2), lambda u: u.micro_batch_size, 2),
+    ('micro_batch_size', numpy.int16(8), lambda u: u.micro_batch_size, 8),
+    ('blas_threads', numpy.int64(1), lambda u: u.blas_threads, 1),
+    ('blas_threads', numpy.int32(2), lambda u: u.blas_threads, 2),
+    ('start_timeout', numpy.int64(60), lambda u: u.start_timeout, 60.0),
+    ('start_timeout', numpy.int32(30), lambda u: u.start_timeout, 30.0),
+    ('start_timeout', numpy.float32(30.5), lambda u: u.start_timeout, 30.5),
+    ('start_timeout', numpy.float64(0.25), lambda u: u.start_timeout, 0.25),
+    ('stall_warning', numpy.float32(30.5), lambda u: u.stall_warning, 30.5),
+    ('stall_warning', numpy.int64(60), lambda u: u.stall_warning, 60.0),
+    ('update_timeout', numpy.int32(600), lambda u: u.update_timeout, 600.0),
+    ('update_timeout', numpy.float64(1.5), lambda u: u.update_timeout, 1.5),
+]
+
+
+@pytest.mark.parametrize('name, value, read, expected', _COUNTS,
+                         ids=[f'{c[0]}-{type(c[1]).__name__}' for c in _COUNTS])
+def test_numpy_numbers_are_accepted_for_counts_and_seconds(name, value, read, expected):
+    """Read back as Python numbers (what reaches the workers and the snapshots)."""
+    updater = build(**{name: value})
+    try:
+        got = read(updater)
+        assert got == expected and type(got) is type(expected)
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('name, value', [('n', numpy.int64(2)), ('n', numpy.int32(3)),
+                                         ('batch_size', numpy.int64(4)),
+                                         ('batch_size', numpy.uint16(2))])
+def test_numpy_integers_are_accepted_by_shard_iterators(name, value):
+    its = _shard_its(**{name: value})
+    assert len(its) == (int(value) if name == 'n' else 2)
+    if name == 'batch_size':
+        assert all(it.batch_size == int(value) and type(it.batch_size) is int for it in its)
+        assert len(its[0].next()) == int(value)
+
+
+@pytest.mark.parametrize('name', ['accumulate_steps', 'prefetch', 'micro_batch_size',
+                                  'blas_threads', 'start_timeout', 'stall_warning',
+                                  'update_timeout', 'n', 'batch_size'])
+@pytest.mark.parametrize('value', [True, numpy.bool_(True)])
+def test_bools_stay_refused_for_counts_and_seconds(name, value):
+    with pytest.raises(TypeError, match=rf'^{name} must be .*\(True( of type (bool|bool_))? '
+                                        r'given\); pass'):
+        if name in ('n', 'batch_size'):
+            _shard_its(**{name: value})
+        else:
+            build(**{name: value})
+
+
+def test_numpy_counts_train_as_python_ones():
+    """One update with every count and seconds given as numpy numbers."""
+    updater = build(devices=['@numpy'], iterators=iterators(1),
+                    accumulate_steps=numpy.int64(2), prefetch=numpy.int32(1),
+                    micro_batch_size=numpy.int64(2), blas_threads=numpy.int64(1),
+                    start_timeout=numpy.float32(60))
+    try:
+        updater.update()
+        assert updater.iteration == 1
+    finally:
+        updater.finalize()
+
+
+# ------------------------------------------------------------------ dicts, as StandardUpdater
+def test_iterators_as_a_dict_with_main():
+    """``{'main': it}`` as StandardUpdater takes it, on one device; ``{'main': [one per
+    device]}`` on several."""
+    it = iterators(1)[0]
+    updater = build(iterators={'main': it}, devices=['@numpy'])
+    assert updater.get_iterator('main') is it
+    updater.finalize()
+    its = iterators(2)
+    updater = build(iterators={'main': its})
+    assert updater.get_iterator('main') is its[0] and updater._worker_iterators == [its[1]]
+    updater.finalize()
+    updater = build(iterators={'main': tuple(its)})
+    assert updater.get_iterator('main') is its[0]
+    updater.finalize()
+
+
+def test_iterators_dict_of_one_iterator_with_several_devices():
+    rejected(ValueError, r"^iterators\['main'\] has 1 iterator\(s\) but devices has 2; give "
+                         r"exactly one iterator per device, e\.g\. iterators=\{'main': "
+                         r'\[it0, it1\]\} \(mgpu_updater\.shard_iterators builds them',
+             iterators={'main': iterators(1)[0]})
+
+
+def test_iterators_dict_without_main():
+    rejected(ValueError, r"^iterators given as a dict needs a 'main' key \(keys \['train'\] "
+                         r"given\); pass iterators=\{'main': \[it0, it1\]\}, one iterator per "
+                         r'device, or the list itself', iterators={'train': iterators(2)})
+
+
+def test_iterators_dict_with_other_keys():
+    """StandardUpdater keeps other iterators for a custom update_core; this updater trains
+    on 'main' only, so they would be carried along unused (and left out of snapshots)."""
+    its = iterators(2)
+    rejected(ValueError, r"^iterators has keys \['main', 'validation'\]; this updater reads "
+                         r"only 'main' \(one iterator per device\): give the others to what "
+                         r'uses them \(e\.g\. extensions\.Evaluator\(it, model\)\), not to the '
+                         r'updater', iterators={'main': its, 'validation': iterators(1)[0]})
+    rejected(ValueError, r"^iterators has keys \['main', 'second'\]; this updater reads only "
+                         r"'main' \(one iterator per device\).*; for one iterator per device "
+                         r"pass iterators=\{'main': \[it0, it1\]\}",
+             iterators={'main': its[0], 'second': its[1]})
+
+
+def test_optimizer_as_a_dict_with_main():
+    optimizer = set_up()
+    updater = build(optimizer={'main': optimizer})
+    assert updater.get_optimizer('main') is optimizer
+    assert list(updater.get_all_optimizers()) == ['main']
+    updater.finalize()
+
+
+def test_optimizer_dict_of_several():
+    """A GAN's generator and discriminator: a custom update_core, not this updater."""
+    rejected(ValueError, r"^optimizer has keys \['dis', 'gen'\]: this updater trains one "
+                         r'model with one optimizer; several optimizers \(e\.g\. a GAN\'s '
+                         r'generator and discriminator\) need their own update_core: '
+                         r'subclass chainer\.training\.updaters\.StandardUpdater',
+             optimizer={'gen': set_up(), 'dis': set_up()})
+    rejected(ValueError, r"^optimizer has keys \['dis', 'main'\]: this updater trains one",
+             optimizer={'main': set_up(), 'dis': set_up()})
+
+
+def test_optimizer_dict_without_main_or_empty():
+    rejected(ValueError, r"^optimizer given as a dict needs a 'main' key \(keys \[\] given\); "
+                         r"pass the optimizer itself, or \{'main': optimizer\}", optimizer={})
+    rejected(ValueError, r"^optimizer given as a dict needs a 'main' key \(keys \['gen'\] "
+                         r'given\)', optimizer={'gen': set_up()})
