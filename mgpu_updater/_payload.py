@@ -7,8 +7,21 @@ cannot. So lambdas and closures (``loss_func=model.get_loss_func()``), converter
 ``TransformDataset`` with a nested transform, and classes or functions defined in
 ``__main__`` (also inside ``if __name__ == '__main__':`` or a ``main()``) all reach the
 worker. What truly cannot travel (open files, locks, sockets, threads, generators) still
-fails, and :mod:`mgpu_updater._validate` names the attribute at fault. (cloudpickle would
-copy a text file opened for reading into the payload: refused here, as pickle does.)
+fails, and :mod:`mgpu_updater._pickle_path` finds the path to it from the object handed
+over. (cloudpickle would copy a text file opened for reading into the payload: refused
+here, as pickle does.)
+
+Whatever can be imported by name travels by reference: cloudpickle does so for module
+objects of type ``types.ModuleType``, and here for those of its subclasses too, which it
+cannot pickle at all (``TypeError: cannot pickle '_MovedItems' object``): ``six.moves``
+and its submodules (six's importer makes them), ``importlib.util.LazyLoader``'s modules.
+Such a module travels as its name when ``sys.modules`` holds it under a name, or when it
+is the attribute of that name of a module that travels so (``six.moves`` before anything
+imports it), or when an importer finds its ``__name__`` (``six.moves.urllib_parse``). A
+lazy module is not loaded by being pickled: its name is found by identity in
+``sys.modules``. The worker imports it by that name. Functions and classes reached
+through such modules (``six.moves.zip``, ``six.moves.range``) are the builtins and
+standard-library objects six re-exports, pickled by reference as ever.
 
 Pickling never changes the user's objects. ``MultiprocessIterator.__getstate__`` does
 (Chainer 7.8.1 ``chainer/iterators/multiprocess_iterator.py:266-288``: its ``serialize``
@@ -19,9 +32,12 @@ its attributes into the very state that method would return, read without side e
 from __future__ import annotations
 
 import copyreg
+import importlib
+import importlib.util
 import io
 import pickle
 import sys
+import types
 from typing import Any, Dict, Optional, Tuple
 
 import chainer
@@ -36,10 +52,16 @@ class _Pickler(cloudpickle.Pickler):
     def __init__(self, file: Any, replace: Optional[Dict[int, Any]] = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._replace = replace or {}
+        self._module_names: Optional[Dict[int, str]] = None
 
     def reducer_override(self, obj: Any) -> Any:
         if id(obj) in self._replace:
             return _same, (self._replace[id(obj)],)
+        kind = type(obj)    # not isinstance: it reads obj.__class__, which loads a lazy module
+        if issubclass(kind, types.ModuleType) and kind is not types.ModuleType:
+            reduced = self._reduce_module_subclass(obj)
+            if reduced is not None:
+                return reduced
         if obj is LINK_METACLASS:
             # Made by chainer.utils.enable_final (chainer/utils/meta.py:78), importable
             # by no name: by value, a class in __main__ deriving from chainer.Link would
@@ -53,6 +75,41 @@ class _Pickler(cloudpickle.Pickler):
             raise TypeError(f"cannot pickle '{type(obj).__module__}.{type(obj).__name__}' "
                             'object')
         return super().reducer_override(obj)
+
+    def _reduce_module_subclass(self, module: types.ModuleType) -> Optional[Tuple[Any, ...]]:
+        """By name, where the worker can import ``module`` by one; else None (it fails)."""
+        if self._module_names is None:
+            self._module_names = {}
+            for key, value in list(sys.modules.items()):
+                self._module_names.setdefault(id(value), key)
+        name = own_name(module)
+        if self._module_names.get(id(module)) is not None:
+            if sys.modules.get(name) is not module:      # an alias: any name will do
+                name = self._module_names[id(module)]
+            return _import_module, (name,)
+        if not name:
+            return None
+        parent, _, attribute = name.rpartition('.')
+        holder = sys.modules.get(parent) if parent else None
+        if holder is not None and getattr(holder, attribute, None) is module:
+            return getattr, (holder, attribute)
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError, AttributeError):   # a parent that is not a package
+            found = False
+        return (_import_module, (name,)) if found else None
+
+
+def own_name(module: types.ModuleType) -> str:
+    """``module.__name__`` read from its ``__dict__`` without ``getattr`` (which loads a
+    lazy module); '' when it has none."""
+    name = object.__getattribute__(module, '__dict__').get('__name__')
+    return name if isinstance(name, str) else ''
+
+
+def _import_module(name: str) -> types.ModuleType:
+    """The module named ``name``, imported in the worker (``sys.modules[name]``)."""
+    return importlib.import_module(name)
 
 
 def _reduce_multiprocess_iterator(it: MultiprocessIterator) -> Tuple[Any, ...]:
@@ -93,9 +150,23 @@ def dumps(obj: Any, replace: Optional[Dict[int, Any]] = None) -> bytes:
     return buffer.getvalue()
 
 
-def check(obj: Any) -> None:
+def reduction(obj: Any) -> Optional[Tuple[Any, ...]]:
+    """The reduce tuple :func:`dumps` pickles ``obj`` as, or None where it is pickled
+    natively or by name (a class, a function, a builtin); raises what reducing raises."""
+    pickler = _Pickler(_Null())
+    reduced = pickler.reducer_override(obj)
+    if reduced is NotImplemented:
+        kind = type(obj)
+        if issubclass(kind, type) or kind is types.FunctionType:
+            return None                    # by name (by value, reducer_override said so)
+        reducer = pickler.dispatch_table.get(kind)
+        reduced = reducer(obj) if reducer else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return None if isinstance(reduced, str) else reduced
+
+
+def check(obj: Any, replace: Optional[Dict[int, Any]] = None) -> None:
     """Pickle ``obj`` as :func:`dumps` would, keeping nothing; raises what pickling raises."""
-    _Pickler(_Null()).dump(obj)
+    _Pickler(_Null(), replace).dump(obj)
 
 
 class _Null(io.RawIOBase):

@@ -5,15 +5,14 @@ Every message names the argument, echoes the value and says what to do.
 from __future__ import annotations
 
 import numbers
-import types
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy
 
 import chainer
 from chainer.dataset import iterator as iterator_module
 
-from . import _payload
+from . import _payload, _pickle_path
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -218,9 +217,12 @@ def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,
                    worker_iterators: Sequence[Any]) -> None:
     """Refuse, at construction, what cannot travel to the worker processes.
 
-    Pickled as the payload will be (:mod:`mgpu_updater._payload`), so lambdas, closures and
-    what ``__main__`` defines pass; open files, locks, sockets, threads and generators
-    do not. ``loss_func`` is None when it is re-bound to each replica's model.
+    Pickled as the payload will be (:mod:`mgpu_updater._payload`), so lambdas, closures,
+    what ``__main__`` defines and modules importable by name (``six.moves``) pass; open
+    files, locks, sockets, threads and generators do not. The message names the type that
+    does not pickle and the path to it (:mod:`mgpu_updater._pickle_path`); its advice
+    depends on what that is. ``loss_func`` is None when it is re-bound to each replica's
+    model.
     """
     picklable('the model', model, 'Create such attributes lazily (e.g. open files in '
               'forward, not in __init__) or drop them before building the updater.')
@@ -235,53 +237,36 @@ def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,
                   '__getitem__.')
 
 
-def picklable(name: str, value: Any, hint: str) -> None:
-    """Refuse what cannot travel to a worker process, naming it (and the attribute)."""
+def picklable(name: str, value: Any, resource_hint: str) -> None:
+    """Refuse what cannot travel to a worker process, naming the type that does not pickle
+    and the path to it from ``value``. ``resource_hint`` is the advice where that is an
+    open file, a lock, a socket, a thread or a generator."""
     try:
-        _dump(value)
+        _payload.check(value)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types
-        where = _culprit(name[4:] if name.startswith('the ') else name, value)
-        part = f'; the culprit is {where}' if where else ''
+        root = name[4:] if name.startswith('the ') else name
+        culprit = _pickle_path.find(value, root)
+        where = culprit.path if culprit.path != root else f'{root} itself'
+        found = ('the culprit is' if culprit.complete else
+                 'the search stopped, the culprit lies within')
         raise TypeError(f'{name} ({type(value).__name__}) cannot be sent to a worker '
-                        f'process: {type(exc).__name__}: {exc}{part}. {hint}') from exc
+                        f'process: {type(exc).__name__}: {exc}; {found} {where} '
+                        f'({_pickle_path.describe(culprit.obj)}). '
+                        f'{_unpicklable_hint(culprit, resource_hint)}') from exc
 
 
-def _dump(value: Any) -> None:
-    """Pickle ``value`` exactly as the worker payload is pickled (never mutating it)."""
-    _payload.check(value)
-
-
-def _culprit(path: str, value: Any, depth: int = 4) -> str:
-    """The deepest attribute (``path.attr.attr``) that does not pickle, or ''.
-
-    Looks into instance attributes, the variables a function captures and the object a
-    method is bound to.
-    """
-    if depth == 0:
-        return ''
-    for key, item in _parts(value).items():
-        try:
-            _dump(item)
-        except Exception:  # noqa: BLE001 - this one fails: look inside
-            sub = f'{path}.{key}'
-            return _culprit(sub, item, depth - 1) or f'{sub} ({_show(item)})'
-    return ''
-
-
-def _parts(value: Any) -> Dict[str, Any]:
-    if isinstance(value, types.MethodType):
-        return {'__self__': value.__self__}
-    if isinstance(value, types.FunctionType):
-        cells = zip(value.__code__.co_freevars, value.__closure__ or ())
-        out = {}
-        for name, cell in cells:
-            try:
-                out[name] = cell.cell_contents
-            except ValueError:   # an empty cell
-                pass
-        return out
-    items = getattr(value, '__dict__', None)
-    return items if isinstance(items, dict) else {}
+def _unpicklable_hint(culprit: Any, resource_hint: str) -> str:
+    kind = _pickle_path.resource_kind(culprit.obj)
+    type_name = _pickle_path.type_name(culprit.obj)
+    if kind == 'a module':
+        return (f'A module of type {type_name} travels by its name only: this one is not '
+                'in sys.modules and no importer finds its __name__. Refer to an importable '
+                'module, or register it in sys.modules where it is created.')
+    if kind:
+        return resource_hint
+    return (f'Objects of type {type_name} do not pickle: keep this one out of what is '
+            'handed to the updater (create it where it is used), or make the type '
+            'picklable (__reduce__, or __getstate__ and __setstate__).')
 
 
 def _show(value: Any, limit: int = 80) -> str:

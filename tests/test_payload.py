@@ -4,20 +4,27 @@ Lambdas and closures as ``loss_func`` (``model.get_loss_func()`` as in Chainer's
 example), converters made with ``@chainer.dataset.converter()``, a model holding a lambda,
 ``TransformDataset`` with a nested transform, and what a script defines in ``__main__``
 (``tests/scripts/main_objects.py``, run as ``python script.py``): each travels, and training
-with two CPU replicas matches ``StandardUpdater`` on the same samples. What cannot travel
-is refused with a message naming it (tests/test_validation.py).
+with two CPU replicas matches ``StandardUpdater`` on the same samples. So do module
+objects of ``ModuleType`` subclasses that can be imported by name (the real ``six.moves``,
+lazy modules), by reference (issue 37). What cannot travel is refused with a message naming
+it and the path to it (tests/test_validation.py, tests/test_pickle_path.py).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import re
 import subprocess
 import sys
+import types
+import urllib.parse
 from pathlib import Path
 
+import cloudpickle
 import numpy as np
 import pytest
+import six
 
 import chainer
 import chainer.functions as F
@@ -176,3 +183,119 @@ def test_script_defining_its_objects_in_main():
     diff = float(re.search(r'MAX_ABS_DIFF (\S+)', proc.stdout).group(1))
     moved = float(re.search(r'MOVED (\S+)', proc.stdout).group(1))
     assert diff < 1e-6 and moved > 1e-3, proc.stdout
+
+
+# ------------------------------------------------------------------ importable by name
+# six.moves is a module object of a ModuleType subclass (six._MovedItems), which cloudpickle
+# cannot pickle by value: "TypeError: cannot pickle '_MovedItems' object" (six issue 194).
+# Whatever can be imported by name travels by reference; tested with the real six.
+SIX_MODULES = {
+    'six.moves': lambda: six.moves,
+    'six.moves.urllib': lambda: six.moves.urllib,
+    'six.moves.urllib.parse': lambda: six.moves.urllib.parse,   # __name__ six.moves.urllib_parse
+}
+
+
+def _in_fresh_interpreter(payload: bytes, code: str) -> str:
+    """Run ``code`` with ``obj`` unpickled from ``payload`` in a new interpreter (as a
+    worker, which has imported nothing of the master's)."""
+    prelude = 'import pickle, sys\nobj = pickle.loads(sys.stdin.buffer.read())\n'
+    proc = subprocess.run([sys.executable, '-c', prelude + code], input=payload,
+                          capture_output=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    return proc.stdout.decode()
+
+
+@pytest.mark.parametrize('name', sorted(SIX_MODULES))
+def test_six_module_objects_travel_by_name(name):
+    module = SIX_MODULES[name]()
+    assert type(module) is not types.ModuleType
+    with pytest.raises(TypeError, match=r'cannot pickle'):
+        cloudpickle.dumps(module)             # what cloudpickle alone does
+    payload = _payload.dumps(module)
+    assert pickle.loads(payload) is module
+    out = _in_fresh_interpreter(payload, 'print(type(obj).__qualname__, obj.__name__)')
+    assert out.split() == [type(module).__qualname__, module.__name__]
+
+
+def test_six_moves_before_anything_imports_it(monkeypatch):
+    """``import six`` alone leaves six.moves out of sys.modules: it travels as the
+    attribute ``moves`` of the module ``six``."""
+    monkeypatch.delitem(sys.modules, 'six.moves')
+    reduced = _payload.reduction(six.moves)
+    assert reduced[0] is getattr and reduced[1] == (six, 'moves')
+    assert pickle.loads(_payload.dumps(six.moves)) is six.moves
+
+
+def test_six_submodule_found_by_its_importer(monkeypatch):
+    """six.moves.urllib.parse is named six.moves.urllib_parse; until imported by that name
+    it is in no sys.modules entry nor an attribute of six.moves (whose ``urllib_parse``,
+    when six has resolved it, is the standard urllib.parse): six's importer finds it."""
+    module = six.moves.urllib.parse
+    monkeypatch.delitem(sys.modules, 'six.moves.urllib_parse', raising=False)
+    monkeypatch.delitem(vars(six.moves), 'urllib_parse', raising=False)  # set by an import
+    assert _payload.reduction(module)[1] == ('six.moves.urllib_parse',)
+    assert pickle.loads(_payload.dumps(module)) is module
+
+
+@pytest.mark.parametrize('name', ['range', 'zip', 'map', 'filter', 'reduce', 'input'])
+def test_attributes_reached_through_six_moves(name):
+    """``six.moves.zip`` and the like are the builtins and standard functions six
+    re-exports: they travel by reference, and arrive as the same objects."""
+    obj = getattr(six.moves, name)
+    assert pickle.loads(_payload.dumps(obj)) is obj
+    assert pickle.loads(_payload.dumps(six.moves.urllib.parse.quote)) is urllib.parse.quote
+
+
+def test_function_by_value_using_six_moves():
+    """A closure (pickled by value) whose code reads ``six.moves.range``: cloudpickle lists
+    six.moves among the submodules it imports, and pickled it by value before."""
+    def make(k):
+        def total(xs):
+            return sum(x * l for l in six.moves.range(k) for x in six.moves.map(int, xs))
+        return total
+    payload = _payload.dumps(make(3))
+    assert pickle.loads(payload)(['1', '2']) == make(3)(['1', '2']) == 9
+    assert _in_fresh_interpreter(payload, "print(obj(['1', '2']))").strip() == '9'
+
+
+def test_lazy_module_travels_by_name_unloaded(tmp_path, monkeypatch):
+    """A module made by ``importlib.util.LazyLoader`` (a ``ModuleType`` subclass until
+    first used) travels by its name; pickling does not load it in the master."""
+    (tmp_path / 'lazily_loaded.py').write_text("print('LOADED')\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.find_spec('lazily_loaded')
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, 'lazily_loaded', module)
+    spec.loader.exec_module(module)
+    assert type(module) is importlib.util._LazyModule
+    payload = _payload.dumps([module])
+    assert type(module) is importlib.util._LazyModule          # still not loaded
+    assert _in_fresh_interpreter(payload, 'print(obj[0].VALUE)').split() == ['LOADED', '7']
+
+
+def test_module_subclass_under_another_name(monkeypatch):
+    """An alias in sys.modules (the module's own name is not there): the alias will do."""
+    module = type(six.moves)('not_registered_by_this_name')
+    monkeypatch.setitem(sys.modules, 'payload_test_alias', module)
+    assert _payload.reduction(module)[1] == ('payload_test_alias',)
+    assert pickle.loads(_payload.dumps(module)) is module
+
+
+def test_six_moves_through_the_updater_in_main():
+    """A tagger defined in a script run as ``__main__`` whose ``forward`` iterates
+    ``six.moves.zip``, its loss closure looping over ``six.moves.range``, and a converter
+    using six.moves: two CPU replicas match StandardUpdater (tests/scripts/six_moves_main.py)."""
+    script = ROOT / 'tests' / 'scripts' / 'six_moves_main.py'
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for loss in ('model', 'closure'):
+        proc = subprocess.run([sys.executable, str(script), loss], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=str(ROOT))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        values = dict(re.findall(r'^(MAX_ABS_DIFF|LOSS_DIFF|MOVED) (\S+)$', proc.stdout,
+                                 re.MULTILINE))
+        assert float(values['MAX_ABS_DIFF']) < 1e-6, (loss, proc.stdout)
+        assert float(values['LOSS_DIFF']) < 1e-5, (loss, proc.stdout)
+        assert float(values['MOVED']) > 1e-3, (loss, proc.stdout)
