@@ -121,7 +121,18 @@ def _local_group(s: Settings) -> LocalGroup:
     """Worker processes on this host, one per extra device, each with its payload."""
     from . import comm
     backend = comm.backend_for(s.devices)
-    replica_model = copy.deepcopy(s.model)
+    try:
+        replica_model = copy.deepcopy(s.model)
+    except Exception as exc:  # noqa: BLE001 - deepcopy raises what pickling raises
+        from . import _pickle_path
+        culprit = _pickle_path.find(s.model, 'model')
+        raise TypeError(
+            f'the model ({type(s.model).__name__}) cannot be copied for the worker '
+            f'processes after its first call (which initialised its lazy parameters): '
+            f'{type(exc).__name__}: {exc}; the culprit is {culprit.path} '
+            f'({_pickle_path.describe(culprit.obj)}). Give the links their input sizes '
+            '(e.g. L.Linear(784, n), not L.Linear(None, n)) so that the model is copied '
+            'before it is first called') from exc
     replica_model.to_device('@numpy')
     for param in replica_model.params():
         param.update_rule = None

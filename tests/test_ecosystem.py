@@ -150,6 +150,8 @@ def test_static_graph_with_lazy_links_fails_at_the_first_update(tmp_path):
     assert 'end of build_schedule()' in result.stdout, result.describe()
     assert re.search(r"TypeError: cannot pickle '(module|weakref\.ReferenceType)' object",
                      result.stderr), result.describe()
+    assert 'cannot be copied for the worker processes after its first call' in result.stderr
+    assert 'Give the links their input sizes' in result.stderr
     assert _log(tmp_path) == []
 
 
