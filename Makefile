@@ -153,7 +153,7 @@ example: setup
 	$(VENV)/bin/python examples/mnist/train_mnist.py
 
 bench: setup
-	$(VENV)/bin/python bench/scaling.py --quick --out bench/results
+	$(VENV)/bin/python bench/scaling.py --quick --out result/bench
 
 clean:
 	rm -rf $(VENV) $(VENV312) $(VENV313) $(VENV_CUPY14) $(VENV_DOCS) docs/_build build dist \
