@@ -25,8 +25,9 @@ EXTRAS := mpi,bench,test
 CUPY14_WHEELHOUSE ?= $(HOME)/.cache/mgpu_updater/cupy14-wheels
 CUPY14_PACKAGES := 'cupy-cuda13x[ctk]' nvidia-nccl-cu13
 CUPY14_EXTRAS := cuda13,test
-# Chainer's import with every warning an error, except pkg_resources' own deprecation
-# (a UserWarning from setuptools 80.9 on, a DeprecationWarning before; no CuPy business, see _compat).
+# Chainer's import with every warning an error, except pkg_resources' own deprecation (a
+# UserWarning from setuptools 80.9 on, a DeprecationWarning before; no CuPy business, see
+# _compat).
 IMPORT_WARNINGS := -W error -W 'ignore:pkg_resources is deprecated as an API:UserWarning' \
 	-W 'ignore:pkg_resources is deprecated as an API:DeprecationWarning'
 # `make test` (and CI) leaves out the tests marked slow (20x fault repeats, soak, bench
