@@ -62,8 +62,8 @@ def test_the_first_python_block_runs_as_main(tmp_path):
 
 # One line per argument: "- `name` (type, default `value`): what it does." or
 # "- `name` (type, required): ...".
-ARGUMENT_LINE = re.compile(r'^- `(?P<name>\w+)` \((?P<type>[^)]*?)(?:, default `(?P<default>[^`]*)`'
-                           r'|, required)\): (?P<clause>.+)$')
+ARGUMENT_LINE = re.compile(r'^- `(?P<name>\w+)` \((?P<type>[^)]*?)'
+                           r'(?:, default `(?P<default>[^`]*)`|, required)\): (?P<clause>.+)$')
 
 
 def _readme_arguments():
