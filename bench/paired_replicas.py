@@ -71,8 +71,8 @@ five and each MPI rank for two, and the first update after such a pause computes
 updates follow each other, never sees. With one update a turn (``--block 1``, the bench up
 to ``/4``) ours' windows read 1.010-1.018 of the same loops on the same weights at k=1
 (``/4``'s three runs, and 1.010 (1.004-1.016) once more on 2026-12-02); with blocks of 4 on
-the same day, 0.995, 1.006 and 0.995 (``bench/results/paired-replicas-5``) and 1.000 in two
-runs not kept.
+the same day, 0.995, 1.006 and 0.995 (``bench/results/paired-replicas-5`` as of commit
+``7b3c228``; superseded runs are kept in git's history) and 1.000 in two runs not kept.
 
 ``--compare KEY=VALUE[,KEY=VALUE...]`` builds the first updater with those arguments,
 labelled with them: an A/B of two settings in one run, e.g. ``--compare prefetch=2``
