@@ -7,8 +7,9 @@ returns the iterator state captured (:func:`mgpu_updater._checkpoint.capture_sta
 before the oldest batch that was loaded but not yet handed out, so a snapshot resumes with
 no batch lost or repeated.
 
-A *gated* prefetcher (``prefetch='auto'`` on CPU replicas with worker processes, see
-:func:`plan`) starts a load only while its consumer does not hold the gate
+A *gated* prefetcher (loading ``'inline'``, which ``prefetch='auto'`` starts with and keeps
+where it is the faster way: :mod:`mgpu_updater._load_trial`, :func:`plan`) starts a load
+only while its consumer does not hold the gate
 (:meth:`Loader.hold`, :meth:`Loader.release`) or waits in :meth:`Loader.get` for a batch
 that is not loaded yet. On the CPU the thread's loading is Python (the iterator, the
 converter) that takes the GIL from the replica's forward and backward: measured in one
@@ -21,11 +22,11 @@ finds nothing loaded while the thread is parked at the held gate loads the batch
 the consumer's thread (the thread cannot move while the gate is held, so the iterator is the
 consumer's alone): a hand-off to the thread and back cost the master 0.16 ms per batch at
 k=1 in ``bench/paired_replicas.py``. (Only where the caller may read the iterator there:
-see :func:`reads_in_caller_safely`.) A gated loader that had to make its consumer wait
-longer than :data:`UNGATE_AFTER` for a batch (loaded either way), :data:`UNGATE_WAITS`
-times in a row (a dataset that reads files, a ``MultiprocessIterator``: loading that waits
-rather than computes, which a thread hides) opens the gate for good and loads ahead as an
-ungated one does.
+see :func:`reads_in_caller_safely`.) An ungated prefetcher (loading ``'ahead'``) loads
+while its consumer computes: what a dataset that reads files, a ``MultiprocessIterator`` or
+a GPU that computes while the host waits can hide. Under ``prefetch='auto'`` each replica's
+trial (:class:`~mgpu_updater._load_trial.LoadTrial`) switches between the two and keeps the
+faster.
 """
 from __future__ import annotations
 
@@ -44,9 +45,6 @@ from ._cuda import Staged   # imports no CuPy
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
-UNGATE_AFTER = 2e-3   # seconds a gated loader may keep its consumer waiting ...
-UNGATE_WAITS = 3      # ... this many times in a row before it opens for good (a load of
-                      # the benchmark's CPU batches: 0.3 ms)
 
 
 class EpochInfo(NamedTuple):
@@ -147,6 +145,14 @@ class Loader:
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
 
+    #: how this loader loads: 'none' (in the caller, prefetch=0), 'ahead' (a thread, as
+    #: far as its depth), 'inline' (a gated thread: in the caller), or 'trial'
+    mode = 'none'
+
+    def window_started(self) -> None:
+        """A window starts (the trial of ``prefetch='auto'`` times the cycles between
+        them). Elsewhere nothing."""
+
     def hold(self) -> None:
         """The replica is busy: a gated prefetcher starts no load until :meth:`release`
         (or a :meth:`get` that finds nothing loaded). Elsewhere nothing."""
@@ -180,17 +186,20 @@ class Prefetcher(Loader):
     """
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
-                 gated: bool = False, load_here: bool = True) -> None:
+                 gated: bool = False, load_here: bool = True, trial: Any = None) -> None:
         super().__init__(iterator, converter, device)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
         self.load_here = load_here
         # The gate (see the module docstring): a C lock the consumer holds while busy, so
-        # that the thread starts no load then; held from the start. ``gated`` turns False
-        # for good once a load kept the consumer waiting too long.
+        # that the thread starts no load then; held from the start. ``gated`` follows the
+        # trial's word (:meth:`window_started`), where there is one.
         self.gated = gated
         #: the plan's word, kept: whether this loader started gated
         self.planned_gated = gated
+        #: ``prefetch='auto'``: which way loads faster here, measured (None: decided, or
+        #: as asked)
+        self.trial = trial
         self._gate = threading.Lock()
         self._holding = False
         # True while the thread waits at the gate, set before it tries the gate and
@@ -198,7 +207,6 @@ class Prefetcher(Loader):
         # the thread cannot move until released (it has handed out every batch it loaded,
         # and recorded no state for another), so the consumer may read the iterator itself.
         self._parked = False
-        self._slow_waits = 0   # gets in a row that waited longer than UNGATE_AFTER
         self.hold()
         # Loaded items, and one token per free place: both C queues (_queue.SimpleQueue),
         # so that no Python-level lock is taken in the consumer's thread (see close()).
@@ -259,6 +267,32 @@ class Prefetcher(Loader):
         self._parked = False
         self._gate.release()
         return not self._stop.is_set()
+
+    @property
+    def mode(self) -> str:   # type: ignore[override]
+        if self.trial is not None:
+            return 'trial'
+        return 'inline' if self.gated else 'ahead'
+
+    def window_started(self) -> None:
+        trial = self.trial
+        if trial is None:
+            return
+        way = trial.window(time.perf_counter())
+        if trial.decision is not None:
+            self.trial = None
+        self._set_gated(way == 'inline')
+
+    def _set_gated(self, gated: bool) -> None:
+        """Load inline (gated) or ahead from now on; batches loaded meanwhile stay."""
+        if gated == self.gated:
+            return
+        if gated:
+            self.gated = True
+            self.hold()
+        else:
+            self.gated = False
+            self.release()
 
     def hold(self) -> None:
         if self.gated and not self._holding:
@@ -324,15 +358,9 @@ class Prefetcher(Loader):
         return item
 
     def _waited(self, seconds: float) -> None:
-        """A get waited ``seconds`` for a batch not loaded yet, the gate held: too long
-        :data:`UNGATE_WAITS` times in a row, and the gate opens for good (the thread then
-        loads ahead); else the gate stays held."""
-        self._slow_waits = self._slow_waits + 1 if seconds > UNGATE_AFTER else 0
-        if self._slow_waits >= UNGATE_WAITS:
-            self.gated = False   # loading that waits: load ahead from now on
-            self.release()
-        else:
-            self.hold()
+        """A get waited ``seconds`` for a batch not loaded yet: the gate is held again
+        (a gated loader loads no further ahead)."""
+        self.hold()
 
     def state(self) -> Dict[str, numpy.ndarray]:
         with self._lock:
@@ -381,14 +409,13 @@ def _is_gpu(device: Any) -> bool:
     return device is not None and device.xp is not numpy
 
 
-def plan(prefetch: Any, devices: Any, local_workers: bool) -> Tuple[int, bool]:
-    """(depth, gated) of every replica's loader for the updater's ``prefetch``: an int is
-    that depth, never gated; ``'auto'`` is :data:`AUTO_DEPTH`, gated where the replicas are
-    on the CPU and have worker processes (``local_workers``; see the module docstring)."""
+def plan(prefetch: Any) -> Tuple[int, bool, bool]:
+    """(depth, gated, trial) of every replica's loader for the updater's ``prefetch``: an
+    int is that depth, loading ahead; ``'auto'`` is :data:`AUTO_DEPTH`, inline (gated) at
+    first, each replica then keeping the faster way (:mod:`mgpu_updater._load_trial`)."""
     if prefetch != 'auto':
-        return int(prefetch), False
-    on_cpu = not any(_is_gpu(d) for d in devices)
-    return AUTO_DEPTH, bool(local_workers and on_cpu)
+        return int(prefetch), False, False
+    return AUTO_DEPTH, True, True
 
 
 def reads_in_caller_safely(iterator: Any) -> bool:
@@ -409,7 +436,9 @@ def reads_in_caller_safely(iterator: Any) -> bool:
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
-                gated: bool = False, load_here: bool = True) -> Loader:
+                gated: bool = False, load_here: bool = True, trial: bool = False) -> Loader:
     if depth <= 0:
         return Loader(iterator, converter, device)
-    return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here)
+    from ._load_trial import LoadTrial
+    return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here,
+                      trial=LoadTrial() if trial else None)

@@ -32,6 +32,7 @@ class WindowResult(NamedTuple):
     epochs: List[EpochInfo]              # epoch bookkeeping after each micro-batch
     summed: Tuple[str, ...] = ()         # keys whose values add up (the loss under 'sum')
     micro_batch_size: Optional[int] = None   # most samples one forward held (None: empty)
+    loading: str = ''                    # how its loader loads (_loader.Loader.mode)
 
 
 class Scaling(NamedTuple):
@@ -223,6 +224,7 @@ class Replica:
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
         times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
+        self.loader.window_started()
         window = _Window(self.loader, self.name)
         while True:
             try:
@@ -350,7 +352,8 @@ class Replica:
             loss_sum=loss_sum,   # a float, or a 0-dim array when kept on the device
             sums=sums,
             weights=weights, times=dict(times), epochs=epochs,
-            summed=tuple(summed), micro_batch_size=micro_batch_size)
+            summed=tuple(summed), micro_batch_size=micro_batch_size,
+            loading=self.loader.mode)
 
     def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:
         current = window.chunk_size(self.chunking.size)

@@ -65,17 +65,17 @@ class Started(NamedTuple):
     nominal_samples: float          # as the group agreed (MPI: summed over the ranks)
 
 
-def loader_plan(s: Settings) -> Tuple[int, bool]:
-    """(depth, gated) of every replica's loader (:func:`mgpu_updater._loader.plan`): gated
-    under ``prefetch='auto'`` on CPU replicas with workers on this host."""
-    return plan(s.prefetch, s.devices, s.communicator is None and len(s.devices) > 1)
+def loader_plan(s: Settings) -> Tuple[int, bool, bool]:
+    """(depth, gated, trial) of every replica's loader (:func:`mgpu_updater._loader.plan`):
+    under ``prefetch='auto'`` inline at first, and a trial of the two ways."""
+    return plan(s.prefetch)
 
 
 def start(s: Settings) -> Started:
     """Build the master's loader, replica and group (see the module docstring)."""
     master_device = s.devices[0]
-    depth, gated = loader_plan(s)
-    loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
+    depth, gated, trial = loader_plan(s)
+    loader = make_loader(s.iterator, s.converter, master_device, depth, gated, trial=trial,
                          load_here=reads_in_caller_safely(s.iterator))
     try:
         initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter, master_device)
@@ -138,7 +138,7 @@ def _local_group(s: Settings) -> LocalGroup:
         param.update_rule = None
     config = _inherit.master_config()
     seeds = _inherit.draw_seeds(len(s.worker_iterators))
-    depth, gated = loader_plan(s)
+    depth, gated, trial = loader_plan(s)
     payloads = {}
     for rank, it in enumerate(s.worker_iterators, start=1):
         payloads[rank] = payload_factory(dict(
@@ -147,7 +147,7 @@ def _local_group(s: Settings) -> LocalGroup:
             loss_func=None if s.bound_loss else
             _loss_binding.swap_model(s.loss_func, s.model, replica_model),
             bind_loss_to_model=s.bound_loss, converter=s.converter,
-            iterator=it, prefetch=depth, prefetch_gated=gated,
+            iterator=it, prefetch=depth, prefetch_gated=gated, prefetch_trial=trial,
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,

@@ -87,11 +87,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             same samples, and keeps that size. Reported as ``main/micro_batch_size`` (the
             smallest over the replicas) and saved in snapshots.
         prefetch: micro-batches loaded ahead per replica by a background thread (0 turns
-            it off). ``'auto'`` (default): 2; on CPU replicas with worker processes the
-            thread loads only while its replica waits (a worker for the master, the
-            master for its next batch), since on the CPU a load during forward/backward
-            takes the GIL from it, unless loading keeps a replica waiting (files, a
-            ``MultiprocessIterator``): then it loads ahead as with an int.
+            it off: each batch is loaded when the window needs it). ``'auto'`` (default):
+            each replica tries both ways over its first hundred or so updates and keeps
+            the faster (:mod:`mgpu_updater._load_trial`): loading ahead (2 batches) hides
+            loading that waits (files, a ``MultiprocessIterator``, a GPU computing while
+            the host waits), while where the window is Python (a small model, a fast GPU)
+            a thread takes the GIL from it, and each batch is loaded when needed (a
+            worker also loads while it waits for the master). :attr:`loading_modes` says
+            what each replica does.
         report_times: report ``main/time/{data,compute,comm,update}`` every update
             (True or False).
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
@@ -107,8 +110,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
             t is reduced into a second set of buffers and applied one update late, so
             update t+1's gradient was computed on parameters one step stale (no
-            overlap is realised yet: see README, "Pipelined update"). The first update applies nothing. Reports stay
-            those of the window just computed.
+            overlap is realised yet: see docs/pipelined.md). The first update applies
+            nothing. Reports stay those of the window just computed.
         blas_threads: the BLAS/OpenMP threads of each replica, so that N replicas on C
             cores do not run N * C threads. ``'auto'`` (default): ``max(1, C // N)``, N
             being the replicas on this host (under MPI its ranks), unless the environment
@@ -136,10 +139,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             :class:`~mgpu_updater.WorkerError` with the same information and every worker
             is stopped (default None: wait as long as the workers live).
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
-        start_timeout: seconds the workers get to start and report ready (finite, at
-            most 2147483, the longest wait the operating system's ``poll()`` takes).
+        start_timeout: seconds the workers get to start and report ready (default 120;
+            finite, at most 2147483, the longest wait the operating system's ``poll()``
+            takes).
         communicator: a ChainerMN communicator (``chainermn.create_communicator``): run
             across MPI ranks, one device per rank.
+        auto_new_epoch: as for ``StandardUpdater``: when True (default), the optimizer's
+            ``new_epoch()`` is called when the master's iterator starts a new epoch (as of
+            the last micro-batch used).
     """
 
     def __init__(self, iterators: Any, optimizer: chainer.Optimizer, *,
@@ -212,6 +219,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: seconds of the last update's window on each replica, in replica order (MPI:
         #: rank order): 'data' and 'compute', as each replica measured them
         self.last_replica_times: List[Dict[str, float]] = []
+        #: how each replica loads, as of the last update, in replica order (MPI: rank
+        #: order): 'inline', 'ahead', 'trial' (prefetch='auto' still timing both), or
+        #: 'none' (prefetch=0)
+        self.loading_modes: List[str] = []
 
     # ------------------------------------------------------------------ epoch bookkeeping
     # The master's loader runs ahead of training; the epoch is that of the last batch used.
@@ -383,6 +394,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         times['compute'] = own_times.get('compute', 0.0)
         self.last_times = times
         self.last_replica_times = [r.times for r in results]
+        self.loading_modes = [r.loading for r in results]
         if self.report_times:
             for key, value in times.items():
                 observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value

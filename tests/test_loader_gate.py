@@ -19,7 +19,8 @@ import pytest
 
 from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater import _loader as loader_module
-from mgpu_updater._loader import UNGATE_AFTER, UNGATE_WAITS, Prefetcher, plan
+from mgpu_updater._load_trial import LoadTrial
+from mgpu_updater._loader import Prefetcher, plan
 
 from _models import classifier, dataset
 
@@ -91,7 +92,6 @@ def test_a_gated_loader_starts_held_and_loads_only_when_released():
 def test_a_get_that_finds_nothing_loaded_loads_it_itself_and_holds_again(monkeypatch):
     """The thread parked at the held gate, a get with nothing loaded reads the iterator in
     the caller's thread (no hand-off to the thread and back), in order, gate still held."""
-    monkeypatch.setattr(loader_module, 'UNGATE_AFTER', 10.0)   # however slow this machine
     data = _Counting()
     loader = _loader(data, depth=1)
     try:
@@ -132,22 +132,61 @@ def test_an_error_loading_in_the_callers_thread_is_raised_there_with_its_traceba
         loader.close()
 
 
-def test_loads_that_keep_the_consumer_waiting_open_the_gate_for_good():
-    data = _Counting(latency=UNGATE_AFTER)     # a batch of 2: twice the allowance
+def test_a_slow_load_keeps_the_gate_held_it_is_the_trials_to_open_it():
+    """A gated loader whose loads keep its consumer waiting stays gated: whether loading
+    ahead pays is the trial's to measure (:mod:`mgpu_updater._load_trial`)."""
+    data = _Counting(latency=0.005)
     loader = _loader(data)
     try:
-        for _ in range(UNGATE_WAITS - 1):
-            loader.get()             # (the first may have been loaded already)
-        assert loader.gated          # not yet: fewer slow waits than UNGATE_WAITS
-        for _ in range(2):
-            loader.get()             # each waited longer than UNGATE_AFTER
-        assert not loader.gated and not loader._holding and loader.planned_gated
-        before = _settle(data)
-        loader.hold()                # a no-op now: it loads ahead meanwhile
-        loader.get()
-        assert _settle(data) > before
+        for _ in range(4):
+            loader.get()
+        assert loader.gated and loader._holding and loader.mode == 'inline'
     finally:
         loader.close()
+
+
+class _Scripted(LoadTrial):
+    """A trial that decides after ``after`` windows, as told."""
+
+    def __init__(self, after, decision):
+        super().__init__()
+        self.after, self.told, self.seen = after, decision, []
+
+    def window(self, now):
+        self.seen.append(now)
+        if len(self.seen) > self.after:
+            self.decision = self.told
+            return self.told
+        return 'inline' if len(self.seen) % 2 else 'ahead'
+
+
+@pytest.mark.parametrize('decision', ['ahead', 'inline'])
+def test_the_trial_switches_the_gate_and_its_decision_stays(decision):
+    """Each window asks the trial the way to load: 'ahead' opens the gate (the thread
+    loads meanwhile), 'inline' holds it; once decided the trial is dropped and the
+    batches are those of a loader that never switched."""
+    data = _Counting()
+    loader = _loader(data, depth=2)
+    loader.trial = _Scripted(4, decision)
+    reference = _loader(_Counting(), depth=2, gated=False)
+    try:
+        got, want = [], []
+        for i in range(10):
+            loader.window_started()
+            expected = ('inline' if (i + 1) % 2 else 'ahead') if i < 4 else decision
+            assert loader.gated is (expected == 'inline')
+            assert loader.mode == ('trial' if i < 4 else decision)
+            got.append(loader.get().arrays[1].tolist())
+            want.append(reference.get().arrays[1].tolist())
+        assert got == want
+        assert loader.trial is None
+        if decision == 'ahead':   # the thread loads meanwhile
+            before = _settle(data)
+            loader.get()
+            assert _settle(data) > before
+    finally:
+        loader.close()
+        reference.close()
 
 
 @pytest.mark.parametrize('depth', [1, 3])
@@ -179,12 +218,10 @@ def test_close_while_held_stops_the_thread_promptly():
     assert not loader._thread.is_alive()
 
 
-def test_auto_gates_where_the_replicas_are_on_the_cpu_with_workers():
-    cpu = chainer.get_device('@numpy')
-    assert plan('auto', [cpu, cpu], local_workers=True) == (loader_module.AUTO_DEPTH, True)
-    assert plan('auto', [cpu], local_workers=False) == (loader_module.AUTO_DEPTH, False)
-    assert plan(3, [cpu, cpu], local_workers=True) == (3, False)    # an int: as asked
-    assert plan(0, [cpu, cpu], local_workers=True) == (0, False)
+def test_auto_starts_inline_with_a_trial_an_int_loads_ahead():
+    assert plan('auto') == (loader_module.AUTO_DEPTH, True, True)
+    assert plan(3) == (3, False, False)    # an int: as asked
+    assert plan(0) == (0, False, False)
 
 
 @pytest.mark.parametrize('prefetch, gated', [('auto', True), (2, False)])
@@ -199,6 +236,7 @@ def test_the_masters_loader_follows_the_plan(prefetch, gated):
         updater.update()
         assert isinstance(updater._loader, Prefetcher)
         assert updater._loader.planned_gated is gated
+        assert updater.loading_modes == (['trial'] * 2 if gated else ['ahead'] * 2)
     finally:
         updater.finalize()
 

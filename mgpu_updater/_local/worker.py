@@ -51,6 +51,7 @@ class WorkerInit(NamedTuple):
     board: Optional[str] = None          # the ranks' board segment (.board), or None
     announce_packs: bool = False         # post at the board that the gradient is packed
     prefetch_gated: bool = False         # its loader loads while it waits (_loader.plan)
+    prefetch_trial: bool = False         # ... and tries loading ahead (_load_trial)
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -223,7 +224,7 @@ def _build(init: 'WorkerInit') -> Any:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
     # Before any BLAS call: the first read may fork the iterator's pool (_loader.Prefetcher).
     loader = make_loader(init.iterator, init.converter, device, init.prefetch,
-                         init.prefetch_gated)
+                         init.prefetch_gated, trial=init.prefetch_trial)
     # After that read, before the first BLAS call: for the rest of this process.
     limit_process(init.blas_threads)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
