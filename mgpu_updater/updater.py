@@ -93,7 +93,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             loading that waits (files, a ``MultiprocessIterator``, a GPU computing while
             the host waits), while where the window is Python (a small model, a fast GPU)
             a thread takes the GIL from it, and each batch is loaded when needed (a
-            worker also loads while it waits for the master). :attr:`loading_modes` says
+            worker also loads while it waits for the master). ``loading_modes`` says
             what each replica does.
         report_times: report ``main/time/{data,compute,comm,update}`` every update
             (True or False).
