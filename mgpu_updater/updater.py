@@ -17,7 +17,7 @@ from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
-from .errors import NonFiniteLossError
+from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):
@@ -362,12 +362,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """One optimizer step on the model's summed gradient of ``step``."""
         model = optimizer.target
         factor = self._factor(optimizer, step.count, step.loss)
-        if factor is None:
+        if factor is None or not self._finite_under_static_scale(optimizer, step):
             return
         if factor != 1.0:
-            for _, param in unique_params(model):   # a tied parameter once
-                if param.grad is not None:
-                    param.grad *= factor
+            with chainer.using_device(self._devices[0]):   # on the master's stream
+                for _, param in unique_params(model):   # a tied parameter once
+                    if param.grad is not None:
+                        param.grad *= factor
         # The update rules divide each gradient by its parameter's stamped loss scale. The
         # stamps are written once, and then only where the optimizer scales the loss or
         # the master's backward stamped a scale of its own (Replica.stamped): else they
@@ -377,6 +378,22 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             chainer_private.set_update_loss_scale(model, step.loss_scale)
             self._stamps_clear = not stamped
         optimizer.update()
+
+    def _finite_under_static_scale(self, optimizer: chainer.Optimizer,
+                                   step: '_step.GradientStep') -> bool:
+        """Under a static loss scale, whether the summed gradient is finite (else raise
+        or skip, as ``nonfinite`` says); True without looking elsewhere."""
+        if (self.nonfinite == 'ignore' or step.loss_scale is None
+                or chainer_private.loss_scaling_is_dynamic(optimizer)
+                or _step.finite_gradients(optimizer.target)):
+            return True
+        if self.nonfinite == 'raise':
+            raise NonFiniteGradientError(self.iteration + 1, step.loss, step.loss_scale)
+        self._skipped += 1
+        warnings.warn(f'skipping update {self.iteration + 1}: the summed gradient holds inf '
+                      f'or NaN under the static loss scale {step.loss_scale:g}',
+                      RuntimeWarning)
+        return False
 
     def _report(self, results: List[WindowResult], own: WindowResult,
                 times: Dict[str, float]) -> None:
