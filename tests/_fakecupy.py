@@ -18,13 +18,15 @@ What it models, beyond the names:
   their arrays'.
 - The current stream is per thread and per device, as in CuPy (``with stream:`` makes it
   current for its own device).
-- Streams, events and host reads: a collective enqueued on a stream leaves a ticket there,
-  done when the collective ran; ``Event.record`` captures what the stream holds so far
-  (and what it waits for), ``Event.done`` says whether all of it is done, and a host read
-  (``ndarray.get``, ``Event.synchronize``) of work that never finishes raises
-  :class:`HostReadBlocked` where CUDA would block for good. ``fake.hang = True`` makes
-  every event undone (a collective stuck on a dead peer); ``fake.pending_polls = n``
-  makes the next n ``done`` queries say no (work that is still running, then finishes).
+- Streams, events and host reads: a collective of a connected world enqueued on a stream
+  leaves a ticket there, done when the collective ran; ``Event.record`` captures the
+  tickets the stream holds so far (its own and those of the events it waits for),
+  ``Event.done`` says whether they are all done, and a host read (``ndarray.get``,
+  ``Event.synchronize``) of work that never finishes raises :class:`HostReadBlocked`
+  where CUDA would block for good. ``fake.hang = True``: everything queued on the GPU is
+  stuck (a collective waiting for a dead peer): events stay undone and host reads raise.
+  ``fake.pending_polls = n`` makes the next n ``done`` queries say no (work that is still
+  running, then finishes; a host read waits it out).
 - NCCL: unconnected (the default), a collective leaves the buffer as it is, which is what
   NCCL does with one rank. :func:`connect_ranks` makes the communicators of one unique id
   one world, with NCCL's rendezvous at creation (and its refusal of two ranks with the same
@@ -180,18 +182,15 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
             numpy.ndarray.__setitem__(self, Ellipsis, arr)
             log.append(('h2d', current_device(), self.nbytes))
 
-    def wait_host(what: str, blockers: List[Any]) -> None:
-        """A host wait for ``blockers`` (tickets and events): bounded here, where CUDA
+    def wait_host(what: str, blockers: List[threading.Event]) -> None:
+        """A host wait for ``blockers`` (collectives' tickets): bounded here, where CUDA
         would wait for good."""
-        if fake.hang and blockers:
+        if fake.hang:
             raise HostReadBlocked(f'{what} waits for GPU work that never finishes')
-        for b in blockers:
-            if isinstance(b, threading.Event):
-                if not b.wait(TIMEOUT):
-                    raise HostReadBlocked(f'{what} waited {TIMEOUT:g} s for a collective '
-                                          'that no peer completes')
-            elif not b.done:
-                wait_host(what, b.blockers)
+        for ticket in blockers:
+            if not ticket.wait(TIMEOUT):
+                raise HostReadBlocked(f'{what} waited {TIMEOUT:g} s for a collective that '
+                                      'no peer completes')
         fake.pending_polls = 0
 
     def empty(shape: Any, dtype: Any = float, order: str = 'C') -> FakeArray:
@@ -231,8 +230,9 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
             self.ptr = 0 if null else next(_ptrs)
             self.non_blocking = non_blocking
             self.device = None if null else current_device()
-            self._tickets: List[threading.Event] = []   # collectives enqueued here
-            self._waits: List['Event'] = []             # events it was told to wait for
+            # the unfinished collectives that work queued here from now on waits for: its
+            # own, and those of the events it was told to wait for
+            self._tickets: List[threading.Event] = []
             self._previous: List[Any] = []
             streams_by_ptr[self.ptr] = self
 
@@ -248,14 +248,13 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
 
         def wait_event(self, event: 'Event') -> None:
             log.append(('wait', self, event))
-            self._waits.append(event)
+            self._tickets.extend(event.blockers)
 
-        def blockers(self) -> List[Any]:
-            """What work queued on this stream so far waits for: unfinished collectives
-            and events."""
+        def blockers(self) -> List[threading.Event]:
+            """The unfinished collectives that work queued on this stream so far waits
+            for."""
             self._tickets = [t for t in self._tickets if not t.is_set()]
-            self._waits = [e for e in self._waits if not e.done]
-            return list(self._tickets) + list(self._waits)
+            return list(self._tickets)
 
         def __repr__(self) -> str:
             return f'<Stream {self.ptr:#x}>'
@@ -266,7 +265,7 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
         def __init__(self, block: bool = False, disable_timing: bool = False,
                      interprocess: bool = False) -> None:
             self.device = current_device()
-            self.blockers: List[Any] = []
+            self.blockers: List[threading.Event] = []   # as of the last record
 
         def record(self, stream: Optional[Stream] = None) -> None:
             if stream is None:
@@ -281,11 +280,10 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
             if fake.pending_polls > 0:
                 fake.pending_polls -= 1
                 return False
-            return all(b.is_set() if isinstance(b, threading.Event) else b.done
-                       for b in self.blockers)
+            return all(ticket.is_set() for ticket in self.blockers)
 
         def synchronize(self) -> None:
-            wait_host('Event.synchronize()', [self] if not self.done else [])
+            wait_host('Event.synchronize()', self.blockers)
 
     def get_current_stream(device_id: int = -1) -> Stream:
         device = current_device() if device_id == -1 else device_id
