@@ -105,7 +105,7 @@ class FakePool:
     def send(self, msg, ranks=None):
         self.sent.append(msg[0])
 
-    def check(self, what='update'):
+    def check(self, what='update', waiting=()):
         for rank, tb in sorted(self.failed.items()):
             raise WorkerError(f'failed during {what}', replica=rank,
                               device=self.devices[rank], remote_traceback=tb)
@@ -145,7 +145,7 @@ def master_group(fake, monkeypatch, model=None, size=2, start_timeout=5.0, pipel
     model = model if model is not None else on_gpu(fake, L.Linear(3, 2), MASTER)
     pool = pool or FakePool([f'@cupy:{MASTER}'] + ['@cupy:0'] * (size - 1), 'spawn')
     pool.fake = fake
-    monkeypatch.setattr(group_module, 'WorkerPool', lambda devices, method: pool)
+    monkeypatch.setattr(group_module, 'WorkerPool', lambda devices, method, *stall: pool)
     layouts = ModelLayouts(model, double_buffered=pipelined)
     group = group_module.LocalGroup(
         model, layouts, 'nccl', gpu(MASTER), pool.devices,
