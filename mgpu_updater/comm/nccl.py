@@ -65,7 +65,8 @@ _NCCL_TYPES = {
 }
 _UNIQUE_ID_BYTES = 128
 _FINALIZE_TIMEOUT = 60.0   # bound on finalize's waits when no timeout was given
-_ABORT_TIMEOUT = 10.0      # bound on ncclCommAbort and ncclCommDestroy (they may hang)
+_ABORT_TIMEOUT = 5.0       # bound on ncclCommAbort (it may hang)
+_PEER_GRACE = 2.0          # seconds an NCCL error waits for the peer check to name a death
 
 #: The test mode (docs/gpu.md, "Several NCCL ranks on one GPU"): set to 1, the local NCCL
 #: backend also takes a GPU listed several times, each rank acting as a host of its own.
@@ -436,9 +437,19 @@ class NcclCommunicator(Communicator):
                           f'aborted: {e}', RuntimeWarning)
 
     def _check_during_wait(self) -> None:
-        self._check_async_error()
+        """A dead peer raises what ``check_peer_alive`` raises (it names the peer); an
+        error NCCL reports first (a dead peer's sockets close at once) waits a moment
+        for that check to see the death, then raises."""
         if self.check_peer_alive is not None:
             self.check_peer_alive()
+        try:
+            self._check_async_error()
+        except RuntimeError:
+            deadline = time.monotonic() + _PEER_GRACE
+            while self.check_peer_alive is not None and time.monotonic() < deadline:
+                self.check_peer_alive()
+                time.sleep(0.05)
+            raise
 
     def _check_async_error(self) -> None:
         comm = self._comm
@@ -456,7 +467,7 @@ class NcclCommunicator(Communicator):
     def abort(self) -> None:
         """Give up at once (a peer died): ncclCommAbort, which ends stuck collectives.
 
-        Returns within about 10 s whatever NCCL does (it may hang in ncclCommAbort when
+        Returns within about 5 s whatever NCCL does (it may hang in ncclCommAbort when
         one rank of a host aborts alone: then the call is left to process exit, with a
         warning); the communicator is finalized afterwards. The device buffers stay
         allocated until this object is dropped.

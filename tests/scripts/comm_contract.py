@@ -50,6 +50,8 @@ def rank_order_sum(name: str, size: int, wide: bool = False) -> numpy.ndarray:
 
 
 def _host(array: Any) -> numpy.ndarray:
+    if not isinstance(array, numpy.ndarray):   # a CuPy array: a host read
+        array = array.get()
     return numpy.array(array).view(numpy.ndarray)
 
 
