@@ -73,11 +73,19 @@ class _Pinned(bytearray):
         return len(self)
 
 
-# CuPy 14's NcclError texts (cupy_backends/cuda/libs/nccl.pyx, ERROR2)
-_NCCL_ERRORS = {0: 'NCCL_ERROR_SUCCESS', 1: 'NCCL_ERROR_UNHANDLED_CUDA_ERROR',
-                2: 'NCCL_ERROR_SYSTEM_ERROR', 3: 'NCCL_ERROR_INTERNAL_ERROR',
-                4: 'NCCL_ERROR_INVALID_ARGUMENT', 5: 'NCCL_ERROR_INVALID_USAGE',
-                6: 'NCCL_ERROR_REMOTE_ERROR'}
+# CuPy 14's NcclError texts: its name of the status, then NCCL's ncclGetErrorString
+# (tests/test_fakecupy.py compares those of 5, duplicate GPU, and 6, a peer that died)
+_NCCL_ERRORS = {
+    1: ('NCCL_ERROR_UNHANDLED_CUDA_ERROR', 'unhandled cuda error (run with NCCL_DEBUG=INFO '
+                                           'for details)'),
+    2: ('NCCL_ERROR_SYSTEM_ERROR', 'unhandled system error (run with NCCL_DEBUG=INFO for '
+                                   'details)'),
+    3: ('NCCL_ERROR_INTERNAL_ERROR', 'internal error - please report this issue to the '
+                                     'NCCL developers'),
+    4: ('NCCL_ERROR_INVALID_ARGUMENT', 'invalid argument (run with NCCL_DEBUG=WARN for '
+                                       'details)'),
+    5: ('NCCL_ERROR_INVALID_USAGE', 'invalid usage (run with NCCL_DEBUG=WARN for details)'),
+    6: ('NCCL_ERROR_REMOTE_ERROR', 'remote process exited or there was a network error')}
 
 
 class NcclError(RuntimeError):
@@ -85,8 +93,7 @@ class NcclError(RuntimeError):
 
     def __init__(self, status: int) -> None:
         self.status = status
-        super().__init__(f'{_NCCL_ERRORS.get(status, status)}: '
-                         f'(run with NCCL_DEBUG=WARN for details)')
+        super().__init__('%s: %s' % _NCCL_ERRORS[status])
 
 
 def make(nccl_available: bool = True) -> types.SimpleNamespace:
