@@ -6,7 +6,8 @@ switch (``MGPU_TEST_NCCL_RANKS_ON_ONE_GPU=1``) the local backend takes a GPU lis
 times with NCCL, each rank with an ``NCCL_HOSTID`` of its own, talking over NCCL's socket
 transport on the loopback interface (slow, but NCCL's own code paths). With 2 and 3 ranks:
 
-- the communicator contract (every verb, every dtype, finalize);
+- the communicator contract (every verb, every dtype, finalize), and persistents NCCL
+  cannot sum (bool, int16, uint16) reaching every worker as bytes;
 - the declared collective order with a BatchNorm model, synchronous and pipelined: the
   same parameters and statistics as the same replicas on the CPU, where the shared-memory
   backend checks the order of every update;
@@ -298,6 +299,51 @@ def test_snapshot_and_resume(one_gpu, size, tmp_path):
     record(f'resume[{size}]', max_diff=diff)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert diff <= 1e-6
+
+
+FLAGS = [[True, False, True], [7, -3], [65535, 1]]
+
+
+class Flagged(chainer.Chain):
+    """A classifier with persistents of dtypes NCCL cannot sum (bool, int16, uint16),
+    zeros at first; a worker's forward from its second call on checks that they hold
+    :data:`FLAGS`, which the master sets after the first update (they travel as bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed=12)
+        self.add_persistent('mask', np.zeros(3, dtype=np.bool_))
+        self.add_persistent('steps', np.zeros(2, dtype=np.int16))
+        self.add_persistent('bins', np.zeros(2, dtype=np.uint16))
+        self.calls = 0
+
+    def forward(self, x, t):
+        self.calls += 1
+        if self.calls >= 2 and multiprocessing.current_process().name.startswith(
+                'mgpu-worker'):
+            got = [chainer.backends.cuda.to_cpu(a).tolist()
+                   for a in (self.mask, self.steps, self.bins)]
+            if got != FLAGS:
+                raise AssertionError(f'the worker holds {got}, the master sent {FLAGS}')
+        return self.inner(x, t)
+
+
+@pytest.mark.parametrize('size', RANKS)
+def test_persistents_nccl_cannot_sum_reach_every_worker(one_gpu, size):
+    model = Flagged()
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=60 + r), 4) for r in range(size)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@cupy:0'] * size, start_timeout=TIMEOUT)
+    try:
+        run_updates(updater, model, 1)
+        xp = model.xp
+        model.mask = xp.asarray(FLAGS[0])
+        model.steps = xp.asarray(FLAGS[1], dtype=np.int16)
+        model.bins = xp.asarray(FLAGS[2], dtype=np.uint16)
+        run_updates(updater, model, 2)   # a worker that got other values raises
+    finally:
+        updater.finalize()
 
 
 # ------------------------------------------------------------------ failures
