@@ -61,8 +61,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--seconds', type=float, default=None,
                         help='timed seconds per measurement (default 6, dry run 1.5)')
     parser.add_argument('--skip-pytest', action='store_true')
-    parser.add_argument('--nccl-budget', type=float, default=230.0,
-                        help='seconds for the NCCL step, on top of --budget (default 230)')
+    parser.add_argument('--nccl-budget', type=float, default=260.0,
+                        help='seconds for the NCCL step, on top of --budget (default 260), '
+                             'within --total')
+    parser.add_argument('--total', type=float, default=455.0,
+                        help='seconds for everything, the NCCL step included (default 455)')
     parser.add_argument('--skip-nccl', action='store_true')
     parser.add_argument('--bench-child', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -99,7 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.skip_nccl:
         report[NCCL_SECTION] = {'skipped': '--skip-nccl'}
     else:
-        step(report, NCCL_SECTION, lambda: run_nccl(args, args.nccl_budget), save)
+        step(report, NCCL_SECTION, lambda: run_nccl(
+            args, min(args.nccl_budget, args.total - (time.monotonic() - start))), save)
     report['finished'] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec='seconds')
     report['ok'] = not report['errors']
