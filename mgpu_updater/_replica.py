@@ -174,13 +174,17 @@ class Replica:
             micro-batch per window and no chunks, there is no mean to take: the model
             reports into the caller's reporter as under StandardUpdater
             (:meth:`_direct`), and only its loss is read.
+        before_read: called before that read (the master's group's ``settle``: its
+            window ran after collectives that a dead peer could leave unfinished, and a
+            host read would then wait for good).
     """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
                  name: str = 'replica 0', keep_graphs: bool = False,
                  chunking: Chunking = Chunking(), read_values: bool = True,
-                 one_of_many: bool = False) -> None:
+                 one_of_many: bool = False,
+                 before_read: Optional[Callable[[], None]] = None) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -189,6 +193,7 @@ class Replica:
         self.name = name
         self.keep_graphs = keep_graphs
         self.read_values = read_values
+        self.before_read = before_read
         self.chunking = chunking
         #: what the model held when the replica started, until the first window that ran
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
@@ -345,6 +350,8 @@ class Replica:
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         values = [t[1] for t in terms]
+        if self.read_values and self.before_read is not None:
+            self.before_read()
         try:
             values = read_on_host(values) if self.read_values else keep_on_device(values)
         except (TypeError, ValueError) as exc:

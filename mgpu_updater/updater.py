@@ -17,7 +17,7 @@ from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
-from .errors import NonFiniteLossError
+from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):
@@ -385,12 +385,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         whose mean loss is ``loss``, taken under the optimizer's ``loss_scale``."""
         model = optimizer.target
         factor = self._factor(optimizer, count, loss)
-        if factor is None:
+        if factor is None or (loss_scale is not None and
+                              not self._finite_under_static_scale(optimizer, loss, loss_scale)):
             return
         if factor != 1.0:
-            for _, param in unique_params(model):   # a tied parameter once
-                if param.grad is not None:
-                    param.grad *= factor
+            with chainer.using_device(self._devices[0]):   # on the master's stream
+                for _, param in unique_params(model):   # a tied parameter once
+                    if param.grad is not None:
+                        param.grad *= factor
         # The update rules divide each gradient by its parameter's stamped loss scale. The
         # stamps are written once, and then only where the optimizer scales the loss or
         # the master's backward stamped a scale of its own (Replica.stamped): else they
@@ -400,6 +402,22 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             chainer_private.set_update_loss_scale(model, loss_scale)
             self._stamps_clear = not stamped
         optimizer.update()
+
+    def _finite_under_static_scale(self, optimizer: chainer.Optimizer, loss: float,
+                                   loss_scale: Optional[float]) -> bool:
+        """Under a static loss scale, whether the summed gradient is finite (else raise
+        or skip, as ``nonfinite`` says); True without looking elsewhere."""
+        if (self.nonfinite == 'ignore' or loss_scale is None
+                or chainer_private.loss_scaling_is_dynamic(optimizer)
+                or _step.finite_gradients(optimizer.target)):
+            return True
+        if self.nonfinite == 'raise':
+            raise NonFiniteGradientError(self.iteration + 1, loss, loss_scale)
+        self._skipped += 1
+        warnings.warn(f'skipping update {self.iteration + 1}: the summed gradient holds inf '
+                      f'or NaN under the static loss scale {loss_scale:g}',
+                      RuntimeWarning)
+        return False
 
     def _report(self, results: List[WindowResult], own: WindowResult,
                 times: Dict[str, float]) -> None:

@@ -6,12 +6,13 @@ what each worker needs (:mod:`mgpu_updater._payload`).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import chainer
 import numpy
 
-from .. import _payload
+from .. import _cuda, _payload
 from .. import comm as comm_module
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
@@ -19,8 +20,8 @@ from .._replica import WindowResult
 from .._threads import available_cores
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
-from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
-                       slot_views)
+from .protocol import (Joining, State, StateRequest, broadcast_only, master_begin,
+                       master_finish, slot_views)
 from .worker import WorkerInit, main as worker_main
 
 
@@ -29,7 +30,11 @@ class LocalGroup(Group):
 
     Each update runs the master's half of :mod:`mgpu_updater._local.protocol`: :meth:`begin` is
     :func:`~mgpu_updater._local.protocol.master_begin`, :meth:`finish` and :meth:`finish_async`
-    are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread.
+    are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread, with
+    the master's device current (its kernels on the buffers run on the stream that the
+    collectives are ordered with). The master's host waits for its collectives, bounded and
+    watching the workers (:meth:`settle`), before it reads anything on the host during an
+    update: its window's values, and after the reductions, before the step.
     """
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
@@ -42,7 +47,7 @@ class LocalGroup(Group):
         self.layouts = layouts
         self.comm, handle = comm_module.create(
             backend, self.size, layouts.spec(), master_device,
-            broadcast=broadcast_only(layouts))
+            broadcast=broadcast_only(layouts), timeout=start_timeout)
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
         #: the ranks' board (:mod:`.board`): where every rank says its gradient is packed
@@ -57,18 +62,51 @@ class LocalGroup(Group):
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
+        self._started = False
         try:
-            self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
+            self.comm.watch_peers(self._check_workers)   # NCCL checks it while it waits
             self.pool.start(worker_main, {r: p(handle, board, self.announce_packs)
                                           for r, p in payloads.items()},
-                            segments, start_timeout, before_ready=self.comm.init)
+                            segments, start_timeout, before_ready=self._joiner(start_timeout))
+            self._started = True
         except BaseException:
             self.close(abort=True)
             raise
 
+    def _joiner(self, start_timeout: float) -> Callable[[], None]:
+        """What the master does once the workers have their payloads: wait until each
+        says it joins the communicator (:class:`~.protocol.Joining`), then join too (NCCL's
+        rendezvous, which nothing interrupts), within what is left of ``start_timeout``."""
+        deadline = time.monotonic() + start_timeout
+
+        def join() -> None:
+            self.pool.gather(Joining.KIND, timeout=max(0.0, deadline - time.monotonic()),
+                             what='start')
+            self.comm.init(timeout=max(0.0, deadline - time.monotonic()))
+        return join
+
+    def _check_workers(self) -> None:
+        """What the communicator runs while it waits: a worker that died or sent Failed
+        raises WorkerError; in an update, the stall watch sees the wait (:mod:`.stall`)."""
+        if self._started:
+            self.pool.check('update', self.pool.ranks)
+        else:
+            self.pool.check('start')
+
+    def _on_device(self) -> Any:
+        """The master's device current for a block (nothing on the CPU)."""
+        return _cuda.using_device(self.comm.device_id)
+
+    def settle(self) -> None:
+        """Return once the master's collectives in flight have finished: bounded by the
+        communicator's timeout, watching the workers (a dead one raises WorkerError, the
+        communicator aborted). A no-op on backends whose verbs return done."""
+        self.comm.wait()
+
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
-        master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                     in_place=self.params.bind())
+        with self._on_device():
+            master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
+                         in_place=self.params.bind())
 
     @property
     def _pack_board(self) -> Optional[Board]:
@@ -77,24 +115,30 @@ class LocalGroup(Group):
         return self.board if self.announce_packs else None
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
-        others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                               self.size, own, self._pack_board)
-        self.grads.receive()
+        with self._on_device():
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                                   self.size, own, self._pack_board)
+            self.grads.receive()
+            self.settle()
         return [own] + others
 
     def finish_stepping(self, own: WindowResult,
                         step: Callable[[int, float], None]) -> List[WindowResult]:
         def summed(count: int, loss: float) -> None:
-            self.grads.receive()
+            self.grads.receive()   # enqueued while the reductions run
+            self.settle()          # the step may read on the host (hooks, loss scaling)
             step(count, loss)
-        return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                     None, self.size, own, self._pack_board, then=summed)
+        with self._on_device():
+            return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                         None, self.size, own, self._pack_board, then=summed)
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
-        others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                               self.size, own, self._pack_board)
+        with self._on_device():
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                   self.size, own, self._pack_board)
+            self.settle()   # what follows may read on the host (the step, extensions)
         grads = self.layouts.grad_set(parity)
 
         def source() -> Dict[str, Any]:
@@ -105,7 +149,7 @@ class LocalGroup(Group):
                     out[e.name] = flat[e.offset:e.offset + e.size].reshape(e.shape)
             return out
 
-        return [own] + others, ReduceHandle(source)
+        return [own] + others, ReduceHandle(source, self.comm.device_id)
 
     def states(self) -> Dict[int, Dict[str, Any]]:
         self.pool.send(StateRequest())
@@ -118,6 +162,8 @@ class LocalGroup(Group):
         try:
             self.params.detach()
             self.grads.detach()
+            if not abort:
+                self.comm.drain()   # our collectives in flight end before the workers stop
             self.pool.close()
         finally:
             if self.board is not None:
@@ -143,8 +189,7 @@ class SummedGrads:
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
         self.params = dict(model.namedparams())
-        buffers = [comm.buffer(name) for name in layouts.grad.buffer_names().values()]
-        on_host = all(isinstance(b, numpy.ndarray) for b in buffers)
+        on_host = comm.device_id is None   # numpy buffers
         self.views = layouts.grad.views(comm.buffer, self.params) if on_host else {}
         self.layouts, self.comm, self.model = layouts, comm, model
 
