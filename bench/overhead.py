@@ -291,8 +291,9 @@ def breakdown(split, times, name):
     inner = out['loading'] + out['forward'] + out['backward']
     if 'window' in med:
         out['window, own'] = med['window'] - inner
-        # the step runs inside the reduction (the step policy hands it over): not twice
-        out['reduce'] = out['reduce'] - out['step']
+        # the step runs inside the reduction (the step policy hands it over): not twice;
+        # alone (one device, stepping now) the updater steps without the policy's reduce
+        out['reduce'] = out['reduce'] - out['step'] if 'reduce' in med else 0.0
         out['own'] = total - med['window'] - out['begin'] - out['reduce'] - out['step'] \
             - out['report']
     else:
