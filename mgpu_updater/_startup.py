@@ -54,6 +54,7 @@ class Settings(NamedTuple):
     blas_threads: Optional[int] = None   # each worker's BLAS/OpenMP threads (_threads)
     reuse_host_memory: bool = False      # whether each worker keeps freed memory (_host_memory)
     read_values: bool = True        # the master reads its window's values on the host
+    core_shares: Optional[List[Tuple[int, ...]]] = None   # each replica's cores (_threads)
     stall_warning: Optional[float] = None    # seconds before a stalled worker is named
     update_timeout: Optional[float] = None   # ... and before the update gives up
 
@@ -152,6 +153,7 @@ def _local_group(s: Settings) -> LocalGroup:
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
+            cores=s.core_shares[rank] if s.core_shares else None,
             comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,

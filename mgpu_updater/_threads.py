@@ -1,4 +1,4 @@
-"""How many BLAS/OpenMP threads a replica uses, and applying that with threadpoolctl.
+"""How many BLAS/OpenMP threads a replica uses, and on which cores its process runs.
 
 Left alone, the BLAS of every replica process (OpenBLAS, MKL, BLIS, OpenMP) starts one
 thread per core, so N replicas on C cores run N * C threads and slow each other down.
@@ -18,7 +18,7 @@ Where it is applied differs:
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
 #: libraries. When any is set, ``'auto'`` leaves the libraries as they are.
@@ -100,3 +100,50 @@ class WindowLimit:
         limiter, self._limiter = self._limiter, None
         if limiter is not None:
             limiter.restore_original_limits()
+
+
+def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tuple[int, ...]]]:
+    """Each local replica's cores under ``bind_cores`` (``'auto'``, True or False): a
+    disjoint share of this process's affinity per replica, in rank order, or None to bind
+    nothing. ``'auto'`` binds CPU replicas (``on_cpu``); True any; neither where fewer
+    cores than replicas are there (a share would be empty) or on one replica.
+
+    Why: on a 2-core VM two CPU replicas, left to the scheduler, often ran on one core
+    (a worker waiting for its next message looks for it for a while, and the master waits
+    likewise at the board): two replicas of a 64-64-10 MLP took 3.1-3.2x StandardUpdater's
+    time per update with other work on the machine, 1.6-1.7x bound, and 1.5-1.6x when the
+    machine was quiet (``bench/overhead.py``)."""
+    if setting is False or (setting == 'auto' and not on_cpu) or replicas < 2:
+        return None
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not Linux
+        return None
+    if len(cores) < replicas:
+        return None
+    share = len(cores) // replicas
+    return [tuple(cores[r * share:(r + 1) * share]) for r in range(replicas)]
+
+
+class ThreadBinding:
+    """The calling thread (and the threads it starts from then on) bound to ``cores``
+    until :meth:`restore` (None: nothing). The master binds its main thread so while the
+    updater runs; a worker binds itself for its life."""
+
+    def __init__(self, cores: Optional[Tuple[int, ...]]) -> None:
+        self.cores = cores
+        self._before: Optional[Any] = None
+        if cores:
+            try:
+                self._before = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, cores)
+            except OSError:   # a container that forbids it: run unbound
+                self._before = None
+
+    def restore(self) -> None:
+        before, self._before = self._before, None
+        if before is not None:
+            try:
+                os.sched_setaffinity(0, before)
+            except OSError:
+                pass

@@ -446,6 +446,14 @@ def _auto_or_flag(name: str, value: Any, fix: str) -> Any:
                     f"{type(value).__name__} given); {fix}")
 
 
+def bind_cores(value: Any) -> Any:
+    """``'auto'``, True or False (see :func:`mgpu_updater._threads.core_shares`)."""
+    return _auto_or_flag('bind_cores', value,
+                         "pass 'auto' (the default: each CPU replica process on cores of its "
+                         "own, where there are enough), True to bind GPU replicas too, or "
+                         "False to leave them to the scheduler")
+
+
 def reuse_host_memory(value: Any) -> Any:
     """``'auto'``, True or False (see :mod:`mgpu_updater._host_memory`)."""
     return _auto_or_flag('reuse_host_memory', value,
@@ -459,4 +467,4 @@ __all__ = ['positive_int', 'choice', 'devices', 'iterators', 'main_optimizer', '
            'callable_or_none', 'worker_payload', 'picklable', 'non_finite_policy',
            'loss_reduction', 'replica_reduction', 'micro_batch_size', 'seconds', 'flag',
            'converter', 'communicator', 'one_device_per_rank', 'blas_threads',
-           'reuse_host_memory', 'seconds_or_none']
+           'reuse_host_memory', 'seconds_or_none', 'bind_cores']

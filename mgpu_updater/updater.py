@@ -7,6 +7,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import chainer
+import numpy
 from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
@@ -140,6 +141,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         update_timeout: seconds after which such a wait raises
             :class:`~mgpu_updater.WorkerError` with the same information and every worker
             is stopped (default None: wait as long as the workers live).
+        bind_cores: ``'auto'`` (default), True or False: whether each replica process of
+            this host runs on a share of the cores of its own (the master: its main
+            thread, while the updater runs; restored by :meth:`finalize`). ``'auto'``:
+            CPU replicas, where every replica gets at least one core of this process's
+            affinity; True: GPU replicas too. Left to the scheduler, two CPU replicas
+            of a 2-core VM often shared one core. Several trainings on one host: give
+            each its own cores (``taskset``), which are then shared, or pass False.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready (default 120;
             finite, at most 2147483, the longest wait the operating system's ``poll()``
@@ -170,7 +178,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  blas_threads: Union[None, int, str] = 'auto',
                  reuse_host_memory: Union[bool, str] = 'auto',
                  stall_warning: Optional[float] = 60.0,
-                 update_timeout: Optional[float] = None) -> None:
+                 update_timeout: Optional[float] = None,
+                 bind_cores: Union[bool, str] = 'auto') -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -181,6 +190,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.micro_batch_size = _validate.micro_batch_size(micro_batch_size)
         self.blas_threads = _validate.blas_threads(blas_threads)
         self.reuse_host_memory = _validate.reuse_host_memory(reuse_host_memory)
+        self.bind_cores = _validate.bind_cores(bind_cores)
         #: under micro_batch_size='auto': every replica's chunk size as of the last
         #: update (0: the whole batch), in replica order (MPI: rank order); saved in
         #: snapshots
@@ -261,6 +271,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
             len(self._devices), self._communicator))
         self._window_threads = _threads.WindowLimit(threads)
+        # before the master's loader thread starts and the workers are spawned: both
+        # inherit the master's cores, and each worker then takes its own share
+        shares = None if self._communicator is not None else _threads.core_shares(
+            self.bind_cores, len(self._devices),
+            on_cpu=all(d.xp is numpy for d in self._devices))
+        self._binding = _threads.ThreadBinding(shares[0] if shares else None)
         reuse = _host_memory.decide(self.reuse_host_memory)
         _host_memory.reuse_freed_memory(reuse)
         started = _startup.start(_startup.Settings(
@@ -275,7 +291,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
-            stall_warning=self.stall_warning, update_timeout=self.update_timeout))
+            stall_warning=self.stall_warning, update_timeout=self.update_timeout,
+            core_shares=shares))
         self._loader, self._replica, self._group, self._nominal_samples = started
         self._optimizer = self.get_optimizer('main')
         # one device, each gradient stepped on in its own update: _update's short way
@@ -481,6 +498,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         try:
             group.close(abort=abort)
         finally:
+            binding = getattr(self, '_binding', None)
+            if binding is not None:
+                binding.restore()
             if self._loader is not None:
                 self._loader.close()
             self._loader = None

@@ -49,6 +49,7 @@ class WorkerInit(NamedTuple):
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
+    cores: Optional[tuple] = None        # the cores it runs on (_threads.core_shares)
     board: Optional[str] = None          # the ranks' board segment (.board), or None
     announce_packs: bool = False         # post at the board that the gradient is packed
     prefetch_gated: bool = False         # its loader loads while it waits (_loader.plan)
@@ -207,10 +208,11 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     from .._flat_buffers import ModelLayouts
     from .._replica import Replica
     from .._loader import make_loader
-    from .._threads import limit_process
+    from .._threads import ThreadBinding, limit_process
     from .._host_memory import reuse_freed_memory
 
     reuse_freed_memory(init.reuse_host_memory)   # before its first window
+    ThreadBinding(init.cores)   # before its loader's thread starts: for its whole life
     _inherit.apply_config(init.config or {})
     if init.seed is not None:
         _inherit.seed_process(init.seed)
