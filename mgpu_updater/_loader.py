@@ -228,6 +228,8 @@ class Prefetcher(Loader):
             self._first_error = exc
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
         self._thread.start()
+        #: the loading thread's native id (for binding it to cores, _threads)
+        self.thread_id = self._thread.native_id
 
     def _run(self) -> None:
         stager = None

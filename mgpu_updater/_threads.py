@@ -126,19 +126,24 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
 
 
 class ThreadBinding:
-    """The calling thread (and the threads it starts from then on) bound to ``cores``
-    until :meth:`restore` (None: nothing). The master binds its main thread so while the
-    updater runs; a worker binds itself for its life."""
+    """The calling thread (and the threads it starts from then on), and the threads of
+    ``also`` (native thread ids), bound to ``cores`` until :meth:`restore` (None:
+    nothing); restore gives the calling thread its cores back. The master binds its main
+    thread and its loader's thread so while the updater runs; a worker binds itself for
+    its life."""
 
-    def __init__(self, cores: Optional[Tuple[int, ...]]) -> None:
+    def __init__(self, cores: Optional[Tuple[int, ...]], also: Any = ()) -> None:
         self.cores = cores
         self._before: Optional[Any] = None
         if cores:
             try:
                 self._before = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, cores)
-            except OSError:   # a container that forbids it: run unbound
-                self._before = None
+                for thread_id in also:   # other threads of ours (native ids)
+                    if thread_id is not None:
+                        os.sched_setaffinity(thread_id, cores)
+            except OSError:   # a container that forbids it, a thread gone: as it is
+                pass
 
     def restore(self) -> None:
         before, self._before = self._before, None

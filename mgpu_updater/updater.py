@@ -271,12 +271,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
             len(self._devices), self._communicator))
         self._window_threads = _threads.WindowLimit(threads)
-        # before the master's loader thread starts and the workers are spawned: both
-        # inherit the master's cores, and each worker then takes its own share
         shares = None if self._communicator is not None else _threads.core_shares(
             self.bind_cores, len(self._devices),
             on_cpu=all(d.xp is numpy for d in self._devices))
-        self._binding = _threads.ThreadBinding(shares[0] if shares else None)
         reuse = _host_memory.decide(self.reuse_host_memory)
         _host_memory.reuse_freed_memory(reuse)
         started = _startup.start(_startup.Settings(
@@ -294,6 +291,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             stall_warning=self.stall_warning, update_timeout=self.update_timeout,
             core_shares=shares))
         self._loader, self._replica, self._group, self._nominal_samples = started
+        # after the workers were spawned with all the cores (their libraries size their
+        # pools by what a process starts with) and each took its share: the master's main
+        # thread and its loader's thread take share 0
+        self._binding = _threads.ThreadBinding(
+            shares[0] if shares else None, also=[getattr(self._loader, 'thread_id', None)])
         self._optimizer = self.get_optimizer('main')
         # one device, each gradient stepped on in its own update: _update's short way
         self._alone = isinstance(self._group, SoloGroup) and not self.pipelined

@@ -48,6 +48,8 @@ def test_the_master_and_the_worker_run_on_their_own_cores_until_finalize():
     try:
         run_updates(updater, model, 2)
         assert os.sched_getaffinity(0) == set(shares[0])
+        # its loading thread too (started before the binding)
+        assert os.sched_getaffinity(updater._loader.thread_id) == set(shares[0])
         worker, = updater.worker_pids()
         assert os.sched_getaffinity(worker) == set(shares[1])
     finally:
