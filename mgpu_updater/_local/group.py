@@ -13,14 +13,19 @@ import numpy
 
 from .. import _payload
 from .. import comm as comm_module
+from .._checkpoint import capture_state
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
+from .._restarts import RestartLog
 from .._threads import available_cores
+from ..errors import WorkerError
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
-from .protocol import (State, StateRequest, broadcast_only, master_begin, master_finish,
+from .protocol import (State, StateRequest, Step, broadcast_only, master_begin, master_finish,
                        slot_views)
+from .recovery import Recovery
+from .resume import Records, ResumePoint
 from .worker import WorkerInit, main as worker_main
 
 
@@ -30,13 +35,16 @@ class LocalGroup(Group):
     Each update runs the master's half of :mod:`mgpu_updater._local.protocol`: :meth:`begin` is
     :func:`~mgpu_updater._local.protocol.master_begin`, :meth:`finish` and :meth:`finish_async`
     are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread.
+    With ``restarts`` (``max_worker_restarts``), a worker that dies in them is replaced and
+    the update redone (:mod:`.recovery`) before they return.
     """
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
-                 master_device: Any, devices: List[Any], payloads: Dict[int, Any],
+                 master_device: Any, devices: List[Any], payloads: Dict[int, 'Payload'],
                  start_method: str, start_timeout: float,
                  stall_warning: Optional[float] = None,
-                 update_timeout: Optional[float] = None) -> None:
+                 update_timeout: Optional[float] = None,
+                 restarts: Optional[RestartLog] = None) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -57,18 +65,64 @@ class LocalGroup(Group):
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
+        #: under ``max_worker_restarts``: what replaces a worker that died (None: nothing)
+        self.recovery: Optional[Recovery] = None
+        self._sent: Optional[Step] = None   # ... and the update's Step, to send again
+        self._stepped = False
         try:
             self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
-            self.pool.start(worker_main, {r: p(handle, board, self.announce_packs)
-                                          for r, p in payloads.items()},
-                            segments, start_timeout, before_ready=self.comm.init)
+            data = {r: p(handle, board, self.announce_packs) for r, p in payloads.items()}
+            if restarts is not None:
+                self.recovery = Recovery(
+                    restarts, Records({r: ResumePoint(capture_state(p.iterator))
+                                       for r, p in payloads.items()}),
+                    self.pool, self.comm, self.board,
+                    payload=lambda r, point: payloads[r](handle, board, self.announce_packs,
+                                                         resume=point),
+                    start=lambda r, payload: self.pool.replace(r, worker_main, payload,
+                                                               segments, start_timeout))
+            self.pool.start(worker_main, data, segments, start_timeout,
+                            before_ready=self.comm.init)
         except BaseException:
             self.close(abort=True)
             raise
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
-        master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                     in_place=self.params.bind())
+        if self.recovery is None:
+            master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
+                         in_place=self.params.bind())
+            return
+        in_place = self.params.bind()
+        try:
+            self._sent = master_begin(self.pool, self.comm, self.layouts, self.model,
+                                      loss_scale, parity, in_place=in_place)
+        except WorkerError as error:
+            # Raised while sending: the master's window has not run, so its Step is made
+            # again alike.
+            self._sent = Step(loss_scale, self.layouts.index_of(self.model).persistent_scalars(),
+                              parity)
+            self.recovery.recover(error, self._begin_again)
+
+    def _begin_again(self) -> None:
+        """The update's Step again, the parameters in the buffers as they were packed."""
+        master_begin(self.pool, self.comm, self.layouts, self.model, None, None,
+                     again=self._sent)
+
+    def _recovering(self, finish: Callable[[], List[WindowResult]]) -> List[WindowResult]:
+        """``finish()`` (the master's half after its window), redone from the update's
+        Step after a worker that died was replaced; then the workers' resume points of the
+        update hold. A death after the step (which the protocol rules out) is raised."""
+        recovery = self.recovery
+        while True:
+            try:
+                results = finish()
+            except WorkerError as error:
+                if self._stepped:
+                    raise
+                recovery.recover(error, self._begin_again)   # type: ignore[union-attr]
+                continue
+            recovery.records.commit()   # type: ignore[union-attr]
+            return results
 
     @property
     def _pack_board(self) -> Optional[Board]:
@@ -77,8 +131,14 @@ class LocalGroup(Group):
         return self.board if self.announce_packs else None
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
-        others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                               self.size, own, self._pack_board)
+        if self.recovery is None:
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                                   self.size, own, self._pack_board)
+        else:
+            unwrap = self.recovery.records.unwrap
+            others = self._recovering(lambda: master_finish(
+                self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+                self._pack_board, unwrap=unwrap))
         self.grads.receive()
         return [own] + others
 
@@ -87,14 +147,30 @@ class LocalGroup(Group):
         def summed(count: int, loss: float) -> None:
             self.grads.receive()
             step(count, loss)
-        return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                     None, self.size, own, self._pack_board, then=summed)
+        if self.recovery is None:
+            return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                         None, self.size, own, self._pack_board, then=summed)
+        self._stepped = False
+
+        def summed_once(count: int, loss: float) -> None:
+            self._stepped = True
+            summed(count, loss)
+        unwrap = self.recovery.records.unwrap
+        return [own] + self._recovering(lambda: master_finish(
+            self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+            self._pack_board, then=summed_once, unwrap=unwrap))
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
-        others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                               self.size, own, self._pack_board)
+        if self.recovery is None:
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                   self.size, own, self._pack_board)
+        else:
+            unwrap = self.recovery.records.unwrap
+            others = self._recovering(lambda: master_finish(
+                self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
+                self._pack_board, unwrap=unwrap))
         grads = self.layouts.grad_set(parity)
 
         def source() -> Dict[str, Any]:
@@ -108,6 +184,9 @@ class LocalGroup(Group):
         return [own] + others, ReduceHandle(source)
 
     def states(self) -> Dict[int, Dict[str, Any]]:
+        if self.recovery is not None:   # the master holds them (a worker may be dead)
+            return {rank: point.iterator
+                    for rank, point in self.recovery.records.points.items()}
         self.pool.send(StateRequest())
         return self.pool.gather(State.KIND, timeout=60.0, what='snapshot')
 
@@ -211,17 +290,32 @@ class SlotParams:
                 param.array = view.copy()
 
 
-def payload_factory(init_kwargs: Dict[str, Any],
-                    master_model: chainer.Link) -> Callable[[Any, Optional[str]], bytes]:
-    """Pickle a WorkerInit once the communicator handle, the board's name (None: no
-    board) and whether the ranks announce their packs there are known (see ``_payload``).
+class Payload:
+    """A worker's payload, pickled (a :class:`~.worker.WorkerInit`) once the communicator
+    handle, the board's name (None: no board) and whether the ranks announce their packs
+    there are known (see ``_payload``); again, with a resume point, for a worker that
+    replaces one that died (:mod:`.recovery`).
 
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
     """
-    def make(handle: Any, board: Optional[str] = None, announce_packs: bool = False) -> bytes:
-        replace = _payload.replica_links(master_model, init_kwargs['model'])
+
+    def __init__(self, init_kwargs: Dict[str, Any], master_model: chainer.Link) -> None:
+        self.init_kwargs, self.master_model = init_kwargs, master_model
+
+    @property
+    def iterator(self) -> Any:
+        """The worker's iterator, as the payload carries it (as of the workers' start)."""
+        return self.init_kwargs['iterator']
+
+    def __call__(self, handle: Any, board: Optional[str] = None, announce_packs: bool = False,
+                 resume: Any = None) -> bytes:
+        replace = _payload.replica_links(self.master_model, self.init_kwargs['model'])
         return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
-                                         announce_packs=announce_packs, **init_kwargs),
-                              replace)
-    return make
+                                         announce_packs=announce_packs, resume=resume,
+                                         **self.init_kwargs), replace)
+
+
+def payload_factory(init_kwargs: Dict[str, Any], master_model: chainer.Link) -> Payload:
+    """The :class:`Payload` of one worker."""
+    return Payload(init_kwargs, master_model)

@@ -7,9 +7,15 @@ site in that process. Before firing it
 writes ``time.time()`` to ``stamp`` so the driver can measure the time to error.
 
 Sites: ``'forward'``, ``'backward'``, ``'iterator'`` (dataset ``__getitem__``, called by
-the iterator), ``'converter'``, ``'start'`` (unpickling the dataset in the worker).
+the iterator), ``'converter'``, ``'start'`` (unpickling the dataset in the worker), and
+two in the package's own code, which the fault wraps in the chosen worker when it is
+unpickled there: ``'reduce'`` (the worker's ``reduce`` of its gradient, after its window)
+and ``'post'`` (just after its post at the board: its update is complete).
 Actions: ``'raise'``, ``'kill'`` (SIGKILL itself), ``'nan'`` / ``'inf'`` (the loss of
 that forward becomes NaN / infinite).
+
+``once``: fire in one process of the run only (the ``stamp`` file says it fired), so that
+the worker that replaces a killed one (``max_worker_restarts``) does not fire again.
 """
 import multiprocessing
 import os
@@ -33,11 +39,17 @@ class FaultInjected(RuntimeError):
 
 class Fault:
     def __init__(self, site=None, action='raise', replica=1, at=1, master_pid=None,
-                 stamp=None):
+                 stamp=None, once=False):
         self.site, self.action, self.replica, self.at = site, action, replica, at
         self.master_pid = os.getpid() if master_pid is None else master_pid
         self.stamp = stamp
+        self.once = once
         self.calls = 0
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if self.site in _WRAPPED and self.armed_here():
+            _wrap(self)
 
     def armed_here(self):
         if self.replica == 0:
@@ -48,6 +60,8 @@ class Fault:
     def hit(self, site):
         """Called by each site; returns the action when ``'nan'`` / ``'inf'`` fires."""
         if site != self.site or not self.armed_here():
+            return False
+        if self.once and self.stamp and os.path.exists(self.stamp):
             return False
         self.calls += 1
         if self.calls != self.at:
@@ -61,6 +75,35 @@ class Fault:
         if self.action in ('nan', 'inf'):
             return self.action
         raise FaultInjected(f'injected fault in {site}, call {self.calls}, pid {os.getpid()}')
+
+
+_WRAPPED = ('reduce', 'post')
+_wrapped_by = []   # the fault whose hits the wrappers count, in this process
+
+
+def _wrap(fault):
+    """In the chosen worker: make the package's ``reduce`` (of the gradient buffers) or
+    the board's ``post`` a site of ``fault`` (once per process)."""
+    if _wrapped_by:
+        return
+    _wrapped_by.append(fault)
+    if fault.site == 'reduce':
+        from mgpu_updater.comm.shm import ShmCommunicator
+        reduce = ShmCommunicator.reduce
+
+        def reducing(self, name, root=0):
+            if name.startswith('grad'):
+                fault.hit('reduce')
+            return reduce(self, name, root)
+        ShmCommunicator.reduce = reducing
+    else:
+        from mgpu_updater._local.board import Board
+        post = Board.post
+
+        def posting(self, count=None, loss=None):
+            post(self, count, loss)
+            fault.hit('post')
+        Board.post = posting
 
 
 class _BoomOnBackward(chainer.FunctionNode):
