@@ -26,6 +26,7 @@ class Restart(NamedTuple):
     what: str               # how the process ended: 'the worker process (pid 9) was killed ...'
     pid: int                # the new worker's
     seconds: float          # from the master learning of the death to the new worker ready
+    start_seconds: float    # ... of which the new worker's start-up (spawn to ready)
 
 
 class RestartLog:

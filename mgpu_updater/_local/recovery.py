@@ -84,10 +84,12 @@ class Recovery:
         dead.update(self._deaths(pool.rewind(survivors, Rewind(), Rewound.KIND,
                                              (Done.KIND,))))
         self.log.admit([dead[rank] for rank in sorted(dead)])
-        pids = {}
+        pids, starts = {}, {}
         for rank in sorted(dead):
+            begun = time.monotonic()
             try:
                 pids[rank] = self._start(rank, self._payload(rank, self.records.points[rank]))
+                starts[rank] = time.monotonic() - begun
             except WorkerError as failed:
                 raise WorkerError(
                     f'{failed.reason}, while it was started in place of a worker process '
@@ -100,7 +102,7 @@ class Recovery:
         seconds = time.monotonic() - learned
         for rank in sorted(dead):
             self.log.record(Restart(self.log.update, rank, dead[rank].device,
-                                    dead[rank].reason, pids[rank], seconds))
+                                    dead[rank].reason, pids[rank], seconds, starts[rank]))
 
     def _deaths(self, ranks: List[int]) -> Dict[int, WorkerError]:
         """The error of each rank's death; one that sent ``Failed`` raises (a Python

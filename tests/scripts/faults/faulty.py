@@ -121,21 +121,26 @@ class _BoomOnBackward(chainer.FunctionNode):
 
 
 class Net(chainer.Chain):
-    """A small classifier; ``delay`` seconds of sleep per forward make updates last."""
+    """A small classifier; ``delay`` seconds of sleep per forward make updates last;
+    ``dropout``: the ratio of a dropout on the hidden layer (random numbers drawn from
+    numpy's global generator, in every replica)."""
 
-    def __init__(self, fault=None, delay=0.0):
+    def __init__(self, fault=None, delay=0.0, dropout=0.0):
         super().__init__()
         with self.init_scope():
             self.l1 = L.Linear(N_IN, 8)
             self.l2 = L.Linear(8, N_OUT)
         self.fault = fault or Fault()
         self.delay = delay
+        self.dropout = dropout
 
     def forward(self, x, t):
         if self.delay:
             time.sleep(self.delay)
         poison = self.fault.hit('forward')
         h = _BoomOnBackward(self.fault).apply((F.relu(self.l1(x)),))[0]
+        if self.dropout:
+            h = F.dropout(h, self.dropout)
         loss = F.softmax_cross_entropy(self.l2(h), t)
         if poison:
             loss = loss * numpy.float32(poison)
@@ -176,15 +181,17 @@ class Converter:
 
 
 def build(n_replicas=2, fault=None, accumulate_steps=2, batch_size=4, n=64, delay=0.0,
-          prefetch='auto', iterator='serial', **kwargs):
+          prefetch='auto', iterator='serial', dropout=0.0, **kwargs):
     """An updater over ``n_replicas`` CPU replicas with ``fault`` planted everywhere.
 
     ``iterator='multiprocess'``: every replica reads through a ``MultiprocessIterator``
-    with two processes of its own (the workers' grandchildren).
+    with two processes of its own (the workers' grandchildren). Every iterator shuffles
+    (Chainer's default, from numpy's global generator in the master); ``dropout`` as for
+    :class:`Net`.
     """
     from mgpu_updater import ParallelAccumulatingUpdater
     fault = fault or Fault()
-    model = Net(fault, delay)
+    model = Net(fault, delay, dropout)
     optimizer = chainer.optimizers.SGD(lr=0.1)
     optimizer.setup(model)
     if iterator == 'multiprocess':
