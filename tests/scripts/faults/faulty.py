@@ -181,26 +181,31 @@ class Converter:
 
 
 def build(n_replicas=2, fault=None, accumulate_steps=2, batch_size=4, n=64, delay=0.0,
-          prefetch='auto', iterator='serial', dropout=0.0, **kwargs):
+          prefetch='auto', iterator='serial', dropout=0.0, own_orders=False, **kwargs):
     """An updater over ``n_replicas`` CPU replicas with ``fault`` planted everywhere.
 
     ``iterator='multiprocess'``: every replica reads through a ``MultiprocessIterator``
     with two processes of its own (the workers' grandchildren). Every iterator shuffles
-    (Chainer's default, from numpy's global generator in the master); ``dropout`` as for
-    :class:`Net`.
+    (Chainer's default, from numpy's global generator in the master; ``own_orders``: each
+    from a generator of its own, seeded by its replica); ``dropout`` as for :class:`Net`.
     """
     from mgpu_updater import ParallelAccumulatingUpdater
     fault = fault or Fault()
     model = Net(fault, delay, dropout)
     optimizer = chainer.optimizers.SGD(lr=0.1)
     optimizer.setup(model)
+    def orders(r):
+        return (chainer.iterators.ShuffleOrderSampler(numpy.random.RandomState(r))
+                if own_orders else None)
     if iterator == 'multiprocess':
-        def make(dataset):
-            return chainer.iterators.MultiprocessIterator(dataset, batch_size, n_processes=2)
+        def make(dataset, r):
+            return chainer.iterators.MultiprocessIterator(dataset, batch_size, n_processes=2,
+                                                          order_sampler=orders(r))
     else:
-        def make(dataset):
-            return chainer.iterators.SerialIterator(dataset, batch_size)
-    iterators = [make(Dataset(n, fault, seed=r)) for r in range(n_replicas)]
+        def make(dataset, r):
+            return chainer.iterators.SerialIterator(dataset, batch_size,
+                                                    order_sampler=orders(r))
+    iterators = [make(Dataset(n, fault, seed=r), r) for r in range(n_replicas)]
     return ParallelAccumulatingUpdater(
         iterators, optimizer, devices=['@numpy'] * n_replicas,
         accumulate_steps=accumulate_steps, converter=Converter(fault), prefetch=prefetch,
