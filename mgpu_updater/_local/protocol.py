@@ -53,9 +53,16 @@ too large for the mailbox goes as a Done through the pipe), off the critical pat
 Elsewhere Done says that the worker's gradient is packed, and the master waits for every
 Done before it sums.
 
-The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
-worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`, :class:`State`,
-:class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
+Under ``max_worker_restarts`` (:mod:`.recovery`) a worker also keeps where its window
+started and ended (:mod:`.resume`), delivers a :class:`Shipment` (its result, and where its
+next update starts) instead of its bare result, and delivers it before its post, so that
+the master never learns of a death after it has stepped; :class:`Rewind` sends a survivor
+back to where its window started, once the update is abandoned.
+
+The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Rewind`,
+:class:`Stop`; worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`,
+:class:`State`, :class:`Rewound`, :class:`Failed`; the start-up payload goes as bytes
+between Hello and Ready, see
 :mod:`mgpu_updater._local.pool`) are named tuples whose first field, ``kind``, names the
 message, so ``msg[0]`` dispatches. The master's go as bytes that :class:`Encoder` keeps
 while the message stays the same (every update's Step, mostly), and the worker's
