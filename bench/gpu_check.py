@@ -1,13 +1,23 @@
-"""One-GPU check: versions, ``pytest -m gpu``, and MNIST-CNN throughput against StandardUpdater.
+"""One-GPU check: versions, ``pytest -m gpu``, MNIST-CNN throughput against StandardUpdater,
+and several NCCL ranks on the one GPU.
 
 Usage (``bench/gpu_check.sh`` installs what is missing from ``.whl/`` first, then runs this)::
 
-    python bench/gpu_check.py OUTDIR [--dry-run] [--budget SECONDS] [--batch N]
+    python bench/gpu_check.py OUTDIR [--dry-run] [--budget SECONDS] [--nccl-budget SECONDS]
 
 Writes ``OUTDIR/gpu_check.json`` after every step, so a run that is killed or fails half-way
 still leaves what it measured and the errors; ``pytest_gpu.log``, ``pytest_gpu.xml`` and
-``bench.log`` go beside it. ``--dry-run`` runs the same steps on ``'@numpy'`` (shorter), to
-check the script itself on a machine without a GPU.
+``bench.log`` go beside it (the NCCL step appends to the first and the last: the machine
+returns a few files only). ``--dry-run`` runs the same steps on ``'@numpy'`` (shorter), to
+check the script itself on a machine without a GPU; there the NCCL step runs its plumbing
+on the CuPy stand-in and says "skipped" for the rest.
+
+The NCCL step (section ``nccl_ranks_on_one_gpu``) runs ``tests/test_nccl_one_gpu.py``
+under the test switch (``MGPU_TEST_NCCL_RANKS_ON_ONE_GPU=1``, docs/gpu.md: 2 and 3 NCCL
+ranks on GPU 0, each acting as a host of its own), then ``bench/gpu_nccl_anchor.py`` (ours
+with ``replica_reduction='sum'`` against Chainer's MultiprocessParallelUpdater, run the same
+way). ``ok`` there is true only if every one of those tests passed (the one that needs two
+GPUs may skip) and ours followed the anchor's trajectory.
 
 The throughput step runs in a child process (a CUDA failure or a hang cannot stop the JSON
 from being written): for each of StandardUpdater, ours with ``accumulate_steps=1``, the
@@ -30,6 +40,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -50,6 +61,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--seconds', type=float, default=None,
                         help='timed seconds per measurement (default 6, dry run 1.5)')
     parser.add_argument('--skip-pytest', action='store_true')
+    parser.add_argument('--nccl-budget', type=float, default=260.0,
+                        help='seconds for the NCCL step, on top of --budget (default 260), '
+                             'within --total')
+    parser.add_argument('--total', type=float, default=455.0,
+                        help='seconds for everything, the NCCL step included (default 455)')
+    parser.add_argument('--skip-nccl', action='store_true')
     parser.add_argument('--bench-child', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.bench_child:
@@ -82,6 +99,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         step(report, 'pytest', lambda: run_pytest(args.outdir, max(30.0, min(170.0, left() - 90))),
              save)
     step(report, 'throughput', lambda: run_bench(args, max(20.0, left() - 10)), save)
+    if args.skip_nccl:
+        report[NCCL_SECTION] = {'skipped': '--skip-nccl'}
+    else:
+        step(report, NCCL_SECTION, lambda: run_nccl(
+            args, min(args.nccl_budget, args.total - (time.monotonic() - start))), save)
     report['finished'] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec='seconds')
     report['ok'] = not report['errors']
@@ -253,8 +275,10 @@ def _nccl_version() -> Dict[str, Any]:
 def run_pytest(outdir: str, timeout: float) -> Dict[str, Any]:
     log = os.path.join(outdir, 'pytest_gpu.log')
     xml = os.path.join(outdir, 'pytest_gpu.xml')
+    # the NCCL ranks on one GPU run in their own step (run_nccl), in their own process
     cmd = [sys.executable, '-m', 'pytest', '-m', 'gpu', '-q', '-rA', '-p', 'no:cacheprovider',
-           f'--junitxml={xml}', os.path.join(ROOT, 'tests')]
+           f'--junitxml={xml}', f'--ignore={os.path.join(ROOT, NCCL_TESTS)}',
+           os.path.join(ROOT, 'tests')]
     result: Dict[str, Any] = {'timeout_s': round(timeout)}
     if importlib.util.find_spec('pytest_timeout') is None:
         # pyproject.toml sets pytest-timeout's `timeout`, unknown without it; this run is
@@ -286,6 +310,140 @@ def run_pytest(outdir: str, timeout: float) -> Dict[str, Any]:
             result['error'] = (f"pytest -m gpu: {result.get('failed', '?')} failed, "
                                f"{result.get('errors', '?')} errors "
                                f"(returncode {result['returncode']})")
+    return result
+
+
+# -- several NCCL ranks on the one GPU --------------------------------------------------------
+
+NCCL_SECTION = 'nccl_ranks_on_one_gpu'
+NCCL_TESTS = 'tests/test_nccl_one_gpu.py'
+NCCL_PLUMBING = 'tests/test_nccl_rules.py'   # the switch and the rules, on the CuPy stand-in
+NCCL_SWITCH = 'MGPU_TEST_NCCL_RANKS_ON_ONE_GPU'
+ALLOWED_SKIP = 'needs two CUDA devices'      # the one test that a one-GPU machine skips
+STANDARD_TESTS = ('float32', 'float16', 'micro_batch_size', 'resume', 'master_on_device')
+ANCHOR_SECONDS = 75.0                        # kept for the anchor out of the NCCL budget
+
+
+def run_nccl(args: argparse.Namespace, budget: float) -> Dict[str, Any]:
+    """The section ``nccl_ranks_on_one_gpu``: the tests through the test mode, then the
+    anchor; on a dry run the plumbing on the stand-in, and "skipped" for the GPU."""
+    t0 = time.monotonic()
+    out: Dict[str, Any] = {'ranks': [2, 3], 'ok': False, 'tests_passed': 0,
+                           'tests_skipped': 0, 'tests_failed': 0,
+                           'max_param_diff_vs_standard': None, 'ours_over_mpu_time': None}
+    scratch = tempfile.mkdtemp(prefix='mgpu-nccl-check-')
+    report_file = os.path.join(scratch, 'comparisons.jsonl')
+    xml = os.path.join(scratch, 'nccl.xml')
+    env = _child_env()
+    env[NCCL_SWITCH] = '1'
+    env['MGPU_NCCL_REPORT'] = report_file
+    if args.dry_run:
+        targets = ['-m', 'not slow', os.path.join(ROOT, NCCL_PLUMBING),
+                   os.path.join(ROOT, NCCL_TESTS)]
+    else:
+        targets = ['-m', 'gpu', os.path.join(ROOT, NCCL_TESTS)]
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider',
+           f'--junitxml={xml}'] + targets
+    if importlib.util.find_spec('pytest_timeout') is not None:
+        cmd[4:4] = ['--timeout', '90']   # a hang costs one test, not the step
+    else:
+        cmd[4:4] = ['-W', 'ignore::pytest.PytestConfigWarning']
+    out['command'] = ' '.join(cmd[1:])
+    timeout = max(30.0, budget - ANCHOR_SECONDS)
+    with open(os.path.join(args.outdir, 'pytest_gpu.log'), 'a') as log:
+        log.write(f'\n\n===== {NCCL_SECTION}: {out["command"]} ({NCCL_SWITCH}=1) =====\n')
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout, env=env)
+            out['returncode'] = proc.returncode
+        except subprocess.TimeoutExpired:
+            out['returncode'] = None
+            out['error'] = f'the NCCL tests did not finish within {timeout:.0f} s'
+    out['pytest_seconds'] = round(time.monotonic() - t0, 1)
+    if os.path.exists(xml):
+        counts = _junit(xml)
+        out['tests_passed'] = counts['passed']
+        out['tests_skipped'] = counts['skipped']
+        out['tests_failed'] = counts['failed'] + counts['errors']
+        out['failures'] = counts['failures']
+        out['skips'] = counts['skips']
+    comparisons = _read_comparisons(report_file)
+    out['comparisons'] = comparisons
+    standard = [v for k, v in comparisons.items() if k.startswith(STANDARD_TESTS)]
+    out['max_param_diff_vs_standard'] = max(standard) if standard else None
+    out['anchor'] = run_anchor(args, max(20.0, budget - (time.monotonic() - t0)))
+    comparison = out['anchor'].get('comparison') or {}
+    out['ours_over_mpu_time'] = comparison.get('ours_over_mpu_time')
+    out['max_param_diff_vs_mpu'] = comparison.get('max_param_diff_vs_mpu')
+    unexpected = [r for r in out.get('skips', {}) if ALLOWED_SKIP not in r]
+    if args.dry_run:
+        out['skipped'] = ('dry run: no GPU; the test switch and the rules ran on the CuPy '
+                          'stand-in, the NCCL tests and the anchor were skipped')
+        if out['tests_failed'] or out.get('error') or out['returncode'] not in (0, None):
+            out['error'] = out.get('error') or (
+                f"the plumbing on the stand-in: {out['tests_failed']} failed "
+                f"(returncode {out['returncode']}; see pytest_gpu.log)")
+        return out
+    out['ok'] = bool(out['returncode'] == 0 and out['tests_passed'] and not out['tests_failed']
+                     and not unexpected and comparison.get('follows') is True)
+    if not out['ok'] and 'error' not in out:
+        why = []
+        if out['tests_failed'] or out['returncode'] != 0:
+            why.append(f"{out['tests_failed']} failed (returncode {out['returncode']})")
+        if unexpected:
+            why.append(f'skipped: {unexpected}')
+        if comparison.get('follows') is not True:
+            why.append('the anchor: ' + str(out['anchor'].get('error') or
+                                            out['anchor'].get('skipped') or
+                                            f"max_param_diff_vs_mpu {out['max_param_diff_vs_mpu']}"))
+        out['error'] = 'NCCL ranks on one GPU: ' + '; '.join(why)
+    return out
+
+
+def _read_comparisons(path: str) -> Dict[str, float]:
+    """test name -> largest parameter difference, from the tests' report lines."""
+    out: Dict[str, float] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    out[row['test']] = float(row['max_diff'])
+                except (ValueError, KeyError):
+                    continue
+    return out
+
+
+def run_anchor(args: argparse.Namespace, timeout: float) -> Dict[str, Any]:
+    """bench/gpu_nccl_anchor.py in a child process (its output appended to bench.log)."""
+    cmd = [sys.executable, os.path.join(ROOT, 'bench', 'gpu_nccl_anchor.py'), '--ranks', '2']
+    if args.dry_run:
+        cmd.append('--dry-run')
+    result: Dict[str, Any] = {'command': ' '.join(cmd[1:]), 'timeout_s': round(timeout)}
+    with open(os.path.join(args.outdir, 'bench.log'), 'a') as log:
+        log.write(f'\n\n===== {NCCL_SECTION} anchor: {result["command"]} =====\n')
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  timeout=timeout, env=_child_env())
+            stdout, result['returncode'] = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            raw = e.stdout or ''
+            stdout = raw.decode() if isinstance(raw, bytes) else raw
+            result['returncode'] = None
+            result['error'] = f'the anchor did not finish within {timeout:.0f} s'
+        log.write('--- stdout ---\n' + stdout)
+    for line in stdout.splitlines():
+        if not line.startswith(RESULT):
+            continue
+        row = json.loads(line[len(RESULT):])
+        if 'run' in row:
+            result.setdefault('runs', []).append(row['run'])
+        elif 'error' in row:
+            result['error'] = row['error']
+        else:
+            result.update(row)
     return result
 
 

@@ -1,136 +1,249 @@
-"""Does loading overlap compute? Step time with prefetch vs without, against max(L, C).
+"""Does loading overlap compute, with the defaults? A step against max(L, C).
 
-A dataset whose batches cost L seconds to load (I/O-like latency: sleeps) and a model
-whose step costs C seconds (a real matrix product plus a sleep standing in for device
-time), one replica. Prints a table and writes overlap.json to --out.
+    python bench/overlap.py [--load-ms 20] [--compute-ms 20] [--rounds 12] [--out DIR]
 
-    python bench/overlap.py --load 0.05 --compute 0.05 --updates 30 --out bench/results
+Each case: a dataset whose batch takes L to load and a model whose update takes C, run by
+``ParallelAccumulatingUpdater`` with its defaults (``prefetch='auto'``: each replica times
+loading inline and ahead over its first updates and keeps the faster) on one and on two
+``'@numpy'`` replicas, and, for scale, with ``prefetch=0``. The ideal step is max(L, C);
+loading inline costs L + C. The goal: a step <= 1.1 x max(L, C) where loading can overlap.
+
+- ``sleep``: loading that waits (each example sleeps, as a file or a network read does),
+  and a compute that waits too (a sleep in the forward, as a GPU computes while its host
+  waits, plus a small matrix product). Overlap needs no spare core.
+- ``python``: loading that is Python work (a pure-Python loop per example, holding the
+  GIL), and a compute that is BLAS (matrix products, which release the GIL). One replica
+  has a core for each; two replicas, each with its loader, need four busy threads, which a
+  2-core machine does not have.
+- ``multiprocess``: the ``sleep`` dataset read through a ``MultiprocessIterator`` (2
+  processes per replica): the defaults against ``prefetch=0``, which must not be faster.
+
+L and C are measured alone in every round (L: the iterator and the converter for one
+batch; C: ``StandardUpdater`` on a batch already in memory), between the updaters' turns.
+Each case reports the median over the rounds of step / max(L, C), with a 95% interval, and
+each replica's choice (``loading_modes``).
+
+Prints a Markdown table; with ``--out`` writes ``overlap.json`` and ``overlap.md``.
 """
-from __future__ import annotations
-
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
+for _name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
+    os.environ.setdefault(_name, '1')
 
-import numpy as np  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mgpu_updater  # noqa: E402,F401  (applies the compat shim before chainer)
+from bench import _common  # noqa: E402
+
 import chainer  # noqa: E402
 import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
+import numpy as np  # noqa: E402
 
-from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
+SCHEMA = 'mgpu_updater.bench.overlap/2'
+GOAL = 1.1
+FEATURES, CLASSES = 64, 10
 
 
-class SlowDataset(chainer.dataset.DatasetMixin):
-    """Each example sleeps ``latency`` seconds: a batch of b costs b * latency."""
+class Dataset(chainer.dataset.DatasetMixin):
+    """``kind`` 'sleep': each example sleeps ``seconds``; 'python': each runs a Python
+    loop of about ``seconds`` (calibrated, :func:`calibrate`)."""
 
-    def __init__(self, n, latency):
-        self.n, self.latency = n, latency
+    def __init__(self, n, kind, seconds, loops=0):
         rng = np.random.RandomState(0)
-        self.x = rng.randn(n, 64).astype(np.float32)
-        self.t = rng.randint(0, 10, n).astype(np.int32)
+        self.x = rng.random_sample((n, FEATURES)).astype(np.float32)
+        self.t = rng.randint(0, CLASSES, n).astype(np.int32)
+        self.kind, self.seconds, self.loops = kind, seconds, loops
 
     def __len__(self):
-        return self.n
+        return len(self.x)
 
     def get_example(self, i):
-        time.sleep(self.latency)
+        if self.kind == 'python':
+            total = 0
+            for j in range(self.loops):
+                total += j * j
+        else:
+            time.sleep(self.seconds)
         return self.x[i], self.t[i]
 
 
-class SlowModel(chainer.Chain):
-    """A small MLP whose forward also waits ``delay`` seconds (device time)."""
+class Model(chainer.Chain):
+    """'sleep': a small MLP whose forward waits ``seconds`` (device time); 'python': the
+    same MLP after ``products`` BLAS products of ``size`` square matrices (GIL released)."""
 
-    def __init__(self, delay):
+    def __init__(self, kind, seconds, size=0, products=0):
         super().__init__()
-        self.delay = delay
         with self.init_scope():
-            self.l1 = L.Linear(64, 256)
-            self.l2 = L.Linear(256, 10)
+            self.l1 = L.Linear(FEATURES, 64)
+            self.l2 = L.Linear(64, CLASSES)
+        self.kind, self.seconds, self.products = kind, seconds, products
+        self.a = np.random.RandomState(1).random_sample((size, size)).astype(np.float32)
 
     def forward(self, x):
-        time.sleep(self.delay)
+        if self.kind == 'python':
+            for _ in range(self.products):
+                self.a.dot(self.a)
+        else:
+            time.sleep(self.seconds)
         return self.l2(F.relu(self.l1(x)))
 
 
-def step_time(load, compute, batch, updates, prefetch):
-    dataset = SlowDataset(batch * (updates + 5), load / batch)
-    model = L.Classifier(SlowModel(compute))
-    opt = chainer.optimizers.SGD(0.01)
-    opt.setup(model)
-    it = chainer.iterators.SerialIterator(dataset, batch, shuffle=False)
-    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], prefetch=prefetch,
+def calibrate(load_s, compute_s, batch):
+    """Python-loop length per example, and the BLAS products per forward, that take about
+    ``load_s`` per batch and ``compute_s`` per update here."""
+    n = 200000
+    start = time.perf_counter()
+    total = 0
+    for j in range(n):
+        total += j * j
+    per_loop = (time.perf_counter() - start) / n
+    loops = max(1, int(load_s / batch / per_loop))
+    size = 384
+    a = np.random.RandomState(1).random_sample((size, size)).astype(np.float32)
+    a.dot(a)
+    start = time.perf_counter()
+    for _ in range(5):
+        a.dot(a)
+    per_product = (time.perf_counter() - start) / 5
+    return loops, size, max(1, int(compute_s / per_product))
+
+
+def build(kind, n, args, cal, prefetch):
+    """An updater over ``n`` replicas for ``kind``; its model and its iterators."""
+    from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+    b = args.batch
+    loops, size, products = cal
+    data_kind = 'python' if kind == 'python' else 'sleep'
+    dataset = Dataset(4096, data_kind, args.load_ms / 1e3 / b, loops)
+    model = L.Classifier(Model(data_kind, args.compute_ms / 1e3, size, products))
+    optimizer = chainer.optimizers.SGD(0.01)
+    optimizer.setup(model)
+    extra = {}
+    if kind == 'multiprocess':
+        extra = dict(iterator_class=chainer.iterators.MultiprocessIterator, n_processes=2)
+    its = shard_iterators(dataset, n, b, **extra)
+    updater = ParallelAccumulatingUpdater(its if n > 1 else its[0], optimizer,
+                                          devices=['@numpy'] * n, prefetch=prefetch,
                                           report_times=False)
-    times = []
-    try:
-        for u in range(updates):
-            t0 = time.perf_counter()
+    return updater, model
+
+
+def alone(kind, args, cal):
+    """(L, C) as this machine runs them now: one batch loaded; one StandardUpdater step."""
+    loops, size, products = cal
+    data_kind = 'python' if kind == 'python' else 'sleep'
+    b = args.batch
+    dataset = Dataset(b, data_kind, args.load_ms / 1e3 / b, loops)
+    start = time.perf_counter()
+    batch = chainer.dataset.concat_examples([dataset[i] for i in range(b)])
+    load = time.perf_counter() - start
+    model = L.Classifier(Model(data_kind, args.compute_ms / 1e3, size, products))
+    optimizer = chainer.optimizers.SGD(0.01)
+    optimizer.setup(model)
+    start = time.perf_counter()
+    optimizer.update(model, *batch)
+    return load, time.perf_counter() - start
+
+
+def measure(kind, n, args, cal):
+    runs = {}
+    for name, prefetch in (('auto', 'auto'), ('off', 0)):
+        updater, model = build(kind, n, args, cal, prefetch)
+        for _ in range(args.trial_updates):   # the trial of prefetch='auto', in a row
             updater.update()
-            if u >= 2:                   # warm-up: the first batches were not prefetched
-                times.append(time.perf_counter() - t0)
+        runs[name] = updater
+    rows = {'auto': [], 'off': [], 'L': [], 'C': []}
+    try:
+        for r in range(args.rounds):
+            order = ['auto', 'off'] if r % 2 == 0 else ['off', 'auto']
+            for name in order:
+                updater = runs[name]
+                updater.update()   # warms it after the other's turn: not timed
+                start = time.perf_counter()
+                for _ in range(args.block):
+                    updater.update()
+                rows[name].append((time.perf_counter() - start) / args.block)
+            load, compute = zip(*(alone(kind, args, cal) for _ in range(3)))
+            rows['L'].append(statistics.median(load))
+            rows['C'].append(statistics.median(compute))
+        modes = {name: list(u.loading_modes) for name, u in runs.items()}
     finally:
-        updater.finalize()
-    return statistics.median(times)
+        for updater in runs.values():
+            updater.finalize()
+    bound = [max(a, b) for a, b in zip(rows['L'], rows['C'])]
+    auto = _common.ratio_summary([s / m for s, m in zip(rows['auto'], bound)])
+    auto['verdict'] = ('met' if auto['ci95'][1] <= GOAL else
+                       'not met' if auto['ci95'][0] > GOAL else 'not resolved')
+    return {'kind': kind, 'replicas': n,
+            'ms': {key: 1e3 * statistics.median(v) for key, v in rows.items()},
+            'auto_over_max': auto,
+            'off_over_max': _common.ratio_summary([s / m for s, m in zip(rows['off'], bound)]),
+            'auto_over_off': _common.ratio_summary(
+                [a / o for a, o in zip(rows['auto'], rows['off'])]),
+            'loading_modes': modes}
 
 
-def measure_alone(load, compute, batch, repeats=5):
-    """L and C as this machine really runs them."""
-    ds = SlowDataset(batch, load / batch)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        chainer.dataset.concat_examples([ds[i] for i in range(batch)])
-    real_l = (time.perf_counter() - t0) / repeats
-    model = L.Classifier(SlowModel(compute))
-    opt = chainer.optimizers.SGD(0.01)
-    opt.setup(model)
-    x, t = chainer.dataset.concat_examples([(ds.x[i], ds.t[i]) for i in range(batch)])
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        opt.update(model, x, t)
-    real_c = (time.perf_counter() - t0) / repeats
-    return real_l, real_c
+def markdown(result):
+    lines = ['# Loading and compute overlapping, with the defaults', '',
+             '`{}`'.format(result['command']), '',
+             'L = {load_ms} ms per batch of {batch}, C = {compute_ms} ms per update as '
+             'asked (measured below); {rounds} rounds of {block} timed updates per updater, '
+             'each replica\'s trial ({trial_updates} updates) first. Machine: {cpu} ({cores} '
+             'cores), Python {python}; load average {l0} at start, {l1} at the end.'.format(
+                 cpu=result['machine']['cpu'], cores=result['machine']['cores'],
+                 python=result['versions']['python'], l0=result['machine']['loadavg_start'],
+                 l1=result['machine']['loadavg_end'], **result['args']), '',
+             '| case | replicas | L ms | C ms | defaults ms | prefetch=0 ms | defaults / '
+             'max(L, C) | goal <= {} | prefetch=0 / max(L, C) | defaults / prefetch=0 | '
+             'loading |'.format(GOAL),
+             '|---|---:|---:|---:|---:|---:|---|---|---|---|---|']
+    for row in result['rows']:
+        ms = row['ms']
+        lines.append('| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} |'
+                     .format(row['kind'], row['replicas'], ms['L'], ms['C'], ms['auto'],
+                             ms['off'], _common.ratio_cell(row['auto_over_max']),
+                             row['auto_over_max']['verdict'],
+                             _common.ratio_cell(row['off_over_max']),
+                             _common.ratio_cell(row['auto_over_off']),
+                             ', '.join(row['loading_modes']['auto'])))
+    return '\n'.join(lines) + '\n'
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--load', type=float, default=0.05, help='L: seconds to load one batch')
-    p.add_argument('--compute', type=float, default=0.05, help='C: seconds of one step')
-    p.add_argument('--batch', type=int, default=32)
-    p.add_argument('--updates', type=int, default=30)
-    p.add_argument('--out', default=None)
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--load-ms', type=float, default=20.0)
+    p.add_argument('--compute-ms', type=float, default=20.0)
+    p.add_argument('--batch', type=int, default=16)
+    p.add_argument('--rounds', type=int, default=12)
+    p.add_argument('--block', type=int, default=4)
+    p.add_argument('--trial-updates', type=int, default=130)
+    p.add_argument('--kinds', default='sleep,python,multiprocess')
+    p.add_argument('--replicas', default='1,2')
+    p.add_argument('--out')
     args = p.parse_args(argv)
-
-    real_l, real_c = measure_alone(args.load, args.compute, args.batch)
-    without = step_time(args.load, args.compute, args.batch, args.updates, prefetch=0)
-    with_ = step_time(args.load, args.compute, args.batch, args.updates, prefetch=2)
-    bound, serial = max(real_l, real_c), real_l + real_c
-    result = {
-        'date': time.strftime('%Y-%m-%d'), 'machine': platform.processor() or platform.machine(),
-        'cores': os.cpu_count(), 'python': platform.python_version(),
-        'L_s': real_l, 'C_s': real_c, 'max_LC_s': bound, 'L_plus_C_s': serial,
-        'step_without_prefetch_s': without, 'step_with_prefetch_s': with_,
-        'ratio_with_to_max': with_ / bound, 'ratio_without_to_sum': without / serial,
-        'speedup': without / with_,
-    }
-    print('| run | step (ms) | / max(L,C) | / (L+C) |')
-    print('|---|---|---|---|')
-    print(f'| L alone | {real_l * 1e3:.1f} | | |')
-    print(f'| C alone | {real_c * 1e3:.1f} | | |')
-    for name, t in (('no prefetch', without), ('prefetch=2', with_)):
-        print(f'| {name} | {t * 1e3:.1f} | {t / bound:.3f} | {t / serial:.3f} |')
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, 'overlap.json'), 'w') as f:
-            json.dump(result, f, indent=2)
-    return result
+    result = {'schema': SCHEMA,
+              'command': 'python bench/overlap.py ' + ' '.join(
+                  sys.argv[1:] if argv is None else argv),
+              'args': {k: getattr(args, k) for k in ('load_ms', 'compute_ms', 'batch',
+                                                     'rounds', 'block', 'trial_updates')},
+              'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
+                          'loadavg_start': _common.loadavg()},
+              'versions': _common.versions(), 'rows': []}
+    cal = calibrate(args.load_ms / 1e3, args.compute_ms / 1e3, args.batch)
+    result['calibration'] = {'python_loops_per_example': cal[0], 'matrix_size': cal[1],
+                             'products_per_forward': cal[2]}
+    for kind in args.kinds.split(','):
+        for n in (int(x) for x in args.replicas.split(',')):
+            result['rows'].append(measure(kind, n, args, cal))
+    result['machine']['loadavg_end'] = _common.loadavg()
+    _common.save_results(args.out, 'overlap', result, markdown(result))
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(main())

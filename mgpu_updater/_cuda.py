@@ -7,14 +7,18 @@
   verdict on CUDA, part of it.
 - :func:`wait_event`: a bounded host wait on a CUDA event. It polls instead of blocking in
   the driver, so the caller can notice a dead peer or give up after a timeout.
+- :func:`using_device`: a CUDA device current for a block, so that the kernels launched
+  there run on it, on its current stream (CuPy launches on the current device's stream,
+  even for arrays of another device, through peer access).
 - :class:`PinnedStager`: host batches -> reused pinned buffers -> the device, on a side
   stream, for the prefetcher of a GPU replica.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional
 
 import numpy
 
@@ -113,6 +117,14 @@ def unavailable_reason(nccl: bool = False) -> Optional[str]:
         except ImportError:
             return f'NCCL not available ({NCCL_HINT})'
     return None
+
+
+def using_device(device_id: Optional[int]) -> ContextManager[Any]:
+    """CUDA device ``device_id`` current inside the ``with`` block (CuPy's ``Device``);
+    nothing for ``None`` (buffers on the host)."""
+    if device_id is None:
+        return contextlib.nullcontext()
+    return import_cupy().cuda.Device(device_id)
 
 
 def wait_event(event: Any, *, timeout: Optional[float] = None,

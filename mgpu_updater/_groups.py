@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
+from . import _cuda
 from ._flat_buffers import unique_params
 from ._replica import WindowResult, total_loss
 
@@ -29,11 +30,14 @@ class ReduceHandle:
     """A summed gradient kept for later (pipelined mode): ``wait()`` then ``apply(model)``.
 
     Every collective was issued, in order, before this object exists (see
-    :mod:`mgpu_updater._local.protocol`); ``source`` reads the result where it lies.
+    :mod:`mgpu_updater._local.protocol`); ``source`` reads the result where it lies, on CUDA
+    device ``device_id`` (None: the host), which is current while the result is copied.
     """
 
-    def __init__(self, source: Callable[[], Dict[str, Any]]) -> None:
+    def __init__(self, source: Callable[[], Dict[str, Any]],
+                 device_id: Optional[int] = None) -> None:
         self._source = source
+        self.device_id = device_id
 
     def wait(self) -> Dict[str, Any]:
         """The summed gradients by parameter name."""
@@ -42,14 +46,16 @@ class ReduceHandle:
     def apply(self, model: chainer.Link) -> None:
         grads = self.wait()
         ensure_grads(model)
-        for name, param in unique_params(model):
-            param.grad[...] = grads[name]
+        with _cuda.using_device(self.device_id):
+            for name, param in unique_params(model):
+                param.grad[...] = grads[name]
 
     def detached(self) -> 'ReduceHandle':
         """A handle on a copy of the gradients, off the buffers they lie in (before the
         buffers are released)."""
-        grads = {name: g.copy() for name, g in self.wait().items()}
-        return ReduceHandle(lambda: grads)
+        with _cuda.using_device(self.device_id):   # CuPy copies onto the current device
+            grads = {name: g.copy() for name, g in self.wait().items()}
+        return ReduceHandle(lambda: grads, self.device_id)
 
 
 class Group(abc.ABC):
@@ -60,6 +66,11 @@ class Group(abc.ABC):
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
         """Send the parameters out and start the others' windows (no-op alone)."""
+
+    def settle(self) -> None:
+        """Return once this rank's collectives in flight have finished, bounded and
+        watching the others: the master calls it before it reads its window's values on
+        the host (a wait for its device). Default: nothing (no collective runs on)."""
 
     @abc.abstractmethod
     def finish(self, own: WindowResult) -> List[WindowResult]:

@@ -170,14 +170,21 @@ class Replica:
             device arrays, as under StandardUpdater).
         one_of_many: whether other replicas share the update (workers, or MPI ranks):
             then its first window checks that the model kept the parameters and
-            persistents it started with (:meth:`_check_unchanged`).
+            persistents it started with (:meth:`_check_unchanged`). Alone, with one
+            micro-batch per window and no chunks, there is no mean to take: the model
+            reports into the caller's reporter as under StandardUpdater
+            (:meth:`_direct`), and only its loss is read.
+        before_read: called before that read (the master's group's ``settle``: its
+            window ran after collectives that a dead peer could leave unfinished, and a
+            host read would then wait for good).
     """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
                  loader: Loader, accumulate_steps: int, scaling: Scaling,
                  name: str = 'replica 0', keep_graphs: bool = False,
                  chunking: Chunking = Chunking(), read_values: bool = True,
-                 one_of_many: bool = False) -> None:
+                 one_of_many: bool = False,
+                 before_read: Optional[Callable[[], None]] = None) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -186,10 +193,13 @@ class Replica:
         self.name = name
         self.keep_graphs = keep_graphs
         self.read_values = read_values
+        self.before_read = before_read
         self.chunking = chunking
         #: what the model held when the replica started, until the first window that ran
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
         self._started_with = model_signature(model) if one_of_many else None
+        #: one replica, one micro-batch, whole: :meth:`_direct` (no mean to take)
+        self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
         #: whether a backward of this replica ever stamped a loss scale on the parameters
@@ -223,8 +233,10 @@ class Replica:
         same Variable or array ``loss_func`` returned) adds up over the update instead of
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
-        times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         self.loader.window_started()
+        if self.direct:
+            return self._direct(loss_scale)
+        times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
         while True:
             try:
@@ -338,6 +350,8 @@ class Replica:
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         values = [t[1] for t in terms]
+        if self.read_values and self.before_read is not None:
+            self.before_read()
         try:
             values = read_on_host(values) if self.read_values else keep_on_device(values)
         except (TypeError, ValueError) as exc:
@@ -354,6 +368,58 @@ class Replica:
             weights=weights, times=dict(times), epochs=epochs,
             summed=tuple(summed), micro_batch_size=micro_batch_size,
             loading=self.loader.mode)
+
+    def _direct(self, loss_scale: Optional[float]) -> WindowResult:
+        """The window of one replica, one whole micro-batch: StandardUpdater's update up
+        to the step, no more. The model reports into the caller's reporter (the Trainer's,
+        as under StandardUpdater: the values as reported, Variables included, graphs
+        kept under ``keep_graph_on_report``), so the result carries no values but the
+        loss, read on the host as every window's is (``read_values``). Where the host
+        decides the speed, every call saved here is one StandardUpdater does not make
+        (``bench/overhead.py``)."""
+        clock = time.perf_counter
+        start = clock()
+        try:
+            batch = self.loader.get()
+        except RepeatingIteratorStopped as exc:
+            raise RuntimeError(f'{self.name}: {exc}') from exc
+        loaded = clock()
+        if batch is None:
+            self.model.cleargrads()   # no micro-batch: no gradient
+            return WindowResult(0, 0.0, {}, {}, {'data': loaded - start, 'compute': 0.0},
+                                [], loading=self.loader.mode)
+        arrays = batch.arrays
+        func = self.loss_func
+        if isinstance(arrays, tuple):
+            loss = func(*arrays)
+        elif isinstance(arrays, dict):
+            loss = func(**arrays)
+        else:
+            loss = func(arrays)
+        if not self._loss_checked:
+            self._check_loss(loss)
+        self.model.cleargrads()
+        size = batch.size
+        scale = self.scaling.micro_batch(size)
+        if loss_scale is not None:
+            scale *= loss_scale
+        if scale == 1.0 and not self.stamped:
+            loss.backward()   # as above: the leaves' stamps stay None
+        else:
+            self.stamped = True
+            loss.backward(loss_scale=scale)
+        loss_array = loss.array
+        del loss
+        if not self._gradients_checked:
+            self._check_gradients()
+        if type(loss_array) is numpy.ndarray and self.read_values:
+            value = float(loss_array.item())   # the CPU's case: read_on_host's, inline
+        else:
+            value = (read_on_host([loss_array]) if self.read_values
+                     else keep_on_device([loss_array]))[0]
+        return WindowResult(size, value * size, {}, {},
+                            {'data': loaded - start, 'compute': clock() - loaded},
+                            [batch.epoch], (), size, loading=self.loader.mode)
 
     def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:
         current = window.chunk_size(self.chunking.size)

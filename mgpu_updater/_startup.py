@@ -95,7 +95,8 @@ def start(s: Settings) -> Started:
                           chunking=chunking(s, own_index),
                           # MPI ranks exchange their results pickled: read them first
                           read_values=s.read_values or s.communicator is not None,
-                          one_of_many=len(s.devices) > 1 or s.communicator is not None)
+                          one_of_many=len(s.devices) > 1 or s.communicator is not None,
+                          before_read=group.settle)
     except BaseException:
         loader.close()
         raise

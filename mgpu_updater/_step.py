@@ -43,6 +43,24 @@ def decide(count: int, loss: float, nonfinite: str, dynamic: bool,
     return scaling.update(count), False
 
 
+def finite_gradients(model: chainer.Link) -> bool:
+    """Whether every gradient of ``model`` is finite: one reduction per parameter on its
+    device, then one host read. Under a static loss scale nothing else looks (Chainer's
+    own check runs only for dynamic scaling), and a float16 gradient that overflowed, in
+    backward or in the sum over the replicas, would reach the parameters."""
+    flags = []
+    for param in model.params():
+        grad = param.grad
+        if grad is not None:
+            with chainer.using_device(param.device):
+                flags.append(param.device.xp.isfinite(grad).all())
+    if not flags:
+        return True
+    xp = chainer.backend.get_array_module(flags[0])
+    with chainer.using_device(chainer.backend.get_device_from_array(flags[0])):
+        return bool(xp.stack(flags).all())
+
+
 class GradientStep:
     """A reduced gradient with what applying it needs.
 

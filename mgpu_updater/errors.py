@@ -75,3 +75,23 @@ class NonFiniteLossError(FloatingPointError):
             f'the loss became {loss} at update {iteration}; parameters were not updated. '
             "Lower the learning rate, use loss scaling for float16, or pass nonfinite='skip' "
             'to skip such updates')
+
+
+class NonFiniteGradientError(NonFiniteLossError):
+    """The loss of an update was finite but its summed gradient was not, under a static
+    loss scale (``optimizer.loss_scaling(scale=...)``), which Chainer steps on unchecked
+    (dynamic loss scaling checks and skips by itself); ``nonfinite='raise'``.
+
+    Attributes: as :class:`NonFiniteLossError`, and ``loss_scale``.
+    """
+
+    def __init__(self, iteration: int, loss: float, loss_scale: float) -> None:
+        self.iteration = iteration
+        self.loss = loss
+        self.loss_scale = loss_scale
+        FloatingPointError.__init__(
+            self,
+            f'the summed gradient of update {iteration} holds inf or NaN under the static '
+            f'loss scale {loss_scale:g} (the loss is {loss}); parameters were not updated. '
+            'Lower the loss scale, use dynamic loss scaling (optimizer.loss_scaling() '
+            "without scale), or pass nonfinite='skip' to skip such updates")

@@ -14,11 +14,11 @@ from . import _chainer_private as chainer_private
 from . import _checkpoint, _host_memory, _loss_binding, _startup, _step, _threads, _validate
 from ._checkpoint import capture_state
 from ._flat_buffers import unique_params
-from ._groups import ClosedGroup, Group
+from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
 from ._restarts import RestartLog
-from .errors import NonFiniteLossError
+from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):
@@ -94,10 +94,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             loading that waits (files, a ``MultiprocessIterator``, a GPU computing while
             the host waits), while where the window is Python (a small model, a fast GPU)
             a thread takes the GIL from it, and each batch is loaded when needed (a
-            worker also loads while it waits for the master). :attr:`loading_modes` says
+            worker also loads while it waits for the master). ``loading_modes`` says
             what each replica does.
         report_times: report ``main/time/{data,compute,comm,update}`` every update
-            (True or False).
+            (default False: the log has StandardUpdater's keys, and each key reported
+            costs every update, in the report and in ``LogReport``). ``last_times`` holds
+            the same seconds either way.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
             ``'skip'`` warns and skips that update; ``'ignore'`` does not look, as
@@ -169,7 +171,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  converter: Callable = convert.concat_examples,
                  loss_func: Optional[Callable] = None,
                  prefetch: Union[int, str] = 'auto',
-                 report_times: bool = True,
+                 report_times: bool = False,
                  nonfinite: str = 'raise',
                  pipelined: bool = False,
                  start_method: str = 'spawn',
@@ -308,6 +310,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             restarts=self._restart_log))
         self._loader, self._replica, self._group, self._nominal_samples = started
         self._optimizer = self.get_optimizer('main')
+        # one device, each gradient stepped on in its own update: _update's short way
+        self._alone = isinstance(self._group, SoloGroup) and not self.pipelined
         self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
@@ -336,9 +340,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         clock = time.perf_counter
         optimizer = self._optimizer
         loss_scale = chainer_private.loss_scale(optimizer)
-        parity = self._step.parity(self.iteration)
         t0 = clock()
-        self._group.begin(loss_scale, parity)
+        if self._alone:
+            parity = None
+        else:
+            parity = self._step.parity(self.iteration)
+            self._group.begin(loss_scale, parity)
         t1 = clock()
         if self._window_threads.threads is None:
             own = self._replica.run_window(loss_scale)
@@ -346,22 +353,36 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             with self._window_threads:
                 own = self._replica.run_window(loss_scale)
         t2 = clock()
-        self._step_seconds = 0.0
-        # The policy hands over this update's gradient step (_on_step) as soon as the group
-        # has it in the model: the local group, before it takes the workers' results.
-        results, fresh = self._step.reduce(self._group, own, loss_scale, parity,
-                                           self._on_step)
-        # the step ran inside the reduction: its seconds are 'update', not 'comm'
-        times = {'comm': (t1 - t0) + (clock() - t2) - self._step_seconds,
-                 'update': self._step_seconds}
-        if fresh.count == 0:
-            raise StopIteration
-        if own.epochs:
+        if self._alone:
+            # One device, stepping now: nothing to reduce, and the gradient is the model's
+            # already; the step of ImmediateStep and SoloGroup, without their calls.
+            count = own.count
+            if count == 0:
+                raise StopIteration
+            self._apply(optimizer, count, own.loss_sum / count, loss_scale)
+            results = [own]
+            times = {'comm': t1 - t0, 'update': clock() - t2}
+        else:
+            self._step_seconds = 0.0
+            # The policy hands over this update's gradient step (_on_step) as soon as the
+            # group has it in the model: the local group, before it takes the workers'
+            # results.
+            results, fresh = self._step.reduce(self._group, own, loss_scale, parity,
+                                               self._on_step)
+            # the step ran inside the reduction: its seconds are 'update', not 'comm'
+            times = {'comm': (t1 - t0) + (clock() - t2) - self._step_seconds,
+                     'update': self._step_seconds}
+            if fresh.count == 0:
+                raise StopIteration
+        epochs = own.epochs
+        if len(epochs) == 1:
+            self._epoch = epochs[0]
+        elif epochs:
             # One update spans the window: epoch triggers must see the boundary it crossed.
-            first, last = own.epochs[0], own.epochs[-1]
+            first, last = epochs[0], epochs[-1]
             self._epoch = EpochInfo(last.epoch, last.epoch_detail, first.previous_epoch_detail,
-                                    any(e.is_new_epoch for e in own.epochs))
-        if self.auto_new_epoch and own.epochs and self._epoch.is_new_epoch:
+                                    any(e.is_new_epoch for e in epochs))
+        if self.auto_new_epoch and epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, times)
 
@@ -373,7 +394,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         due = self._step.due(fresh, optimizer.target)
         if due is not None:
             start = time.perf_counter()
-            self._apply(optimizer, due)
+            self._apply(optimizer, due.count, due.loss, due.loss_scale)
             self._step_seconds += time.perf_counter() - start
 
     def _factor(self, optimizer: chainer.Optimizer, count: int,
@@ -392,49 +413,76 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                           RuntimeWarning)
         return factor
 
-    def _apply(self, optimizer: chainer.Optimizer, step: '_step.GradientStep') -> None:
-        """One optimizer step on the model's summed gradient of ``step``."""
+    def _apply(self, optimizer: chainer.Optimizer, count: int, loss: float,
+               loss_scale: Optional[float]) -> None:
+        """One optimizer step on the model's summed gradient, that of ``count`` samples
+        whose mean loss is ``loss``, taken under the optimizer's ``loss_scale``."""
         model = optimizer.target
-        factor = self._factor(optimizer, step.count, step.loss)
-        if factor is None:
+        factor = self._factor(optimizer, count, loss)
+        if factor is None or (loss_scale is not None and
+                              not self._finite_under_static_scale(optimizer, loss, loss_scale)):
             return
         if factor != 1.0:
-            for _, param in unique_params(model):   # a tied parameter once
-                if param.grad is not None:
-                    param.grad *= factor
+            with chainer.using_device(self._devices[0]):   # on the master's stream
+                for _, param in unique_params(model):   # a tied parameter once
+                    if param.grad is not None:
+                        param.grad *= factor
         # The update rules divide each gradient by its parameter's stamped loss scale. The
         # stamps are written once, and then only where the optimizer scales the loss or
         # the master's backward stamped a scale of its own (Replica.stamped): else they
         # are all None already, and writing them walked the model every update.
-        stamped = step.loss_scale is not None or self._replica.stamped
+        stamped = loss_scale is not None or self._replica.stamped
         if stamped or not self._stamps_clear:
-            chainer_private.set_update_loss_scale(model, step.loss_scale)
+            chainer_private.set_update_loss_scale(model, loss_scale)
             self._stamps_clear = not stamped
         optimizer.update()
 
+    def _finite_under_static_scale(self, optimizer: chainer.Optimizer, loss: float,
+                                   loss_scale: Optional[float]) -> bool:
+        """Under a static loss scale, whether the summed gradient is finite (else raise
+        or skip, as ``nonfinite`` says); True without looking elsewhere."""
+        if (self.nonfinite == 'ignore' or loss_scale is None
+                or chainer_private.loss_scaling_is_dynamic(optimizer)
+                or _step.finite_gradients(optimizer.target)):
+            return True
+        if self.nonfinite == 'raise':
+            raise NonFiniteGradientError(self.iteration + 1, loss, loss_scale)
+        self._skipped += 1
+        warnings.warn(f'skipping update {self.iteration + 1}: the summed gradient holds inf '
+                      f'or NaN under the static loss scale {loss_scale:g}',
+                      RuntimeWarning)
+        return False
+
     def _report(self, results: List[WindowResult], own: WindowResult,
                 times: Dict[str, float]) -> None:
-        observation = combine(results)
+        observation = combine(results) if own.sums or len(results) > 1 else {}
         if self.micro_batch_size == 'auto':
             sizes = [r.micro_batch_size or 0 for r in results]
             self.micro_batch_sizes = sizes
             if any(sizes):
                 observation['main/micro_batch_size'] = min(s for s in sizes if s)
-        for key, root in self._replica.graph_roots.items():
-            if key in observation:
-                observation[key] = with_graph(root, observation[key])
+        roots = self._replica.graph_roots
+        if roots:
+            for key, root in roots.items():
+                if key in observation:
+                    observation[key] = with_graph(root, observation[key])
         own_times = own.times
         times['data'] = own_times.get('data', 0.0)
         times['compute'] = own_times.get('compute', 0.0)
         self.last_times = times
-        self.last_replica_times = [r.times for r in results]
-        self.loading_modes = [r.loading for r in results]
+        if len(results) == 1:
+            self.last_replica_times = [own_times]
+            self.loading_modes = [own.loading]
+        else:
+            self.last_replica_times = [r.times for r in results]
+            self.loading_modes = [r.loading for r in results]
         if self.report_times:
             for key, value in times.items():
                 observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value
         if self._restart_log is not None:
             self._restart_log.report(observation)
-        chainer.report(observation)
+        if observation:
+            chainer.report(observation)
 
     # ------------------------------------------------------------------ state
     def serialize(self, serializer: Any) -> None:

@@ -85,8 +85,9 @@ def run_updates(updater, model, n):
     """Run n updates inside a reporter; return the observations of each."""
     observations = []
     for _ in range(n):
-        reporter = chainer.Reporter()
+        reporter = chainer.Reporter()   # the observers a Trainer registers
         reporter.add_observer('main', model)
+        reporter.add_observers('main', model.namedlinks(skipself=True))
         obs = {}
         with reporter.scope(obs):
             updater.update()

@@ -509,3 +509,28 @@ def test_paired_replicas_verdicts_need_the_whole_interval():
     assert pr.verdict('limit', 0.90, 0.949) == 'below 95%'
     assert pr.verdict(None, 0.5, 2.0) == '-'
     assert pr.parse_args([]).rounds is None   # ceil(400 / k) per k
+
+
+def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
+    """``bench/overhead.py``: ours (one replica at k=1 and 4, two replicas) against
+    StandardUpdater and the hand loop in turns, each ratio with its interval and verdict,
+    and every method's update split into the same phases."""
+    _run_bench('overhead.py', '--rounds', '3', '--phase-rounds', '2', '--block', '2',
+               '--warmup', '0', '--trial-updates', '2', '--out', str(tmp_path), timeout=300)
+    from bench import overhead
+    result = json.loads((tmp_path / 'overhead.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.overhead/1'
+    assert set(result['ms']) == {'standard', 'hand_k4', 'ours_k1', 'ours_k4', 'ours_n2'}
+    for key, _, _ in overhead.PAIRS:
+        ratio = result['ratios'][key]
+        assert len(ratio['ratios']) == 3 and all(r > 0 for r in ratio['ratios'])
+        assert ratio['verdict'] == overhead.verdict(overhead.GOALS[key], *ratio['ci95'])
+    for name, phases in result['phases'].items():
+        assert set(phases) == set(overhead.PHASES) | {'window, own', 'own', 'total'}
+        assert phases['total'] > 0 and phases['forward'] > 0 and phases['backward'] > 0
+        if name.startswith('ours'):
+            assert phases['report'] > 0 and phases['begin'] >= 0
+    assert result['loading']['ours_n2'] == ['trial', 'trial'] or all(
+        m in ('inline', 'ahead', 'trial') for m in result['loading']['ours_n2'])
+    assert '| ours_k1/standard |' in (tmp_path / 'overhead.md').read_text()
+    assert str(ROOT) not in (tmp_path / 'overhead.json').read_text()

@@ -14,14 +14,14 @@ through the same rank program (``scripts/comm_contract.py``):
 
 Backends: ``shm`` (the real shared-memory backend, rank 0 here and N-1 spawned processes,
 N = 2 and 3), ``nccl`` and ``staged`` (on the CuPy-14 stand-in, one thread per rank; the
-stand-in's NCCL communicators are connected here so that their collectives move data
-between the ranks, summing in rank order), ``mpi`` (``mpiexec -n 2 python -m mpi4py``).
+stand-in's NCCL communicators are connected, ``_fakecupy.connect_ranks``, so that their
+collectives move data between the ranks, summing in rank order; NCCL sums float16 in
+float32), ``mpi`` (``mpiexec -n 2 python -m mpi4py``).
 The NCCL backend does not check the issue order itself (the local protocol does, and the
 shared-memory tests check that protocol on every update), so it has no order case here.
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import pickle
@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 import types
-from functools import reduce as fold
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -121,64 +120,6 @@ def shm_in_processes(size: int) -> List[Dict]:
     return reports
 
 
-def connect_ranks(fake: types.SimpleNamespace) -> None:
-    """Make the stand-in's NCCL communicators of one unique id exchange data: each
-    collective waits until every rank issued its own, rank 0 then does NCCL's work on the
-    ranks' buffers (sums in rank order, in the buffer's type), and all return. A rank that
-    issues a different collective at the same position fails the check here (real NCCL
-    would mix the buffers or hang)."""
-    base = fake.cuda.nccl.NcclCommunicator
-    types_by_code = {getattr(fake.cuda.nccl, f'NCCL_{n.upper()}'): numpy.dtype(n)
-                     for n in ('int8', 'uint8', 'int32', 'uint32', 'int64', 'uint64',
-                               'float16', 'float32', 'float64')}
-    worlds: Dict[bytes, Any] = {}
-    lock = threading.Lock()
-
-    def view(ptr: int, count: int, code: int) -> numpy.ndarray:
-        dtype = types_by_code[code]
-        raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(ptr)
-        return numpy.ctypeslib.as_array(raw).view(numpy.uint8).view(dtype)
-
-    class Connected(base):
-        def _call(self, *call: Any) -> None:
-            super()._call(*call)
-            size, unique_id, rank = self.args
-            with lock:
-                world = worlds.setdefault(unique_id, types.SimpleNamespace(
-                    barrier=threading.Barrier(size, timeout=TIMEOUT), calls={}))
-            world.calls[rank] = call
-            world.barrier.wait()
-            if rank == 0:
-                try:
-                    execute([world.calls[r] for r in range(size)])
-                except BaseException:
-                    world.barrier.abort()   # the other ranks fail now, not at the time-out
-                    raise
-            world.barrier.wait()
-
-    def execute(calls: List[tuple]) -> None:
-        verb = calls[0][0]
-        shape = [(c[0],) + tuple(c[3:5] if c[0] != 'bcast' else c[2:4]) for c in calls]
-        assert all(s == shape[0] for s in shape), f'the ranks issued different collectives: ' \
-                                                  f'{calls}'
-        if verb == 'bcast':
-            _, _, count, code, root, _ = calls[0]
-            src = view(calls[root][1], count, code).copy()
-            for c in calls:
-                view(c[1], count, code)[...] = src
-            return
-        count, code = calls[0][3], calls[0][4]
-        total = fold(numpy.add, [view(c[1], count, code).copy() for c in calls])
-        if verb == 'reduce':
-            root = calls[0][6]
-            view(calls[root][2], count, code)[...] = total
-        else:   # allReduce
-            for c in calls:
-                view(c[2], count, code)[...] = total
-
-    fake.cuda.nccl.NcclCommunicator = Connected
-
-
 # ------------------------------------------------------------------ the backends
 def gpu(device_id: int) -> types.SimpleNamespace:
     """What the communicator factory reads of a Chainer GpuDevice."""
@@ -191,7 +132,7 @@ def run_shm(size, monkeypatch):
 
 def run_nccl(size, monkeypatch):
     fake = _fakecupy.install(monkeypatch)
-    connect_ranks(fake)
+    _fakecupy.connect_ranks(fake, timeout=TIMEOUT)
     unique_id = NcclCommunicator.new_unique_id()
     return in_threads(size, lambda r: NcclCommunicator(r, size, r, contract.SPEC, unique_id,
                                                        timeout=TIMEOUT),
@@ -226,6 +167,7 @@ BACKENDS = {
 }
 ORDER_CHECKED = ('shm', 'staged')   # the backends that check the issue order themselves
 ALLREDUCE = ('nccl', 'mpi')          # allreduce under its ordering contract (see below)
+WIDE = ('nccl',)                     # float16 summed in float32, cast back once
 
 
 @pytest.fixture(scope='module')
@@ -252,7 +194,7 @@ def assert_contract(reports: List[Dict], backend: str) -> None:
     assert [r['rank'] for r in reports] == list(range(size))
     root = reports[0]
     for name in contract.NAMES:
-        want = contract.rank_order_sum(name, size)
+        want = contract.rank_order_sum(name, size, wide=backend in WIDE)
         got = root['reduce'][name]
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, got, want)
         sent = contract.rank_data(name, contract.BCAST_SEED)

@@ -158,6 +158,9 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
                      *args, **kwargs):
             captured.update(payloads)
 
+        def settle(self):
+            pass
+
         def close(self, abort=False):
             pass
 

@@ -50,7 +50,7 @@ def _ours(model, opt_kind, datasets, batch_sizes, k, updates, **kwargs):
         obs = run_updates(updater, model, updates)
     finally:
         updater.finalize()
-    return [o['main/loss'] for o in obs], obs
+    return [float(getattr(o['main/loss'], 'array', o['main/loss'])) for o in obs], obs
 
 
 def _assert_same(a, b, rtol=1e-5, atol=1e-6):
@@ -186,7 +186,7 @@ def test_reported_values_are_sample_weighted_over_all_replicas():
     batch_sizes, k = [3, 5], 2
     datasets = [dataset(b * k * UPDATES, seed=60 + r) for r, b in enumerate(batch_sizes)]
     ours_model, ref_model = classifier(seed=6), classifier(seed=6)
-    _, obs = _ours(ours_model, 'sgd', datasets, batch_sizes, k, UPDATES)
+    _, obs = _ours(ours_model, 'sgd', datasets, batch_sizes, k, UPDATES, report_times=True)
     ref_opt = setup_optimizer('sgd', ref_model)
     for u in range(UPDATES):
         batch = _window_samples(datasets, batch_sizes, k, u)

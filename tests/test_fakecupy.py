@@ -111,6 +111,11 @@ def _pairs(fake, real) -> Dict[str, Tuple[Any, Any]]:
         'cupy.empty': (fake.empty, cupy.empty),
         'cupy.ndarray.get': (fake.FakeArray.get, cupy.ndarray.get),
         'cupy.ndarray.set': (fake.FakeArray.set, cupy.ndarray.set),
+        'cupy.ndarray.copy': (fake.FakeArray.copy, cupy.ndarray.copy),
+        'cupy.ndarray.fill': (fake.FakeArray.fill, cupy.ndarray.fill),
+        'cupy.cuda.Event.synchronize': (fake.cuda.Event.synchronize,
+                                        cupy.cuda.Event.synchronize),
+        'cupy.cuda.nccl.NcclError': (fake.cuda.nccl.NcclError, nccl.NcclError),
         'cupy.cuda.Device': (fake.cuda.Device, cupy.cuda.Device),
         'cupy.cuda.Device.use': (fake.cuda.Device.use, cupy.cuda.Device.use),
         'cupy.cuda.Stream': (fake.cuda.Stream, cupy.cuda.Stream),
@@ -163,6 +168,22 @@ def test_events_expose_done_as_a_property_like_cupy(fake, real):
     cupy, _ = real
     assert inspect.isdatadescriptor(cupy.cuda.Event.done)
     assert inspect.isdatadescriptor(fake.cuda.Event.done)
+
+
+def test_arrays_expose_their_device_as_a_property_like_cupy(fake, real):
+    cupy, _ = real
+    assert inspect.isdatadescriptor(cupy.ndarray.device)
+    assert inspect.isdatadescriptor(fake.FakeArray.device)
+    with fake.cuda.Device(1):
+        assert fake.zeros(2).device.id == 1   # made on the current device
+
+
+@pytest.mark.parametrize('status', [5, 6])   # NCCL's duplicate GPU; a peer that died
+def test_nccl_errors_read_as_cupys(fake, real, status):
+    _, nccl = real
+    assert str(fake.cuda.nccl.NcclError(status)) == str(nccl.NcclError(status))
+    assert issubclass(nccl.NcclError, RuntimeError)
+    assert issubclass(fake.cuda.nccl.NcclError, RuntimeError)
 
 
 def test_get_unique_id_returns_what_cupy_returns(fake, real):

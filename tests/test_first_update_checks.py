@@ -101,8 +101,10 @@ class _ReportsText(chainer.Chain):
 
 
 def test_a_reported_string_names_its_key():
+    """(One replica with one micro-batch per update reports as StandardUpdater does, as
+    they come; with a mean to take, over micro-batches or replicas, a string is named.)"""
     model = _ReportsText()
-    updater = _updater(model, n=1)
+    updater = _updater(model, n=1, accumulate_steps=2)
     try:
         with pytest.raises(TypeError, match=r"^replica 0 \(@numpy\): 'main/phase' was "
                                             r"reported as str 'training', which cannot be "

@@ -16,7 +16,7 @@ import pytest
 import chainer
 from chainer import optimizers
 
-from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater import ParallelAccumulatingUpdater, _step
 from mgpu_updater._local import board as board_module
 from mgpu_updater._local import group as group_module
 
@@ -37,9 +37,9 @@ def _start(opt, **kwargs):
     steps = []
     apply = updater._apply
 
-    def recording(optimizer, step):
-        steps.append(step)
-        apply(optimizer, step)
+    def recording(optimizer, count, loss, loss_scale):
+        steps.append(_step.GradientStep(count, loss, loss_scale, None))
+        apply(optimizer, count, loss, loss_scale)
     updater._apply = recording
     return model, updater, steps
 

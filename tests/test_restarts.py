@@ -30,6 +30,7 @@ from mgpu_updater._local.board import Board
 from mgpu_updater._local.protocol import Shipment
 from mgpu_updater._local.resume import (Change, Keeper, Records, ResumePoint, apply, capture,
                                         difference, restore)
+from mgpu_updater._replica import observers
 from mgpu_updater.comm.shm import ShmCommunicator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
@@ -142,8 +143,10 @@ def test_max_worker_restarts_is_refused_across_mpi_ranks():
 
 def test_one_device_has_nothing_to_restart_and_reports_none():
     updater = _build(max_worker_restarts=3)
+    reporter = chainer.Reporter()   # the model reports here, as the Trainer's
+    observers(reporter, updater.get_optimizer('main').target)
     observation = {}
-    with chainer.Reporter().scope(observation):
+    with reporter.scope(observation):
         updater.update()
     assert observation['main/worker_restarts'] == 0 and updater.worker_restarts == 0
     updater.finalize()

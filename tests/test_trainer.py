@@ -31,7 +31,8 @@ def test_trainer_end_to_end_with_the_usual_extensions(tmp_path, capsys):
     model = classifier(seed=1)
     opt = setup_optimizer('adam', model)
     its = shard_iterators(train, 2, 8)
-    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2, accumulate_steps=2)
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2, accumulate_steps=2,
+                                          report_times=True)
     trainer = training.Trainer(updater, (2, 'epoch'), out=str(tmp_path))
     test_it = chainer.iterators.SerialIterator(test, 16, repeat=False, shuffle=False)
     trainer.extend(extensions.Evaluator(test_it, model))

@@ -6,12 +6,13 @@ what each worker needs (:mod:`mgpu_updater._payload`).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import chainer
 import numpy
 
-from .. import _payload
+from .. import _cuda, _payload
 from .. import comm as comm_module
 from .._checkpoint import capture_state
 from .._flat_buffers import ModelLayouts, grad_arrays
@@ -22,8 +23,8 @@ from .._threads import available_cores
 from ..errors import WorkerError
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
-from .protocol import (State, StateRequest, Step, broadcast_only, master_begin, master_finish,
-                       slot_views)
+from .protocol import (Joining, State, StateRequest, Step, broadcast_only, master_begin,
+                       master_finish, slot_views)
 from .recovery import Recovery
 from .resume import Records, ResumePoint
 from .worker import WorkerInit, main as worker_main
@@ -34,9 +35,13 @@ class LocalGroup(Group):
 
     Each update runs the master's half of :mod:`mgpu_updater._local.protocol`: :meth:`begin` is
     :func:`~mgpu_updater._local.protocol.master_begin`, :meth:`finish` and :meth:`finish_async`
-    are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread.
-    With ``restarts`` (``max_worker_restarts``), a worker that dies in them is replaced and
-    the update redone (:mod:`.recovery`) before they return.
+    are :func:`~mgpu_updater._local.protocol.master_finish`, all on the calling thread, with
+    the master's device current (its kernels on the buffers run on the stream that the
+    collectives are ordered with). The master's host waits for its collectives, bounded and
+    watching the workers (:meth:`settle`), before it reads anything on the host during an
+    update: its window's values, and after the reductions, before the step. With
+    ``restarts`` (``max_worker_restarts``), a worker that dies in them is replaced and the
+    update redone (:mod:`.recovery`) before they return.
     """
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
@@ -50,7 +55,7 @@ class LocalGroup(Group):
         self.layouts = layouts
         self.comm, handle = comm_module.create(
             backend, self.size, layouts.spec(), master_device,
-            broadcast=broadcast_only(layouts))
+            broadcast=broadcast_only(layouts), timeout=start_timeout)
         self.grads = SummedGrads(layouts, self.comm, model)
         self.params = SlotParams(layouts, self.comm, model)
         #: the ranks' board (:mod:`.board`): where every rank says its gradient is packed
@@ -65,12 +70,13 @@ class LocalGroup(Group):
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
+        self._started = False
         #: under ``max_worker_restarts``: what replaces a worker that died (None: nothing)
         self.recovery: Optional[Recovery] = None
         self._sent: Optional[Step] = None   # ... and the update's Step, to send again
         self._stepped = False
         try:
-            self.comm.watch_peers(self.pool.check_alive)   # NCCL checks it while it waits
+            self.comm.watch_peers(self._check_workers)   # NCCL checks it while it waits
             data = {r: p(handle, board, self.announce_packs) for r, p in payloads.items()}
             if restarts is not None:
                 self.recovery = Recovery(
@@ -79,34 +85,79 @@ class LocalGroup(Group):
                     self.pool, self.comm, self.board,
                     payload=lambda r, point: payloads[r](handle, board, self.announce_packs,
                                                          resume=point),
-                    start=lambda r, payload: self.pool.replace(r, worker_main, payload,
-                                                               segments, start_timeout))
+                    start=lambda r, payload: self.pool.replace(
+                        r, worker_main, payload, segments, start_timeout,
+                        before_ready=self._rejoiner(r, start_timeout)))
             self.pool.start(worker_main, data, segments, start_timeout,
-                            before_ready=self.comm.init)
+                            before_ready=self._joiner(start_timeout))
+            self._started = True
         except BaseException:
             self.close(abort=True)
             raise
 
+    def _joiner(self, start_timeout: float) -> Callable[[], None]:
+        """What the master does once the workers have their payloads: wait until each
+        says it joins the communicator (:class:`~.protocol.Joining`), then join too (NCCL's
+        rendezvous, which nothing interrupts), within what is left of ``start_timeout``."""
+        deadline = time.monotonic() + start_timeout
+
+        def join() -> None:
+            self.pool.gather(Joining.KIND, timeout=max(0.0, deadline - time.monotonic()),
+                             what='start')
+            self.comm.init(timeout=max(0.0, deadline - time.monotonic()))
+        return join
+
+    def _check_workers(self) -> None:
+        """What the communicator runs while it waits: a worker that died or sent Failed
+        raises WorkerError; in an update, the stall watch sees the wait (:mod:`.stall`)."""
+        if self._started:
+            self.pool.check('update', self.pool.ranks)
+        else:
+            self.pool.check('start')
+
+    def _on_device(self) -> Any:
+        """The master's device current for a block (nothing on the CPU)."""
+        return _cuda.using_device(self.comm.device_id)
+
+    def settle(self) -> None:
+        """Return once the master's collectives in flight have finished: bounded by the
+        communicator's timeout, watching the workers (a dead one raises WorkerError, the
+        communicator aborted). A no-op on backends whose verbs return done."""
+        self.comm.wait()
+
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
-        if self.recovery is None:
-            master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                         in_place=self.params.bind())
-            return
-        in_place = self.params.bind()
-        try:
-            self._sent = master_begin(self.pool, self.comm, self.layouts, self.model,
-                                      loss_scale, parity, in_place=in_place)
-        except WorkerError as error:
-            # Raised while sending: the master's window has not run, so its Step is made
-            # again alike.
-            self._sent = Step(loss_scale, self.layouts.index_of(self.model).persistent_scalars(),
-                              parity)
-            self.recovery.recover(error, self._begin_again)
+        with self._on_device():
+            if self.recovery is None:
+                master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale,
+                             parity, in_place=self.params.bind())
+                return
+            in_place = self.params.bind()
+            try:
+                self._sent = master_begin(self.pool, self.comm, self.layouts, self.model,
+                                          loss_scale, parity, in_place=in_place)
+            except WorkerError as error:
+                # Raised while sending: the master's window has not run, so its Step is
+                # made again alike.
+                self._sent = Step(loss_scale,
+                                  self.layouts.index_of(self.model).persistent_scalars(), parity)
+                self.recovery.recover(error, self._begin_again)
 
     def _begin_again(self) -> None:
         """The update's Step again, the parameters in the buffers as they were packed."""
         master_begin(self.pool, self.comm, self.layouts, self.model, None, None,
                      again=self._sent)
+
+    def _rejoiner(self, rank: int, start_timeout: float) -> Callable[[], None]:
+        """What the master does once a replacement has its payload (:mod:`.recovery`): wait
+        until it says it joins the communicator. The shared-memory backend has no
+        rendezvous; a backend that rebuilds with one (NCCL) would join here, with every
+        survivor."""
+        deadline = time.monotonic() + start_timeout
+
+        def join() -> None:
+            self.pool.gather(Joining.KIND, timeout=max(0.0, deadline - time.monotonic()),
+                             what='restart', ranks=[rank])
+        return join
 
     def _recovering(self, finish: Callable[[], List[WindowResult]]) -> List[WindowResult]:
         """``finish()`` (the master's half after its window), redone from the update's
@@ -131,46 +182,55 @@ class LocalGroup(Group):
         return self.board if self.announce_packs else None
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
-        if self.recovery is None:
-            others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                                   self.size, own, self._pack_board)
-        else:
-            unwrap = self.recovery.records.unwrap
-            others = self._recovering(lambda: master_finish(
-                self.pool, self.comm, self.layouts, self.model, None, self.size, own,
-                self._pack_board, unwrap=unwrap))
-        self.grads.receive()
+        with self._on_device():
+            if self.recovery is None:
+                others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                                       self.size, own, self._pack_board)
+            else:
+                unwrap = self.recovery.records.unwrap
+                others = self._recovering(lambda: master_finish(
+                    self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+                    self._pack_board, unwrap=unwrap))
+            self.grads.receive()
+            self.settle()
         return [own] + others
 
     def finish_stepping(self, own: WindowResult,
                         step: Callable[[int, float], None]) -> List[WindowResult]:
         def summed(count: int, loss: float) -> None:
-            self.grads.receive()
+            self.grads.receive()   # enqueued while the reductions run
+            self.settle()          # the step may read on the host (hooks, loss scaling)
             step(count, loss)
-        if self.recovery is None:
-            return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                         None, self.size, own, self._pack_board, then=summed)
-        self._stepped = False
+        with self._on_device():
+            if self.recovery is None:
+                return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                             None, self.size, own, self._pack_board,
+                                             then=summed)
+            self._stepped = False
 
-        def summed_once(count: int, loss: float) -> None:
-            self._stepped = True
-            summed(count, loss)
-        unwrap = self.recovery.records.unwrap
-        return [own] + self._recovering(lambda: master_finish(
-            self.pool, self.comm, self.layouts, self.model, None, self.size, own,
-            self._pack_board, then=summed_once, unwrap=unwrap))
+            def summed_once(count: int, loss: float) -> None:
+                self.grads.receive()
+                self.settle()
+                self._stepped = True
+                step(count, loss)
+            unwrap = self.recovery.records.unwrap
+            return [own] + self._recovering(lambda: master_finish(
+                self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+                self._pack_board, then=summed_once, unwrap=unwrap))
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
-        if self.recovery is None:
-            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                                   self.size, own, self._pack_board)
-        else:
-            unwrap = self.recovery.records.unwrap
-            others = self._recovering(lambda: master_finish(
-                self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
-                self._pack_board, unwrap=unwrap))
+        with self._on_device():
+            if self.recovery is None:
+                others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                       self.size, own, self._pack_board)
+            else:
+                unwrap = self.recovery.records.unwrap
+                others = self._recovering(lambda: master_finish(
+                    self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
+                    self._pack_board, unwrap=unwrap))
+            self.settle()   # what follows may read on the host (the step, extensions)
         grads = self.layouts.grad_set(parity)
 
         def source() -> Dict[str, Any]:
@@ -181,7 +241,7 @@ class LocalGroup(Group):
                     out[e.name] = flat[e.offset:e.offset + e.size].reshape(e.shape)
             return out
 
-        return [own] + others, ReduceHandle(source)
+        return [own] + others, ReduceHandle(source, self.comm.device_id)
 
     def states(self) -> Dict[int, Dict[str, Any]]:
         if self.recovery is not None:   # the master holds them (a worker may be dead)
@@ -197,6 +257,8 @@ class LocalGroup(Group):
         try:
             self.params.detach()
             self.grads.detach()
+            if not abort:
+                self.comm.drain()   # our collectives in flight end before the workers stop
             self.pool.close()
         finally:
             if self.board is not None:
@@ -222,8 +284,7 @@ class SummedGrads:
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
         self.params = dict(model.namedparams())
-        buffers = [comm.buffer(name) for name in layouts.grad.buffer_names().values()]
-        on_host = all(isinstance(b, numpy.ndarray) for b in buffers)
+        on_host = comm.device_id is None   # numpy buffers
         self.views = layouts.grad.views(comm.buffer, self.params) if on_host else {}
         self.layouts, self.comm, self.model = layouts, comm, model
 

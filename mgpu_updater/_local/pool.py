@@ -128,7 +128,8 @@ class WorkerPool:
         return sorted(self._procs)
 
     def pids(self) -> List[int]:
-        return [p.pid for p in self._procs.values()]
+        """The workers' process ids, in rank order."""
+        return [self._procs[rank].pid for rank in self.ranks]
 
     def start(self, target: Callable[..., None], payloads: Dict[int, bytes],
               shm_names: List[str], timeout: float,
@@ -242,11 +243,13 @@ class WorkerPool:
         return dead
 
     def replace(self, rank: int, target: Callable[..., None], payload: bytes,
-                shm_names: List[str], timeout: float) -> int:
+                shm_names: List[str], timeout: float,
+                before_ready: Optional[Callable[[], None]] = None) -> int:
         """Start a new process for ``rank``, whose process died, with ``payload``, and
-        wait (``timeout``) until it is ready, as :meth:`start` does; returns its pid. What
-        the dead one's iterator started (its process group) is killed first, and the dead
-        one reaped. A failure here raises :class:`WorkerError`, as at start-up."""
+        wait (``timeout``) until it is ready, as :meth:`start` does (``before_ready`` as
+        there); returns its pid. What the dead one's iterator started (its process group)
+        is killed first, and the dead one reaped. A failure here raises
+        :class:`WorkerError`, as at start-up."""
         old = self._procs[rank]
         _kill_group(old.pid)
         old.join(KILL_TIMEOUT)
@@ -263,6 +266,8 @@ class WorkerPool:
         self._collect(Hello.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
                       ranks=[rank])
         self._send_payloads({rank: payload}, deadline, timeout)
+        if before_ready is not None:
+            before_ready()
         self._collect(Ready.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
                       ranks=[rank])
         return self._procs[rank].pid

@@ -60,9 +60,9 @@ the master never learns of a death after it has stepped; :class:`Rewind` sends a
 back to where its window started, once the update is abandoned.
 
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Rewind`,
-:class:`Stop`; worker -> master: :class:`Hello`, :class:`Ready`, :class:`Done`,
-:class:`State`, :class:`Rewound`, :class:`Failed`; the start-up payload goes as bytes
-between Hello and Ready, see
+:class:`Stop`; worker -> master: :class:`Hello`, :class:`Joining`, :class:`Ready`,
+:class:`Done`, :class:`State`, :class:`Rewound`, :class:`Failed`; the start-up payload goes
+as bytes between Hello and Ready, see
 :mod:`mgpu_updater._local.pool`) are named tuples whose first field, ``kind``, names the
 message, so ``msg[0]`` dispatches. The master's go as bytes that :class:`Encoder` keeps
 while the message stays the same (every update's Step, mostly), and the worker's
@@ -130,6 +130,13 @@ class Hello(_Kind, _NoFields):
     """worker -> master, once: Python's start-up (which re-imports ``__main__``) is over;
     send the payload."""
     KIND = 'hello'
+
+
+class Joining(_Kind, _NoFields):
+    """worker -> master, once: built, now joining the communicator (``comm.init``). The
+    master joins (NCCL's rendezvous, which nothing can interrupt) only once every worker
+    said so: a worker that fails or hangs in its build never leaves it waiting there."""
+    KIND = 'joining'
 
 
 class Ready(_Kind, _NoFields):

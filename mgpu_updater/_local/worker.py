@@ -6,7 +6,8 @@ afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the 
 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
-payload bytes (a pickled WorkerInit)      Ready() once, after start-up
+payload bytes (a pickled WorkerInit)      Joining() once built, then Ready() once its
+                                          communicator is joined
 Step(loss_scale, scalars, parity)         Done(WindowResult) (or, where packs are
                                           announced, a post and its result in its
                                           mailbox at the board, .board)
@@ -24,8 +25,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Decoder, Done, Failed, Hello, ParamViews, Ready, Rewind, Rewound, State,
-                       StateRequest, Step, Stop, worker_step)
+from .protocol import (Decoder, Done, Failed, Hello, Joining, ParamViews, Ready, Rewind,
+                       Rewound, State, StateRequest, Step, Stop, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -172,7 +173,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         if not isinstance(init, WorkerInit):   # stopped before its payload came: no error
             init = None
             return
-        replica, comm, layouts, in_place = _build(init)
+        replica, comm, layouts, in_place = _build(init, lambda: conn.send(Joining()))
         conn.send(Ready())
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
@@ -203,7 +204,7 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
         pass
 
 
-def _build(init: 'WorkerInit') -> Any:
+def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> Any:
     import chainer
     from .. import _inherit, _loss_binding, comm as comm_module
     from .._flat_buffers import ModelLayouts
@@ -235,6 +236,7 @@ def _build(init: 'WorkerInit') -> Any:
                       name=f'replica {init.rank} ({init.device})',
                       chunking=init.chunking, one_of_many=True)
     comm = comm_module.attach(init.comm_name, init.comm_handle, init.rank, device)
+    joining()     # the master joins once every worker says so
     comm.init()   # NCCL: every rank joins while the master waits for Ready
     layouts = ModelLayouts(model)
     board = None

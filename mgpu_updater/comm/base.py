@@ -99,6 +99,10 @@ class Communicator(abc.ABC):
     #: name of the backend, as the factory knows it
     name: str = ''
 
+    #: the CUDA device this rank's buffers live on; None on the host. The rank's own
+    #: kernels on them (packing, unpacking) run with it current (``_cuda.using_device``).
+    device_id: Optional[int] = None
+
     def __init__(self, rank: int, size: int) -> None:
         self._rank = rank
         self._size = size
@@ -144,10 +148,23 @@ class Communicator(abc.ABC):
     # -------------------------------------------------------------- what a group may ask
     # Every backend answers these; the defaults fit a backend that needs none of them.
 
-    def init(self) -> None:
-        """Join the other ranks, for a backend with a rendezvous (NCCL). The master calls
-        it while it waits for the workers' start-up, each worker before it reports ready.
-        Default: nothing."""
+    def init(self, timeout: Optional[float] = None) -> None:
+        """Join the other ranks, for a backend with a rendezvous (NCCL), within
+        ``timeout`` seconds. The master calls it once every worker said it joins
+        (:class:`~mgpu_updater._local.protocol.Joining`), each worker before it reports
+        ready. Default: nothing."""
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Return once every collective this rank issued has finished, bounded (and, where
+        a backend's collectives can still be running after the verb returned, watching
+        the peers): call it before anything reads on the host what a collective may still
+        write, or what the compute stream orders after one. Raises when a peer died or
+        the time is up (the communicator is aborted then). Default: nothing (the verbs
+        return when their part is done)."""
+
+    def drain(self) -> None:
+        """Before the peers are told to stop: wait (bounded) for this rank's collectives
+        in flight; never raises for a communication failure (it warns). Default: nothing."""
 
     @property
     def owned_segments(self) -> List[str]:

@@ -40,12 +40,18 @@ def rank_data(name: str, seed: int) -> numpy.ndarray:
     return rng.randint(-1000, 1000, size=count).astype(dtype)
 
 
-def rank_order_sum(name: str, size: int) -> numpy.ndarray:
-    """numpy's sum of every rank's data, in rank order, in the buffer's dtype."""
-    return fold(numpy.add, [rank_data(name, r) for r in range(size)])
+def rank_order_sum(name: str, size: int, wide: bool = False) -> numpy.ndarray:
+    """numpy's sum of every rank's data, in rank order, in the buffer's dtype; with
+    ``wide``, float16 summed in float32 and cast back once (the NCCL backend's sum)."""
+    data = [rank_data(name, r) for r in range(size)]
+    if wide and data[0].dtype == numpy.float16:
+        return fold(numpy.add, [d.astype(numpy.float32) for d in data]).astype(numpy.float16)
+    return fold(numpy.add, data)
 
 
 def _host(array: Any) -> numpy.ndarray:
+    if not isinstance(array, numpy.ndarray):   # a CuPy array: a host read
+        array = array.get()
     return numpy.array(array).view(numpy.ndarray)
 
 

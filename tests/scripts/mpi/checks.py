@@ -109,7 +109,7 @@ def ours(model, data, batch_size, k, opt_kind, repeat, updates=None):
     opt = setup_optimizer(opt_kind, model)
     it = chainer.iterators.SerialIterator(data, batch_size, shuffle=False, repeat=repeat)
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], accumulate_steps=k,
-                                          communicator=comm)
+                                          communicator=comm, report_times=True)
     observations = []
     try:
         while updates is None or len(observations) < updates:

@@ -59,7 +59,7 @@ def make_trainer(out, stop, snapshot_at=None):
             np.random.RandomState(10 + RANK)))
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'],
                                           accumulate_steps=STEPS, prefetch=2,
-                                          communicator=comm)
+                                          communicator=comm, report_times=True)
     trainer = training.Trainer(updater, (stop, 'iteration'), out=out)
     test_it = chainer.iterators.SerialIterator(test, 8, repeat=False, shuffle=False)
     evaluator = chainermn.create_multi_node_evaluator(
