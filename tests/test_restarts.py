@@ -8,6 +8,7 @@ by a planted fault (``scripts/faults/faulty.py``) once.
 """
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
@@ -30,7 +31,9 @@ from mgpu_updater._local.board import Board
 from mgpu_updater._local.protocol import Shipment
 from mgpu_updater._local.resume import (Change, Keeper, Records, ResumePoint, apply, capture,
                                         difference, restore)
-from mgpu_updater._replica import observers
+from mgpu_updater._chunks import Chunking
+from mgpu_updater._local.group import payload_factory
+from mgpu_updater._replica import WindowResult, observers
 from mgpu_updater.comm.shm import ShmCommunicator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
@@ -279,15 +282,37 @@ def test_restore_sets_the_random_state_then_the_iterator():
             random.random()) == expected
 
 
+def _result(micro_batch_size):
+    return WindowResult(count=4, loss_sum=1.0, sums={}, weights={}, times={}, epochs=[],
+                        micro_batch_size=micro_batch_size)
+
+
 def test_records_apply_a_change_once_the_update_completes():
     records = Records({1: ResumePoint(capture_state(_iterator()))})
     moved = Change(False, {'current_position': numpy.asarray(3)})
-    assert records.unwrap(1, Shipment('result', moved)) == 'result'
+    assert records.unwrap(1, Shipment(_result(2), moved)) == _result(2)
     records.discard()   # abandoned
     assert int(records.points[1].iterator['current_position']) == 0
-    records.unwrap(1, Shipment('result', moved))
+    assert records.micro_batch_sizes == {1: None}
+    records.unwrap(1, Shipment(_result(2), moved))
     records.commit()
     assert int(records.points[1].iterator['current_position']) == 3
+    assert records.micro_batch_sizes == {1: 2}
+
+
+@pytest.mark.parametrize('auto, expected', [(True, 2), (False, None)])
+def test_a_replacement_payload_starts_at_the_chunk_size_auto_found(auto, expected):
+    """Under micro_batch_size='auto' the new worker starts where the lost one had come
+    to (as a resumed run does); a fixed size stays as given."""
+    model = faulty.Net()
+    payload = payload_factory(dict(
+        rank=1, size=2, device='@numpy', model=copy.deepcopy(model), loss_func=None,
+        bind_loss_to_model=None, converter=faulty.Converter(), iterator=_iterator(),
+        prefetch=0, accumulate_steps=1, scaling=None, comm_name='shm',
+        chunking=Chunking(None, auto=auto)), model)
+    init = pickle.loads(payload(None, resume='here', chunk_size=2))
+    assert init.chunking == Chunking(expected, auto=auto) and init.resume == 'here'
+    assert pickle.loads(payload(None)).chunking == Chunking(None, auto=auto)
 
 
 class _Loader:

@@ -83,8 +83,8 @@ class LocalGroup(Group):
                     restarts, Records({r: ResumePoint(capture_state(p.iterator))
                                        for r, p in payloads.items()}),
                     self.pool, self.comm, self.board,
-                    payload=lambda r, point: payloads[r](handle, board, self.announce_packs,
-                                                         resume=point),
+                    payload=lambda r, point, size: payloads[r](
+                        handle, board, self.announce_packs, resume=point, chunk_size=size),
                     start=lambda r, payload: self.pool.replace(
                         r, worker_main, payload, segments, start_timeout,
                         before_ready=self._rejoiner(r, start_timeout)))
@@ -370,11 +370,17 @@ class Payload:
         return self.init_kwargs['iterator']
 
     def __call__(self, handle: Any, board: Optional[str] = None, announce_packs: bool = False,
-                 resume: Any = None) -> bytes:
-        replace = _payload.replica_links(self.master_model, self.init_kwargs['model'])
+                 resume: Any = None, chunk_size: Optional[int] = None) -> bytes:
+        """The pickled payload; ``resume``, a replacement's resume point, and
+        ``chunk_size``: under ``micro_batch_size='auto'``, the size the lost worker had
+        come to (None: as at the start)."""
+        kwargs = self.init_kwargs
+        replace = _payload.replica_links(self.master_model, kwargs['model'])
+        if chunk_size is not None and kwargs['chunking'].auto:
+            kwargs = dict(kwargs, chunking=kwargs['chunking']._replace(size=chunk_size))
         return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
                                          announce_packs=announce_packs, resume=resume,
-                                         **self.init_kwargs), replace)
+                                         **kwargs), replace)
 
 
 def payload_factory(init_kwargs: Dict[str, Any], master_model: chainer.Link) -> Payload:

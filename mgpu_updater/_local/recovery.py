@@ -43,13 +43,14 @@ from .resume import Records
 class Recovery:
     """The master's side of restarts for one local group.
 
-    ``payload(rank, point)`` pickles rank's original payload with the resume point
-    ``point``; ``start(rank, payload)`` replaces rank's process and returns the new pid
+    ``payload(rank, point, size)`` pickles rank's original payload with the resume point
+    ``point`` (and under ``micro_batch_size='auto'`` the chunk size ``size`` the lost one
+    had come to); ``start(rank, payload)`` replaces rank's process and returns the new pid
     (:meth:`.pool.WorkerPool.replace`).
     """
 
     def __init__(self, log: RestartLog, records: Records, pool: Any, comm: Any, board: Any,
-                 payload: Callable[[int, Any], bytes],
+                 payload: Callable[[int, Any, Any], bytes],
                  start: Callable[[int, bytes], int]) -> None:
         self.log, self.records = log, records
         self.pool, self.comm, self.board = pool, comm, board
@@ -88,7 +89,8 @@ class Recovery:
         for rank in sorted(dead):
             begun = time.monotonic()
             try:
-                pids[rank] = self._start(rank, self._payload(rank, self.records.points[rank]))
+                pids[rank] = self._start(rank, self._payload(
+                    rank, self.records.points[rank], self.records.micro_batch_sizes[rank]))
                 starts[rank] = time.monotonic() - begun
             except WorkerError as failed:
                 raise WorkerError(

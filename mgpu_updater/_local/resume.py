@@ -136,22 +136,27 @@ class Keeper:
 
 class Records:
     """The master's resume point of every worker, by rank, as of the next update's start
-    (``initial``: as of the workers' start)."""
+    (``initial``: as of the workers' start), and the most samples one of its forward
+    passes held in its latest window (what ``micro_batch_size='auto'`` found; None: no
+    window yet)."""
 
     def __init__(self, initial: Dict[int, ResumePoint]) -> None:
         self.points = dict(initial)
-        self._changes: Dict[int, Change] = {}
+        self.micro_batch_sizes: Dict[int, Optional[int]] = {rank: None for rank in initial}
+        self._changes: Dict[int, Any] = {}
 
     def unwrap(self, rank: int, shipment: Any) -> Any:
         """The result a worker delivered in its :class:`~.protocol.Shipment`; its change
         is kept until :meth:`commit`."""
-        self._changes[rank] = shipment.change
+        self._changes[rank] = shipment
         return shipment.result
 
     def commit(self) -> None:
         """The update is complete: its workers' next updates start where they said."""
-        for rank, change in self._changes.items():
-            self.points[rank] = apply(self.points[rank], change)
+        for rank, shipment in self._changes.items():
+            self.points[rank] = apply(self.points[rank], shipment.change)
+            if shipment.result.micro_batch_size:
+                self.micro_batch_sizes[rank] = shipment.result.micro_batch_size
         self._changes.clear()
 
     def discard(self) -> None:
