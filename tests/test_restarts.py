@@ -417,3 +417,52 @@ def test_the_restart_error_keeps_what_it_says_when_pickled():
                         device='@numpy', exitcode=-9)
     again = pickle.loads(pickle.dumps(error))
     assert again.died and again.reason == error.reason and str(again) == str(error)
+
+
+# ------------------------------------------------------------------ what is not restarted
+class _Comm:
+    def __init__(self, name, rebuilds):
+        self.name, self.rebuilds, self.rebuilt = name, rebuilds, 0
+
+    def rebuild(self):
+        self.rebuilt += 1
+
+
+def _recovery(comm, limit=1):
+    from mgpu_updater._local.recovery import Recovery
+    from mgpu_updater._restarts import RestartLog
+    records = Records({1: ResumePoint({})})
+    return Recovery(RestartLog(limit), records, pool=None, comm=comm, board=None,
+                    payload=lambda *a: pytest.fail('no payload'),
+                    start=lambda *a: pytest.fail('no start'))
+
+
+def test_a_backend_that_cannot_take_a_new_rank_raises_saying_so():
+    """The NCCL backend has no rebuild yet: a death raises as without restarts, saying
+    why (nothing is rewound, nothing started)."""
+    death = WorkerError('the worker process (pid 7) was killed by SIGKILL', replica=1,
+                        device='@cupy:1', exitcode=-9)
+    with pytest.raises(WorkerError, match=r"^replica 1 on device '@cupy:1': the worker "
+                                          r'process \(pid 7\) was killed by SIGKILL; not '
+                                          r'restarted: the nccl communicator cannot take a new '
+                                          r'rank yet \(max_worker_restarts works on the '
+                                          r'shared-memory backend') as info:
+        _recovery(_Comm('nccl', rebuilds=False)).recover(death, lambda: None)
+    assert info.value.exitcode == -9
+
+
+def test_a_stall_is_not_a_death():
+    """update_timeout's error (the process lives) is raised as it is."""
+    stalled = WorkerError('did not finish update 3 within update_timeout=1 s', replica=1,
+                          device='@numpy')
+    with pytest.raises(WorkerError) as info:
+        _recovery(_Comm('shm', rebuilds=True)).recover(stalled, lambda: None)
+    assert info.value is stalled
+
+
+def test_the_shm_backends_rebuild_and_nccl_not_yet():
+    from mgpu_updater.comm.base import Communicator
+    from mgpu_updater.comm.nccl import NcclCommunicator
+    from mgpu_updater.comm.staged import HostStagedCommunicator
+    assert ShmCommunicator.rebuilds and HostStagedCommunicator.rebuilds
+    assert not Communicator.rebuilds and not NcclCommunicator.rebuilds
