@@ -46,27 +46,31 @@ class RestartLog:
         replaced) all fit in the restarts left."""
         left = self.limit - len(self.restarts)
         if len(deaths) > left:
-            raise self.spent(deaths[left])
+            raise self.spent(deaths[left], [d for d in deaths if d is not deaths[left]])
 
-    def spent(self, death: WorkerError) -> WorkerError:
-        """``death``, as the error that ends the run: no restart is left."""
+    def spent(self, death: WorkerError, others: Sequence[WorkerError] = ()) -> WorkerError:
+        """``death``, as the error that ends the run: no restart is left (``others``: the
+        workers found dead with it)."""
         before = '; '.join(f'replica {r.replica} at update {r.update}: {r.what}'
                            for r in self.restarts)
+        with_it = (f', and with it died replica{"s" if len(others) > 1 else ""} '
+                   f'{", ".join(str(d.replica) for d in others)}' if others else '')
         return WorkerError(
             f'{death.reason}; not restarted: max_worker_restarts={self.limit} allows '
             f'{self.limit} restart{"s" if self.limit != 1 else ""} over the run and '
-            f'{len(self.restarts)} took place before ({before})', replica=death.replica,
-            device=death.device, exitcode=death.exitcode)
+            + (f'{len(self.restarts)} took place before ({before})' if before else
+               'none took place before') + with_it,
+            replica=death.replica, device=death.device, exitcode=death.exitcode)
 
     def record(self, restart: Restart) -> None:
         """A worker was replaced: keep it, and warn."""
         self.restarts.append(restart)
         warnings.warn(WorkerRestartWarning(
-            f'replica {restart.replica} on device {restart.device!r}: {restart.what} during '
-            f'update {restart.update}; a new worker process (pid {restart.pid}) took its '
-            f'place within {restart.seconds:.1f} s, and the update is redone from its start '
-            f'(restart {len(self.restarts)} of max_worker_restarts={self.limit})'),
-            stacklevel=2)
+            f'replica {restart.replica} on device {restart.device!r}: {restart.what}, found '
+            f'in update {restart.update}; a new worker process (pid {restart.pid}) took its '
+            f'place within {restart.seconds:.1f} s, and update {restart.update} is redone '
+            f'from its start (restart {len(self.restarts)} of '
+            f'max_worker_restarts={self.limit})'), stacklevel=2)
 
     def report(self, observation: Dict[str, Any]) -> None:
         """Add the restarts so far to an update's observation."""

@@ -201,10 +201,10 @@ def test_a_worker_killed_is_replaced_and_the_run_is_bitwise_the_same(scenarios, 
     replica = result['replica_expected']
     warning, = result['warnings']
     assert re.match(rf"replica {replica} on device '@numpy': the worker process \(pid \d+\) "
-                    r'was killed by SIGKILL during update \d+; a new worker process '
-                    r'\(pid \d+\) took its place within [\d.]+ s, and the update is redone '
+                    r'was killed by SIGKILL, found in update (\d+); a new worker process '
+                    r'\(pid \d+\) took its place within [\d.]+ s, and update \1 is redone '
                     r'from its start \(restart 1 of max_worker_restarts=1\)$', warning)
-    update = int(re.search(r'during update (\d+)', warning).group(1))
+    update = int(re.search(r'found in update (\d+)', warning).group(1))
     # in the window, in the reduce and between updates 3 and 4: update 3 or 4 is redone;
     # after its post of update 8, the master finds it at update 9's Step
     assert update == (9 if key == 'restart_post' else 4 if key == 'restart_between' else 3)

@@ -45,7 +45,7 @@ def train(updates, restarts=1, fault=None, kill=None, snapshot_after=None, load=
     """``updates`` updates of ``faulty.build()`` (2 CPU replicas, shards shuffled each by
     its own generator: a resumed run's master draws the workers' seeds from numpy's global
     one, which Chainer's default shuffling shares in the master); ``kill``
-    maps an update index to the replica SIGKILLed just before it. Returns the parameters,
+    maps an update index to the replica (or replicas) SIGKILLed just before it. Returns the parameters,
     every reported loss, the updater's iteration and restarts, and the snapshot (a dict)
     taken after ``snapshot_after`` updates; ``load``: a snapshot to resume from first."""
     numpy.random.seed(0)
@@ -72,9 +72,10 @@ def _train(updater, updates, kill, snapshot_after, load, out):
     if load is not None:
         updater.serialize(NpzDeserializer(load))
     while updater.iteration < updates:
-        victim = (kill or {}).get(updater.iteration)
-        if victim is not None:
+        victims = (kill or {}).get(updater.iteration, ())
+        for victim in (victims,) if isinstance(victims, int) else victims:
             os.kill(updater.worker_pids()[victim - 1], signal.SIGKILL)
+        if victims:
             time.sleep(0.2)   # dead, not noticed yet
         observation = {}
         with chainer.Reporter().scope(observation):
@@ -195,13 +196,35 @@ def test_a_snapshot_taken_while_a_worker_is_dead_resumes_exactly(uninterrupted):
         os.kill(updater.worker_pids()[0], signal.SIGKILL)
         time.sleep(0.2)
         target = snapshot(updater)
-        with pytest.warns(WorkerRestartWarning, match=r'during update 6;'):
+        with pytest.warns(WorkerRestartWarning, match=r'found in update 6;'):
             updater.update()
         assert updater.worker_restarts == 1
     finally:
         updater.finalize()
     resumed = train(12, load=target)
     assert same_params(resumed['params'], uninterrupted['params'])
+
+
+# ------------------------------------------------------------------ two at once
+def test_two_workers_dead_together_are_both_replaced():
+    """Three replicas, both workers SIGKILLed before update 5: two restarts in one
+    recovery, and the run bitwise the uninterrupted one."""
+    reference = train(8, restarts=0, n_replicas=3)
+    out = train(8, restarts=2, kill={4: (1, 2)}, n_replicas=3)
+    assert out['restarts'] == 2 and len(out['warnings']) == 2
+    assert all('found in update 5;' in w for w in out['warnings'])
+    assert same_params(out['params'], reference['params'])
+    assert out['losses'] == reference['losses']
+
+
+def test_two_deaths_beyond_the_restarts_left_raise_naming_both():
+    with pytest.raises(WorkerError, match=r"^replica 2 on device '@numpy': the worker process "
+                                          r'\(pid \d+\) was killed by SIGKILL; not restarted: '
+                                          r'max_worker_restarts=1 allows 1 restart over the run '
+                                          r'and none took place before, and with it died '
+                                          r'replica 1$') as info:
+        train(8, restarts=1, kill={4: (1, 2)}, n_replicas=3)
+    assert info.value.died
 
 
 # ------------------------------------------------------------------ without a board
