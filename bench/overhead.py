@@ -21,7 +21,11 @@ with a 95% bootstrap interval over the rounds:
   accumulation loop (``cleargrads``; four forward/backward; one ``optimizer.update()``)
   (goal: <= 1.03);
 - ``ours_n2 / standard``: two replicas, each with StandardUpdater's batch (each replica
-  does StandardUpdater's work, in parallel: the ideal is 1.0; goal: <= 1.25).
+  does StandardUpdater's work, in parallel: the ideal is 1.0; goal: <= 1.25);
+- ``ours_n2 / standard_busy`` (for scale): against ``StandardUpdater`` while a second
+  process runs the same updates on the other core, free-running: what two processes
+  computing at once cost each other on this machine (caches, memory, the hypervisor),
+  which no protocol removes.
 
 Then a second pass splits each method's update into phases, timed by wrapping the same
 functions in every method (``iterator.next`` and the converter: loading; the model's
@@ -137,6 +141,40 @@ def _hand(model, iterator, k, converter):
     return step, optimizer
 
 
+def _busy_loop(running, stop, batch):
+    """The other core's work for ``standard_busy``: StandardUpdater's updates on the same
+    model and data, as long as ``running`` is set, until ``stop``."""
+    model = make_model()
+    it = _iterator(make_dataset(max(4096, 64 * batch)), batch, 7)
+    step = _observed(chainer.training.updaters.StandardUpdater(
+        it, _common.make_optimizer(model)), model)
+    while not stop.is_set():
+        if running.wait(0.05):
+            step()
+
+
+class Busy:
+    """A process doing StandardUpdater's work on the other core during a turn."""
+
+    def __init__(self, batch):
+        import multiprocessing
+        ctx = multiprocessing.get_context('spawn')
+        self.running, self.stop = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=_busy_loop, args=(self.running, self.stop, batch),
+                                daemon=True)
+        self.proc.start()
+
+    def turn(self, on):
+        (self.running.set if on else self.running.clear)()
+
+    def close(self):
+        self.stop.set()
+        self.running.set()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def build(args, phases):
     """Every method: name -> (step, model, optimizer, iterators, updater or None)."""
     from mgpu_updater import ParallelAccumulatingUpdater
@@ -154,6 +192,12 @@ def build(args, phases):
                                                      converter=timed_convert)
     methods['standard'] = (_observed(std, model), model, std.get_optimizer('main'), [it],
                            None)
+    model = make_model()
+    it = _iterator(dataset, b, 1)
+    busy = chainer.training.updaters.StandardUpdater(it, _common.make_optimizer(model),
+                                                      converter=timed_convert)
+    methods['standard_busy'] = (_observed(busy, model), model, busy.get_optimizer('main'),
+                                [it], None)
     model = make_model()
     it = _iterator(dataset, b, 1)
     step, optimizer = _hand(model, it, 4, timed_convert)
@@ -190,15 +234,20 @@ def instrument(methods, phases):
     return backward
 
 
-def rounds(methods, order, n_rounds, block, warmup, phases=None):
+def rounds(methods, order, n_rounds, block, warmup, phases=None, turns=None):
     """Turns of ``block`` updates, the order rotating by round: per method, per round,
-    the mean seconds of its timed updates (and, with ``phases``, of each phase)."""
+    the mean seconds of its timed updates (and, with ``phases``, of each phase).
+    ``turns``: name -> a function told True when that method's turn starts, False when
+    it ends."""
+    turns = turns or {}
     times = {name: [] for name in order}
     split = {name: {} for name in order}
     for i in range(warmup + n_rounds):
         shift = i % len(order)
         for name in order[shift:] + order[:shift]:
             step = methods[name][0]
+            if name in turns:
+                turns[name](True)
             step()   # warms the method after the others' turns: not timed
             total, per_phase = 0.0, {}
             for _ in range(block - 1):
@@ -212,6 +261,8 @@ def rounds(methods, order, n_rounds, block, warmup, phases=None):
                     phases.active = False
                     for key, s in phases.seconds.items():
                         per_phase[key] = per_phase.get(key, 0.0) + s
+            if name in turns:
+                turns[name](False)
             if i >= warmup:
                 times[name].append(total / (block - 1))
                 for key, s in per_phase.items():
@@ -222,6 +273,9 @@ def rounds(methods, order, n_rounds, block, warmup, phases=None):
 PAIRS = (('ours_k1/standard', 'ours_k1', 'standard'),
          ('ours_k4/hand_k4', 'ours_k4', 'hand_k4'),
          ('ours_n2/standard', 'ours_n2', 'standard'))
+# (for scale, judged against no goal)
+SCALE = (('ours_n2/standard_busy', 'ours_n2', 'standard_busy'),
+         ('standard_busy/standard', 'standard_busy', 'standard'))
 
 # The phases of the second pass; ours' window is its loading, forward and backward and
 # the replica's own work around them ('window, own').
@@ -237,8 +291,9 @@ def breakdown(split, times, name):
     inner = out['loading'] + out['forward'] + out['backward']
     if 'window' in med:
         out['window, own'] = med['window'] - inner
-        # the step runs inside the reduction (the step policy hands it over): not twice
-        out['reduce'] = out['reduce'] - out['step']
+        # the step runs inside the reduction (the step policy hands it over): not twice;
+        # alone (one device, stepping now) the updater steps without the policy's reduce
+        out['reduce'] = out['reduce'] - out['step'] if 'reduce' in med else 0.0
         out['own'] = total - med['window'] - out['begin'] - out['reduce'] - out['step'] \
             - out['report']
     else:
@@ -271,6 +326,9 @@ def markdown(result):
         lines.append('| {} | {:.3f} | {:.3f} | {} | <= {} | {} |'.format(
             key, result['ms'][a], result['ms'][b], _common.ratio_cell(r), GOALS[key],
             r['verdict']))
+    for key, a, b in SCALE:
+        lines.append('| {} | {:.3f} | {:.3f} | {} | - | (for scale) |'.format(
+            key, result['ms'][a], result['ms'][b], _common.ratio_cell(result['ratios'][key])))
     lines += ['', 'Where ours spends beyond its baseline (second pass, wrapped; median ms '
               'per update; "own": the update less every phase named):', '',
               '| phase | ' + ' | '.join(
@@ -316,6 +374,8 @@ def main(argv=None):
               'versions': _common.versions()}
     methods = build(args, phases)
     order = list(methods)
+    busy = Busy(args.batch)
+    turns = {'standard_busy': busy.turn}
     try:
         # ours' first updates, one after another as in training: prefetch='auto' tries
         # both ways of loading there (about a hundred windows) and keeps the faster
@@ -323,16 +383,17 @@ def main(argv=None):
             if updater is not None:
                 for _ in range(args.trial_updates):
                     step()
-        times, _ = rounds(methods, order, args.rounds, args.block, args.warmup)
+        times, _ = rounds(methods, order, args.rounds, args.block, args.warmup, turns=turns)
         backward = instrument(methods, phases)
         try:
             n2 = args.phase_rounds or max(2, args.rounds // 3)
-            ptimes, split = rounds(methods, order, n2, args.block, 2, phases)
+            ptimes, split = rounds(methods, order, n2, args.block, 2, phases, turns=turns)
         finally:
             chainer.Variable.backward = backward
         result['loading'] = {name: list(getattr(m[4], 'loading_modes', [])) or '-'
                              for name, m in methods.items() if m[4] is not None}
     finally:
+        busy.close()
         for _, _, _, _, updater in methods.values():
             if updater is not None:
                 updater.finalize()
@@ -342,6 +403,9 @@ def main(argv=None):
         s = _common.ratio_summary([x / y for x, y in zip(times[a], times[b])])
         s['verdict'] = verdict(GOALS[key], *s['ci95'])
         result['ratios'][key] = s
+    for key, a, b in SCALE:
+        result['ratios'][key] = _common.ratio_summary([x / y for x, y in zip(times[a],
+                                                                             times[b])])
     result['phases'] = {name: breakdown(split, ptimes, name) for name in order}
     result['machine']['loadavg_end'] = _common.loadavg()
     _common.save_results(args.out, 'overhead', result, markdown(result))

@@ -271,9 +271,13 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
 def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
             views: Any, board: Any, keeper: Any = None) -> None:
     decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
+    # where each rank of the host has a core of its own, the board's spin (.board.spin_for)
+    spin = board.spin if board is not None else 0.0
     while True:
         try:
             replica.loader.release()   # a gated loader loads while this one waits
+            if spin:
+                _spin_for_message(conn, spin)
             data = conn.recv_bytes()
             replica.loader.hold()
             msg = decoder.decode(data)
@@ -301,6 +305,21 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
             _send_error(conn)
             _wait_stop(conn)
             return
+
+
+def _spin_for_message(conn: Any, seconds: float) -> None:
+    """Look for the master's next message for up to ``seconds``, yielding the CPU (and
+    the GIL, to the loader) between looks, before the caller blocks on the pipe: woken by
+    the kernel, a worker on a 2-core VM started its window 0.1 ms after the master sent
+    Step (``bench/timeline.py``), on the critical path of every update; a look sees it
+    within microseconds. Only where every rank has a core to itself (the board's spin,
+    :func:`.board.spin_for`), so that no rank that computes loses its core to it."""
+    deadline = time.perf_counter() + seconds
+    poll, clock, yield_cpu = conn.poll, time.perf_counter, os.sched_yield
+    while not poll(0):
+        if clock() > deadline:
+            return
+        yield_cpu()
 
 
 def _send_error(conn: Any) -> None:
