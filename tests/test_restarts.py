@@ -489,3 +489,42 @@ def test_the_shm_backends_rebuild_and_nccl_not_yet():
     from mgpu_updater.comm.staged import HostStagedCommunicator
     assert ShmCommunicator.rebuilds and HostStagedCommunicator.rebuilds
     assert not Communicator.rebuilds and not NcclCommunicator.rebuilds
+
+
+class _Pool:
+    """What Recovery asks of the pool: rank 1 died, rank 2 rewinds."""
+    ranks = [1, 2]
+
+    def __init__(self):
+        self.rewound = []
+
+    def dead_ranks(self):
+        return [1]
+
+    def death(self, rank):
+        return WorkerError('the worker process (pid 7) was killed by SIGKILL', replica=rank,
+                           device='@numpy', exitcode=-9)
+
+    def rewind(self, ranks, message, reply, drop):
+        self.rewound.append(list(ranks))
+        return []
+
+
+def test_a_replacement_that_fails_to_start_raises_saying_both():
+    from mgpu_updater._local.recovery import Recovery
+    from mgpu_updater._restarts import RestartLog
+
+    def start(rank, payload):
+        raise WorkerError('failed during restart', replica=rank, device='@numpy',
+                          remote_traceback='Traceback (most recent call last):\n  planted\n')
+    pool = _Pool()
+    recovery = Recovery(RestartLog(3), Records({1: ResumePoint({}), 2: ResumePoint({})}),
+                        pool, _Comm('shm', rebuilds=True), board=None,
+                        payload=lambda rank, point, size: b'payload', start=start)
+    with pytest.raises(WorkerError, match=r"^replica 1 on device '@numpy': failed during "
+                                          r'restart, while it was started in place of a worker '
+                                          r'process that died \(the worker process \(pid 7\) '
+                                          r'was killed by SIGKILL\): not restarted again'
+                       ) as info:
+        recovery.recover(pool.death(1), lambda: pytest.fail('no redo'))
+    assert pool.rewound == [[2]] and 'planted' in info.value.remote_traceback

@@ -81,6 +81,7 @@ class Recovery:
         self.records.discard()
         pool = self.pool
         dead = self._deaths([error.replica] + pool.dead_ranks())
+        self.log.admit([dead[rank] for rank in sorted(dead)])
         survivors = [rank for rank in pool.ranks if rank not in dead]
         dead.update(self._deaths(pool.rewind(survivors, Rewind(), Rewound.KIND,
                                              (Done.KIND,))))
@@ -108,7 +109,7 @@ class Recovery:
 
     def _deaths(self, ranks: List[int]) -> Dict[int, WorkerError]:
         """The error of each rank's death; one that sent ``Failed`` raises (a Python
-        error, not restarted), and so do too many deaths for the restarts left."""
+        error, not restarted)."""
         deaths: Dict[int, WorkerError] = {}
         for rank in ranks:
             if rank in deaths:
@@ -117,5 +118,4 @@ class Recovery:
             if not death.died:
                 raise not_restarted(death) if death.remote_traceback else death
             deaths[rank] = death
-        self.log.admit([deaths[rank] for rank in sorted(deaths)])
         return deaths
