@@ -3,7 +3,8 @@
 - Iterator state: :func:`capture_state` reads an iterator's serialized state into a flat
   dict of numpy arrays (the loader keeps one per batch loaded ahead, see
   :mod:`mgpu_updater._loader`), :func:`write_state` replays it into a serializer,
-  :func:`load_state` restores it. The shuffling order sampler's generator is saved too
+  :func:`load_state` restores it from a deserializer and :func:`restore_state` from the
+  flat dict. The shuffling order sampler's generator is saved too
   (:func:`serialize_order_rng`), which Chainer's iterators leave out.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Dict, List
 import numpy
 
 import chainer
-from chainer.serializers import DictionarySerializer
+from chainer.serializers import DictionarySerializer, NpzDeserializer
 
 from ._chainer_private import multiprocess_iterator_state, order_sampler_rng
 
@@ -57,6 +58,12 @@ def load_state(iterator: Any, serializer: Any) -> None:
     """Load an iterator (and its shuffling generator) from a Chainer deserializer."""
     iterator.serialize(serializer)
     serialize_order_rng(iterator, serializer)
+
+
+def restore_state(iterator: Any, state: Dict[str, numpy.ndarray]) -> None:
+    """Load a state :func:`capture_state` gave back into ``iterator`` (and its shuffling
+    generator): what a snapshot's load does, from the flat dict."""
+    load_state(iterator, NpzDeserializer(state))
 
 
 def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:

@@ -57,6 +57,7 @@ class Settings(NamedTuple):
     core_shares: Optional[List[Tuple[int, ...]]] = None   # each replica's cores (_threads)
     stall_warning: Optional[float] = None    # seconds before a stalled worker is named
     update_timeout: Optional[float] = None   # ... and before the update gives up
+    restarts: Any = None            # _restarts.RestartLog (max_worker_restarts > 0), or None
 
 
 class Started(NamedTuple):
@@ -154,10 +155,11 @@ def _local_group(s: Settings) -> LocalGroup:
             chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
             cores=s.core_shares[rank] if s.core_shares else None,
-            comm_name=backend), s.model)
+            keep_resume=s.restarts is not None, comm_name=backend), s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
-                      s.start_method, s.start_timeout, s.stall_warning, s.update_timeout)
+                      s.start_method, s.start_timeout, s.stall_warning, s.update_timeout,
+                      restarts=s.restarts)
 
 
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],

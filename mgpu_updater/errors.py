@@ -13,6 +13,7 @@ class WorkerError(RuntimeError):
         remote_traceback: the worker's formatted traceback, or ``None`` when the process
             died without one (killed by a signal, exited).
         exitcode: the process's exit code when it died, else ``None``.
+        reason: what happened, the message without the replica and the traceback.
     """
 
     def __init__(self, message: str, *, replica: int, device: str,
@@ -22,21 +23,35 @@ class WorkerError(RuntimeError):
         self.device = device
         self.remote_traceback = remote_traceback
         self.exitcode = exitcode
+        self.reason = message
         text = f'replica {replica} on device {device!r}: {message}'
         if remote_traceback:
             text += '\n\n--- traceback in the worker process ---\n' + remote_traceback.rstrip()
         super().__init__(text)
 
+    @property
+    def died(self) -> bool:
+        """Whether the worker's process is gone without a Python error of its own (a
+        signal, the OOM killer, an exit): what ``max_worker_restarts`` recovers from."""
+        return self.remote_traceback is None and self.exitcode is not None
+
     def __reduce__(self):  # keep it picklable with its keyword arguments
         return (_rebuild, (self.args[0], self.replica, self.device,
-                           self.remote_traceback, self.exitcode))
+                           self.remote_traceback, self.exitcode, self.reason))
 
 
-def _rebuild(text, replica, device, tb, exitcode):
+def _rebuild(text, replica, device, tb, exitcode, reason=None):
     err = WorkerError.__new__(WorkerError)
     RuntimeError.__init__(err, text)
     err.replica, err.device, err.remote_traceback, err.exitcode = replica, device, tb, exitcode
+    err.reason = reason
     return err
+
+
+class WorkerRestartWarning(RuntimeWarning):
+    """A worker process died and, under ``max_worker_restarts``, a new one took its place
+    and the update is being redone; the message names the replica, how it died, the
+    update and the restarts so far."""
 
 
 class StallWarning(RuntimeWarning):

@@ -18,6 +18,7 @@ from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, with_graph
+from ._restarts import RestartLog
 from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
@@ -148,6 +149,19 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             affinity; True: GPU replicas too. Left to the scheduler, two CPU replicas
             of a 2-core VM often shared one core. Several trainings on one host: give
             each its own cores (``taskset``), which are then shared, or pass False.
+        max_worker_restarts: how many times over the run a worker process that dies (a
+            signal such as SIGKILL or SIGSEGV, the out-of-memory killer) is replaced
+            instead of ending the run with :class:`~mgpu_updater.WorkerError` (default 0:
+            never). The update it died in is abandoned, a new process starts on the same
+            device with the same payload, and every worker goes back to where that update
+            started (iterator and random state), so that the redone update is the lost
+            one, bit for bit (a GPU's random numbers excepted); each restart warns
+            (:class:`~mgpu_updater.WorkerRestartWarning`) and every update reports the
+            count as ``main/worker_restarts``. The death after the last one allowed
+            raises, naming the restarts before it. Never restarted: a worker's own Python
+            exception (a bug repeats), a failure while starting, the master, ranks under
+            MPI (refused here with a ``communicator``). Shared-memory backend only (CPU
+            replicas, a GPU listed more than once); see docs/reliability.md.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready (default 120;
             finite, at most 2147483, the longest wait the operating system's ``poll()``
@@ -179,7 +193,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  reuse_host_memory: Union[bool, str] = 'auto',
                  stall_warning: Optional[float] = 60.0,
                  update_timeout: Optional[float] = None,
-                 bind_cores: Union[bool, str] = 'auto') -> None:
+                 bind_cores: Union[bool, str] = 'auto',
+                 max_worker_restarts: int = 0) -> None:
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -200,6 +215,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
         self.stall_warning = _validate.seconds_or_none('stall_warning', stall_warning)
         self.update_timeout = _validate.seconds_or_none('update_timeout', update_timeout)
+        self.max_worker_restarts = _validate.positive_int('max_worker_restarts',
+                                                          max_worker_restarts, minimum=0)
         self.report_times = _validate.flag('report_times', report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
         self._step = _step.choose(self.pipelined)
@@ -211,6 +228,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         _validate.callable_or_none('loss_func', loss_func)
         communicator = _validate.communicator(communicator)
         _validate.one_device_per_rank(communicator, self.device_labels)
+        if communicator is not None and self.max_worker_restarts:
+            raise ValueError(
+                f'max_worker_restarts={self.max_worker_restarts} does not apply across MPI '
+                'ranks (communicator given): mpiexec starts and owns the ranks, and a rank '
+                'that dies ends the job; pass max_worker_restarts=0 and resume the job from '
+                'its last snapshot')
+        #: the restarts of the run (max_worker_restarts > 0), else None
+        self._restart_log: Optional[RestartLog] = (
+            RestartLog(self.max_worker_restarts) if self.max_worker_restarts else None)
         self._communicator = communicator
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
@@ -266,6 +292,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """Process ids of the running workers (empty before the first update)."""
         return self._group.pids()
 
+    @property
+    def worker_restarts(self) -> int:
+        """How many worker processes were replaced so far (``max_worker_restarts``)."""
+        return len(self._restart_log) if self._restart_log is not None else 0
+
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
@@ -289,7 +320,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self.nonfinite != 'ignore',
             stall_warning=self.stall_warning, update_timeout=self.update_timeout,
-            core_shares=shares))
+            core_shares=shares, restarts=self._restart_log))
         self._loader, self._replica, self._group, self._nominal_samples = started
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main
@@ -320,6 +351,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _update(self) -> None:
         if self._replica is None:
             self._start()
+        if self._restart_log is not None:
+            self._restart_log.update = self.iteration + 1
         # This runs every update: where the host decides the speed, each call here is time
         # StandardUpdater does not spend (bench/overhead.py), hence plain clocks.
         clock = time.perf_counter
@@ -464,6 +497,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.report_times:
             for key, value in times.items():
                 observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value
+        if self._restart_log is not None:
+            self._restart_log.report(observation)
         if observation:
             chainer.report(observation)
 

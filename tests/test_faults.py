@@ -1,4 +1,5 @@
-"""Faults: a worker that raises or dies, a master that is interrupted or killed.
+"""Faults: a worker that raises or dies, a master that is interrupted or killed; and
+under ``max_worker_restarts`` a worker that dies, replaced, the run bitwise the same.
 
 Each scenario runs in fresh processes (``scripts/faults/harness.py`` -> ``run_fault.py``
 -> the workers) under a hard timeout that kills the whole process group, so a hang fails
@@ -53,6 +54,10 @@ FAST = {
     'master_sigint_mpit': ('master_sigint', '--iterator', 'multiprocess'),
     'master_sigkill_mpit': ('master_sigkill', '--iterator', 'multiprocess'),
 }
+# max_worker_restarts: one of each kind (the runner's restart scenarios), each a run with
+# the restart and the same run uninterrupted, compared bit for bit
+FAST.update({key: (scenario, *extra) for key, (scenario, extra, _) in
+             {**fault_runner.RESTART_SCENARIOS, **fault_runner.RESTART_ERRORS}.items()})
 
 
 class Scenarios:
@@ -176,6 +181,70 @@ def test_faults_with_multiprocess_iterators(scenarios, scenario):
     else:
         assert report['result']['is_worker_error']
         assert report['result']['updates_done'] == 2
+
+
+# ------------------------------------------------------------------ max_worker_restarts
+@pytest.mark.parametrize('key', sorted(fault_runner.RESTART_SCENARIOS))
+def test_a_worker_killed_is_replaced_and_the_run_is_bitwise_the_same(scenarios, key):
+    """SIGKILLed in its window, in its reduce, after its post (found at the next Step),
+    between updates; with a survivor and dropout; with MultiprocessIterators: the run goes
+    on, its parameters and every reported value bitwise those of the run uninterrupted
+    (the harness compares, and finds nothing left: processes, segments), one restart
+    warned and reported, recovered within 10 s plus the new worker's start-up."""
+    report = scenarios.report(key)
+    assert_clean(report)
+    result = report['result']
+    assert result['bitwise_equal'] and result['reports_equal']
+    assert result['iteration'] == result['reference_iteration'] == 12
+    assert result['epoch_detail'] == result['reference_epoch_detail']
+    assert result['restarts'] == 1 and result['reported_restarts'][-1] == 1
+    replica = result['replica_expected']
+    warning, = result['warnings']
+    assert re.match(rf"replica {replica} on device '@numpy': the worker process \(pid \d+\) "
+                    r'was killed by SIGKILL, found in update (\d+); a new worker process '
+                    r'\(pid \d+\) took its place within [\d.]+ s, and update \1 is redone '
+                    r'from its start \(restart 1 of max_worker_restarts=1\)$', warning)
+    update = int(re.search(r'found in update (\d+)', warning).group(1))
+    # in the window, in the reduce and between updates 3 and 4: update 3 or 4 is redone;
+    # after its post of update 8, the master finds it at update 9's Step
+    assert update == (9 if key == 'restart_post' else 4 if key == 'restart_between' else 3)
+    assert report['time_to_error'] <= 10.0 + report['start_s']
+
+
+def test_a_python_error_is_not_restarted(scenarios):
+    """A worker's own exception would come again from the same code: raised, saying so."""
+    report = scenarios.report('restart_raise')
+    assert_clean(report)
+    result = report['result']
+    assert re.match(r"replica 1 on device '@numpy': failed during update \(not restarted: "
+                    r'max_worker_restarts replaces a worker process that died, from a signal '
+                    r'or the out-of-memory killer; a Python exception in the worker is a bug '
+                    r'that the same code would raise again\)', result['message'])
+    assert 'FaultInjected' in result['remote_traceback']
+
+
+def test_the_death_past_the_restarts_allowed_raises_naming_them(scenarios):
+    """max_worker_restarts=1 and the fault fires again in the new worker: the second
+    death ends the run as without restarts, naming the restart before it."""
+    report = scenarios.report('restart_spent')
+    assert_clean(report)
+    result = report['result']
+    assert re.match(r"replica 1 on device '@numpy': the worker process \(pid \d+\) was "
+                    r'killed by SIGKILL; not restarted: max_worker_restarts=1 allows 1 restart '
+                    r'over the run and 1 took place before \(replica 1 at update 3: the worker '
+                    r'process \(pid \d+\) was killed by SIGKILL\)$', result['message'])
+    assert result['exitcode'] == -signal.SIGKILL
+    assert result['updates_done'] == 4   # the second death, in update 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize('key', sorted(fault_runner.RESTART_SCENARIOS))
+def test_restart_3_times(key):
+    """A few repetitions of each restart scenario (``tools/faults.py --restarts`` runs 20)."""
+    row = fault_runner.repeat(key, 3)
+    print(fault_runner.format_table([row]))
+    assert row['ok'] == 3, row['failures']
 
 
 # ------------------------------------------------------------------ 20 times each

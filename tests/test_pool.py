@@ -188,3 +188,62 @@ def test_check_sees_a_failure_behind_a_message_it_kept(pool):
             time.sleep(0.005)
     assert time.monotonic() - t0 < 2.0
     assert info.value.remote_traceback.endswith('planted\n')
+
+
+# ------------------------------------------------------------------ max_worker_restarts
+def test_replace_starts_a_new_process_for_a_dead_rank_and_kills_what_it_left(pool):
+    """A worker SIGKILLed: its process group (a MultiprocessIterator's pool, say) goes, it
+    is reaped, and a new process for its rank speaks the protocol as the first did."""
+    p = pool('grandchild', 'echo')
+    p.send(('step', None), ranks=[1])
+    grandchild = p.gather('done', timeout=10, ranks=[1])[1]
+    victim, other = p.pids()
+    os.kill(victim, signal.SIGKILL)
+    assert gone(victim)
+    assert p.dead_ranks() == [1]
+    new = p.replace(1, pool_targets.target, b'echo', [], START_TIMEOUT)
+    assert gone(grandchild)
+    assert new not in (victim, other) and sorted(p.pids()) == sorted([new, other])
+    assert p.dead_ranks() == []
+    p.send(('step', 'again'))
+    assert p.gather('done', timeout=10) == {1: 'again', 2: 'again'}
+    p.close()
+    assert all(gone(pid, 0) for pid in (victim, new, other))
+    assert multiprocessing.active_children() == []
+
+
+def test_rewind_drops_what_an_abandoned_update_delivers_and_names_the_dead(pool):
+    """Every survivor answers Rewound after the Done of the update being abandoned (which
+    is dropped); a worker that died meanwhile is returned, not raised."""
+    from mgpu_updater._local.protocol import Rewind
+    p = pool('echo', 'silent')
+    p.send(('step', 1))
+    victim = p.pids()[1]
+    os.kill(victim, signal.SIGKILL)
+    assert gone(victim)
+    assert p.rewind([1, 2], Rewind(), 'rewound', ('done',)) == [2]
+    assert p.death(2).died and p.death(2).exitcode == -signal.SIGKILL
+    p.send(('step', 2), ranks=[1])   # nothing left over in its pipe
+    assert p.gather('done', timeout=10, ranks=[1]) == {1: 2}
+
+
+def test_rewind_raises_a_worker_failure(pool):
+    from mgpu_updater._local.protocol import Rewind
+    p = pool('echo', 'fail')
+    p.send(('step', 1))
+    with pytest.raises(WorkerError, match=r"^replica 2 on device '@numpy': failed during "
+                                          r'update') as info:
+        p.rewind([1, 2], Rewind(), 'rewound', ('done',))
+    assert not info.value.died
+
+
+def test_send_reaches_every_worker_before_it_raises_for_a_dead_one(pool):
+    """Under max_worker_restarts every survivor must be in the same update: the Step goes
+    to the workers after a dead one too."""
+    p = pool('echo', 'echo')
+    os.kill(p.pids()[0], signal.SIGKILL)
+    assert gone(p.pids()[0])
+    with pytest.raises(WorkerError, match=r'^replica 1 .*killed by SIGKILL') as info:
+        p.send(('step', 'x'))
+    assert info.value.died
+    assert p.gather('done', timeout=10, ranks=[2]) == {2: 'x'}

@@ -142,17 +142,20 @@ class Board:
         """Wait until every rank has posted this rank's latest round (see :meth:`meet`)."""
         self._wait_for([r * _WORDS + _ROUND for r in range(self.size)], check)
 
-    def post_result(self, data: Optional[bytes]) -> bool:
+    def post_result(self, data: Optional[bytes], ahead: bool = False) -> bool:
         """After this rank's post: put ``data`` (its pickled window result) in its mailbox
         as the result of that round, and say so; or, where ``data`` is None or longer than
-        :data:`MAILBOX`, say that the result goes through the pipe. True: in the mailbox."""
+        :data:`MAILBOX`, say that the result goes through the pipe. True: in the mailbox.
+        ``ahead``: before the post instead, as the result of the round it will post next
+        (under ``max_worker_restarts``: a rank seen posting has its result in, so that no
+        death after a post leaves the master without it)."""
         at = self.rank * _WORDS
         fits = data is not None and len(data) <= MAILBOX
         if fits:
             first = self._mail + self.rank * MAILBOX
             self._bytes[first:first + len(data)] = data   # type: ignore[arg-type]
         self._ints[at + _LENGTH] = len(data) if fits else -1   # type: ignore[arg-type]
-        self._ints[at + _RESULT] = self._round    # last: the result is complete
+        self._ints[at + _RESULT] = self._round + ahead   # last: the result is complete
         return fits
 
     def result(self, rank: int, check: Callable[[], None]) -> Optional[bytes]:
@@ -188,6 +191,16 @@ class Board:
                 time.sleep(min(BACKOFF * waited, LONGEST_SLEEP))
             else:
                 time.sleep(0)   # lets this process's other threads (the loader) run
+
+    def start_over(self) -> None:
+        """Count rounds from zero again: every rank calls it between updates once one rank
+        was replaced (:mod:`.recovery`; the replacement attaches at round zero); the master
+        (the owner), once every other rank has, also clears every rank's row."""
+        self._round = 0
+        if self._owner:
+            ints = self._ints
+            for i in range(self.size * _WORDS):
+                ints[i] = 0
 
     def close(self) -> None:
         """Release the mapping; the master also removes the segment."""

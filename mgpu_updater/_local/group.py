@@ -14,14 +14,19 @@ import numpy
 
 from .. import _cuda, _payload
 from .. import comm as comm_module
+from .._checkpoint import capture_state
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._replica import WindowResult
+from .._restarts import RestartLog
 from .._threads import available_cores
+from ..errors import WorkerError
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
-from .protocol import (Joining, State, StateRequest, broadcast_only, master_begin,
+from .protocol import (Joining, State, StateRequest, Step, broadcast_only, master_begin,
                        master_finish, slot_views)
+from .recovery import Recovery
+from .resume import Records, ResumePoint
 from .worker import WorkerInit, main as worker_main
 
 
@@ -34,14 +39,17 @@ class LocalGroup(Group):
     the master's device current (its kernels on the buffers run on the stream that the
     collectives are ordered with). The master's host waits for its collectives, bounded and
     watching the workers (:meth:`settle`), before it reads anything on the host during an
-    update: its window's values, and after the reductions, before the step.
+    update: its window's values, and after the reductions, before the step. With
+    ``restarts`` (``max_worker_restarts``), a worker that dies in them is replaced and the
+    update redone (:mod:`.recovery`) before they return.
     """
 
     def __init__(self, model: chainer.Link, layouts: ModelLayouts, backend: str,
-                 master_device: Any, devices: List[Any], payloads: Dict[int, Any],
+                 master_device: Any, devices: List[Any], payloads: Dict[int, 'Payload'],
                  start_method: str, start_timeout: float,
                  stall_warning: Optional[float] = None,
-                 update_timeout: Optional[float] = None) -> None:
+                 update_timeout: Optional[float] = None,
+                 restarts: Optional[RestartLog] = None) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -63,11 +71,25 @@ class LocalGroup(Group):
         segments = self.comm.owned_segments + ([board] if board is not None else [])
         self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
         self._started = False
+        #: under ``max_worker_restarts``: what replaces a worker that died (None: nothing)
+        self.recovery: Optional[Recovery] = None
+        self._sent: Optional[Step] = None   # ... and the update's Step, to send again
+        self._stepped = False
         try:
             self.comm.watch_peers(self._check_workers)   # NCCL checks it while it waits
-            self.pool.start(worker_main, {r: p(handle, board, self.announce_packs)
-                                          for r, p in payloads.items()},
-                            segments, start_timeout, before_ready=self._joiner(start_timeout))
+            data = {r: p(handle, board, self.announce_packs) for r, p in payloads.items()}
+            if restarts is not None:
+                self.recovery = Recovery(
+                    restarts, Records({r: ResumePoint(capture_state(p.iterator))
+                                       for r, p in payloads.items()}),
+                    self.pool, self.comm, self.board,
+                    payload=lambda r, point, size: payloads[r](
+                        handle, board, self.announce_packs, resume=point, chunk_size=size),
+                    start=lambda r, payload: self.pool.replace(
+                        r, worker_main, payload, segments, start_timeout,
+                        before_ready=self._rejoiner(r, start_timeout)))
+            self.pool.start(worker_main, data, segments, start_timeout,
+                            before_ready=self._joiner(start_timeout))
             self._started = True
         except BaseException:
             self.close(abort=True)
@@ -105,8 +127,53 @@ class LocalGroup(Group):
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
         with self._on_device():
-            master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale, parity,
-                         in_place=self.params.bind())
+            if self.recovery is None:
+                master_begin(self.pool, self.comm, self.layouts, self.model, loss_scale,
+                             parity, in_place=self.params.bind())
+                return
+            in_place = self.params.bind()
+            try:
+                self._sent = master_begin(self.pool, self.comm, self.layouts, self.model,
+                                          loss_scale, parity, in_place=in_place)
+            except WorkerError as error:
+                # Raised while sending: the master's window has not run, so its Step is
+                # made again alike.
+                self._sent = Step(loss_scale,
+                                  self.layouts.index_of(self.model).persistent_scalars(), parity)
+                self.recovery.recover(error, self._begin_again)
+
+    def _begin_again(self) -> None:
+        """The update's Step again, the parameters in the buffers as they were packed."""
+        master_begin(self.pool, self.comm, self.layouts, self.model, None, None,
+                     again=self._sent)
+
+    def _rejoiner(self, rank: int, start_timeout: float) -> Callable[[], None]:
+        """What the master does once a replacement has its payload (:mod:`.recovery`): wait
+        until it says it joins the communicator. The shared-memory backend has no
+        rendezvous; a backend that rebuilds with one (NCCL) would join here, with every
+        survivor."""
+        deadline = time.monotonic() + start_timeout
+
+        def join() -> None:
+            self.pool.gather(Joining.KIND, timeout=max(0.0, deadline - time.monotonic()),
+                             what='restart', ranks=[rank])
+        return join
+
+    def _recovering(self, finish: Callable[[], List[WindowResult]]) -> List[WindowResult]:
+        """``finish()`` (the master's half after its window), redone from the update's
+        Step after a worker that died was replaced; then the workers' resume points of the
+        update hold. A death after the step (which the protocol rules out) is raised."""
+        recovery = self.recovery
+        while True:
+            try:
+                results = finish()
+            except WorkerError as error:
+                if self._stepped:
+                    raise
+                recovery.recover(error, self._begin_again)   # type: ignore[union-attr]
+                continue
+            recovery.records.commit()   # type: ignore[union-attr]
+            return results
 
     @property
     def _pack_board(self) -> Optional[Board]:
@@ -116,8 +183,14 @@ class LocalGroup(Group):
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         with self._on_device():
-            others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                                   self.size, own, self._pack_board)
+            if self.recovery is None:
+                others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
+                                       self.size, own, self._pack_board)
+            else:
+                unwrap = self.recovery.records.unwrap
+                others = self._recovering(lambda: master_finish(
+                    self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+                    self._pack_board, unwrap=unwrap))
             self.grads.receive()
             self.settle()
         return [own] + others
@@ -129,15 +202,34 @@ class LocalGroup(Group):
             self.settle()          # the step may read on the host (hooks, loss scaling)
             step(count, loss)
         with self._on_device():
-            return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                         None, self.size, own, self._pack_board, then=summed)
+            if self.recovery is None:
+                return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
+                                             None, self.size, own, self._pack_board,
+                                             then=summed)
+            self._stepped = False
+
+            def summed_once(count: int, loss: float) -> None:
+                self.grads.receive()
+                self.settle()
+                self._stepped = True
+                step(count, loss)
+            unwrap = self.recovery.records.unwrap
+            return [own] + self._recovering(lambda: master_finish(
+                self.pool, self.comm, self.layouts, self.model, None, self.size, own,
+                self._pack_board, then=summed_once, unwrap=unwrap))
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
         with self._on_device():
-            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                                   self.size, own, self._pack_board)
+            if self.recovery is None:
+                others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                       self.size, own, self._pack_board)
+            else:
+                unwrap = self.recovery.records.unwrap
+                others = self._recovering(lambda: master_finish(
+                    self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
+                    self._pack_board, unwrap=unwrap))
             self.settle()   # what follows may read on the host (the step, extensions)
         grads = self.layouts.grad_set(parity)
 
@@ -152,6 +244,9 @@ class LocalGroup(Group):
         return [own] + others, ReduceHandle(source, self.comm.device_id)
 
     def states(self) -> Dict[int, Dict[str, Any]]:
+        if self.recovery is not None:   # the master holds them (a worker may be dead)
+            return {rank: point.iterator
+                    for rank, point in self.recovery.records.points.items()}
         self.pool.send(StateRequest())
         return self.pool.gather(State.KIND, timeout=60.0, what='snapshot')
 
@@ -256,17 +351,38 @@ class SlotParams:
                 param.array = view.copy()
 
 
-def payload_factory(init_kwargs: Dict[str, Any],
-                    master_model: chainer.Link) -> Callable[[Any, Optional[str]], bytes]:
-    """Pickle a WorkerInit once the communicator handle, the board's name (None: no
-    board) and whether the ranks announce their packs there are known (see ``_payload``).
+class Payload:
+    """A worker's payload, pickled (a :class:`~.worker.WorkerInit`) once the communicator
+    handle, the board's name (None: no board) and whether the ranks announce their packs
+    there are known (see ``_payload``); again, with a resume point, for a worker that
+    replaces one that died (:mod:`.recovery`).
 
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
     """
-    def make(handle: Any, board: Optional[str] = None, announce_packs: bool = False) -> bytes:
-        replace = _payload.replica_links(master_model, init_kwargs['model'])
+
+    def __init__(self, init_kwargs: Dict[str, Any], master_model: chainer.Link) -> None:
+        self.init_kwargs, self.master_model = init_kwargs, master_model
+
+    @property
+    def iterator(self) -> Any:
+        """The worker's iterator, as the payload carries it (as of the workers' start)."""
+        return self.init_kwargs['iterator']
+
+    def __call__(self, handle: Any, board: Optional[str] = None, announce_packs: bool = False,
+                 resume: Any = None, chunk_size: Optional[int] = None) -> bytes:
+        """The pickled payload; ``resume``, a replacement's resume point, and
+        ``chunk_size``: under ``micro_batch_size='auto'``, the size the lost worker had
+        come to (None: as at the start)."""
+        kwargs = self.init_kwargs
+        replace = _payload.replica_links(self.master_model, kwargs['model'])
+        if chunk_size is not None and kwargs['chunking'].auto:
+            kwargs = dict(kwargs, chunking=kwargs['chunking']._replace(size=chunk_size))
         return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
-                                         announce_packs=announce_packs, **init_kwargs),
-                              replace)
-    return make
+                                         announce_packs=announce_packs, resume=resume,
+                                         **kwargs), replace)
+
+
+def payload_factory(init_kwargs: Dict[str, Any], master_model: chainer.Link) -> Payload:
+    """The :class:`Payload` of one worker."""
+    return Payload(init_kwargs, master_model)

@@ -128,7 +128,8 @@ class WorkerPool:
         return sorted(self._procs)
 
     def pids(self) -> List[int]:
-        return [p.pid for p in self._procs.values()]
+        """The workers' process ids, in rank order."""
+        return [self._procs[rank].pid for rank in self.ranks]
 
     def start(self, target: Callable[..., None], payloads: Dict[int, bytes],
               shm_names: List[str], timeout: float,
@@ -150,22 +151,126 @@ class WorkerPool:
         # None for the platform's default: the same in the workers, where Python would
         # otherwise make it the workers' own start method.
         default_method = multiprocessing.get_start_method(allow_none=True)
+        self._default_method = default_method
         for rank in sorted(payloads):
-            parent, child = self._ctx.Pipe(duplex=True)
-            args = (child, os.getpid(), list(shm_names), default_method,
-                    self._stacks.path(rank))
-            proc = self._ctx.Process(target=target, args=args,
-                                     name=f'mgpu-worker-{rank}', daemon=False)
-            proc.start()
-            child.close()
-            self._procs[rank] = proc
-            self._conns[rank] = parent
-            self._exits[rank] = _exit_handle(proc)
+            self._spawn(rank, target, shm_names)
         self._collect(Hello.KIND, deadline, timeout, 'start', on_dead=self._raise_not_started)
         self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
         return self._collect(Ready.KIND, deadline, timeout, 'start', on_dead=self._raise_dead)
+
+    def _spawn(self, rank: int, target: Callable[..., None], shm_names: List[str]) -> None:
+        """Start rank's process (see :meth:`start`), without waiting for it."""
+        parent, child = self._ctx.Pipe(duplex=True)
+        args = (child, os.getpid(), list(shm_names), self._default_method,
+                self._stacks.path(rank))
+        proc = self._ctx.Process(target=target, args=args,
+                                 name=f'mgpu-worker-{rank}', daemon=False)
+        proc.start()
+        child.close()
+        self._procs[rank] = proc
+        self._conns[rank] = parent
+        self._exits[rank] = _exit_handle(proc)
+
+    # ------------------------------------------------------------------ restarts
+    def dead_ranks(self) -> List[int]:
+        """The ranks whose process has exited (never blocks)."""
+        return [rank for rank in self.ranks if self._exited(rank)]
+
+    def death(self, rank: int) -> WorkerError:
+        """The error that says how rank's process ended, or what it sent last if that was
+        a ``Failed`` (read from its pipe, up to its end)."""
+        while True:
+            msg = self._last_words(rank)
+            if msg is None:
+                return self._dead_error(rank)
+            if msg[0] == Failed.KIND:
+                return WorkerError('failed', replica=rank, device=str(self._devices[rank]),
+                                   remote_traceback=msg[1])
+
+    def rewind(self, ranks: Sequence[int], message: tuple, reply: str,
+               drop: Collection[str]) -> List[int]:
+        """Send ``message`` to each of ``ranks`` and wait for each one's ``reply``,
+        dropping the messages of the kinds in ``drop`` that come before it (what an
+        abandoned update still delivers); returns the ranks that died instead of
+        answering. A ``Failed`` raises :class:`WorkerError`; the wait is watched as an
+        update's is (:mod:`.stall`)."""
+        data = self._encoder.encode(message)
+        dead: List[int] = []
+        waiting = set()
+        for rank in ranks:
+            try:
+                self._conns[rank].send_bytes(data)
+                waiting.add(rank)
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                dead.append(rank)
+        for rank in list(self._early):
+            if rank in waiting:
+                msg = self._early.pop(rank)
+                if msg[0] == Failed.KIND:
+                    raise WorkerError('failed during update', replica=rank,
+                                      device=str(self._devices[rank]), remote_traceback=msg[1])
+        while waiting:
+            self.stall.check(waiting)
+            conns = {self._conns[r]: r for r in waiting}
+            sentinels = {self._exits[r]: r for r in waiting}
+            ready = multiprocessing.connection.wait(list(conns) + list(sentinels),
+                                                    timeout=self.stall.due_in())
+            for obj in ready:
+                rank = conns.get(obj)
+                if rank is None or rank not in waiting:
+                    continue
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):   # its end is closed: it is gone
+                    waiting.discard(rank)
+                    dead.append(rank)
+                    continue
+                if msg[0] == Failed.KIND:
+                    raise WorkerError('failed during update', replica=rank,
+                                      device=str(self._devices[rank]), remote_traceback=msg[1])
+                if msg[0] == reply:
+                    waiting.discard(rank)
+                elif msg[0] not in drop:
+                    raise WorkerError(f'sent {msg[0]!r} while {reply!r} was expected',
+                                      replica=rank, device=str(self._devices[rank]))
+            for obj in ready:
+                rank = sentinels.get(obj)
+                if rank in waiting and not self._conns[rank].poll(0):
+                    waiting.discard(rank)
+                    dead.append(rank)
+        return dead
+
+    def replace(self, rank: int, target: Callable[..., None], payload: bytes,
+                shm_names: List[str], timeout: float,
+                before_ready: Optional[Callable[[], None]] = None) -> int:
+        """Start a new process for ``rank``, whose process died, with ``payload``, and
+        wait (``timeout``) until it is ready, as :meth:`start` does (``before_ready`` as
+        there); returns its pid. What the dead one's iterator started (its process group)
+        is killed first, and the dead one reaped. A failure here raises
+        :class:`WorkerError`, as at start-up."""
+        old = self._procs[rank]
+        _kill_group(old.pid)
+        old.join(KILL_TIMEOUT)
+        self._conns.pop(rank).close()
+        handle = self._exits.pop(rank)
+        if isinstance(handle, int):
+            os.close(handle)
+        if old.exitcode is not None:
+            old.close()
+        del self._procs[rank]
+        self._early.pop(rank, None)
+        deadline = time.monotonic() + timeout
+        self._spawn(rank, target, shm_names)
+        self._collect(Hello.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
+                      ranks=[rank])
+        self._send_payloads({rank: payload}, deadline, timeout)
+        if before_ready is not None:
+            before_ready()
+        self._collect(Ready.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
+                      ranks=[rank])
+        return self._procs[rank].pid
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
                        timeout: float) -> None:
@@ -253,14 +358,21 @@ class WorkerPool:
             return None
 
     def send(self, msg: tuple, ranks: Optional[Sequence[int]] = None) -> None:
+        """Send ``msg`` to every worker (or those of ``ranks``); a worker whose pipe is
+        broken raises :class:`WorkerError`, once the others have it (so that, under
+        ``max_worker_restarts``, every survivor is in the same update)."""
         if msg[0] == Step.KIND:
             self.stall.new_update()
         data = self._encoder.encode(msg)   # a worker's Decoder reads it
+        broken = None
         for rank in (self.ranks if ranks is None else ranks):
             try:
                 self._conns[rank].send_bytes(data)
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                self._raise_dead(rank)
+                if broken is None:
+                    broken = rank
+        if broken is not None:
+            self._raise_dead(broken)
 
     def gather(self, kind: str, timeout: Optional[float] = None,
                what: str = 'update', ranks: Optional[Sequence[int]] = None) -> Dict[int, Any]:
@@ -328,12 +440,15 @@ class WorkerPool:
         return out
 
     def _raise_dead(self, rank: int) -> None:
+        raise self._dead_error(rank)
+
+    def _dead_error(self, rank: int) -> WorkerError:
         proc = self._procs[rank]
         proc.join(0.5)
-        raise WorkerError(f'the worker process (pid {proc.pid}) '
-                          f'{_describe_exit(proc.exitcode)}',
-                          replica=rank, device=str(self._devices[rank]),
-                          exitcode=proc.exitcode)
+        return WorkerError(f'the worker process (pid {proc.pid}) '
+                           f'{_describe_exit(proc.exitcode)}',
+                           replica=rank, device=str(self._devices[rank]),
+                           exitcode=proc.exitcode)
 
     def _raise_not_started(self, rank: int) -> None:
         """A worker died before its first message: while importing the main module."""

@@ -53,9 +53,16 @@ too large for the mailbox goes as a Done through the pipe), off the critical pat
 Elsewhere Done says that the worker's gradient is packed, and the master waits for every
 Done before it sums.
 
-The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Stop`;
-worker -> master: :class:`Hello`, :class:`Joining`, :class:`Ready`, :class:`Done`,
-:class:`State`, :class:`Failed`; the start-up payload goes as bytes between Hello and Ready, see
+Under ``max_worker_restarts`` (:mod:`.recovery`) a worker also keeps where its window
+started and ended (:mod:`.resume`), delivers a :class:`Shipment` (its result, and where its
+next update starts) instead of its bare result, and delivers it before its post, so that
+the master never learns of a death after it has stepped; :class:`Rewind` sends a survivor
+back to where its window started, once the update is abandoned.
+
+The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Rewind`,
+:class:`Stop`; worker -> master: :class:`Hello`, :class:`Joining`, :class:`Ready`,
+:class:`Done`, :class:`State`, :class:`Rewound`, :class:`Failed`; the start-up payload goes
+as bytes between Hello and Ready, see
 :mod:`mgpu_updater._local.pool`) are named tuples whose first field, ``kind``, names the
 message, so ``msg[0]`` dispatches. The master's go as bytes that :class:`Encoder` keeps
 while the message stays the same (every update's Step, mostly), and the worker's
@@ -76,7 +83,7 @@ import numpy
 
 from .._flat_buffers import ModelLayouts
 from .._replica import Replica, WindowResult
-from .board import Board, posted_total
+from .board import MAILBOX, Board, posted_total
 
 
 # ------------------------------------------------------------------------------ messages
@@ -165,6 +172,26 @@ class _FailedFields(NamedTuple):
 class Failed(_Kind, _FailedFields):
     """worker -> master: an exception, with its formatted traceback."""
     KIND = 'error'
+
+
+class Rewind(_Kind, _NoFields):
+    """master -> worker (``max_worker_restarts``): another worker died, this update is
+    abandoned: go back to where your latest window started (:mod:`.resume`); answer
+    :class:`Rewound`. The update is redone with a new Step."""
+    KIND = 'rewind'
+
+
+class Rewound(_Kind, _NoFields):
+    """worker -> master: back where its latest window started, waiting for a Step."""
+    KIND = 'rewound'
+
+
+class Shipment(NamedTuple):
+    """What a worker delivers for its window under ``max_worker_restarts``, in its
+    mailbox or a Done: the result, and where its next update starts
+    (:class:`.resume.Change`), which the master keeps once the update is complete."""
+    result: WindowResult
+    change: Any
 
 
 # ------------------------------------------------------------------------------ encoding
@@ -321,11 +348,15 @@ class Workers(Protocol):
     def check(self, what: str = 'update', waiting: Collection[int] = ()) -> None: ...
 
 
-def take_results(workers: Workers, board: Board) -> Dict[int, WindowResult]:
+def take_results(workers: Workers, board: Board,
+                 unwrap: Optional[Callable[[int, Any], WindowResult]] = None
+                 ) -> Dict[int, WindowResult]:
     """The workers' window results of the board's latest round, by rank: from their
     mailboxes (:func:`deliver`), and as Done messages through the pipes for those too
-    large for one. ``workers.check`` runs while a mailbox is awaited."""
-    out: Dict[int, WindowResult] = {}
+    large for one. ``workers.check`` runs while a mailbox is awaited. ``unwrap(rank,
+    shipment)``: what each worker delivered is a :class:`Shipment`, whose result it
+    returns (``max_worker_restarts``)."""
+    out: Dict[int, Any] = {}
     by_pipe = []
     for rank in workers.ranks:
         data = board.result(rank, lambda: workers.check(waiting=(rank,)))
@@ -335,27 +366,38 @@ def take_results(workers: Workers, board: Board) -> Dict[int, WindowResult]:
             out[rank] = pickle.loads(data)
     if by_pipe:
         out.update(workers.gather(Done.KIND, ranks=by_pipe))
+    if unwrap is not None:
+        return {rank: unwrap(rank, shipment) for rank, shipment in out.items()}
     return out
 
 
 def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
                  loss_scale: Optional[float], parity: Optional[int],
-                 in_place: Collection[str] = ()) -> None:
-    """The master's half, before its window: parameters out, then the workers start.
-    ``in_place``: parameters whose arrays already are their slices of the broadcast buffer
-    (:class:`mgpu_updater._local.group.SlotParams`), not copied."""
-    order = collective_order(layouts, parity)
+                 in_place: Collection[str] = (), again: Optional[Step] = None) -> Step:
+    """The master's half, before its window: parameters out, then the workers start;
+    returns the Step sent. ``in_place``: parameters whose arrays already are their slices
+    of the broadcast buffer (:class:`mgpu_updater._local.group.SlotParams`), not copied.
+    ``again``: the Step of an update that is being redone (``max_worker_restarts``): the
+    parameters are in the buffers already (packed for it, and nothing wrote there since)
+    and are not packed again, since the master's window may have changed its persistents
+    (``loss_scale`` and ``parity`` are the Step's)."""
+    order = collective_order(layouts, parity if again is None else again.parity)
     comm.begin_update()
-    index = layouts.index_of(model)
-    layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
+    if again is None:
+        index = layouts.index_of(model)
+        layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
+        again = Step(loss_scale, index.persistent_scalars(), parity)
     issue(comm, before_window(order))
-    workers.send(Step(loss_scale, index.persistent_scalars(), parity))
+    workers.send(again)
+    return again
 
 
 def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
                   parity: Optional[int], size: int, own: Optional[WindowResult] = None,
                   board: Optional[Board] = None,
-                  then: Optional[Callable[[int, float], None]] = None) -> List[WindowResult]:
+                  then: Optional[Callable[[int, float], None]] = None,
+                  unwrap: Optional[Callable[[int, Any], WindowResult]] = None
+                  ) -> List[WindowResult]:
     """The master's half, after its window: wait until every worker's gradient is packed,
     then issue the reductions and take the averaged statistics, and call ``then(count,
     loss)``, the update's sample count and mean loss. The summed gradient is in the
@@ -367,7 +409,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     there, sums, calls ``then`` and only then takes every :class:`Done`, which each worker
     sent after its post and which is on its way meanwhile; elsewhere (``board`` None) it
     waits for every Done first. ``own``, the master's window result, is needed with a
-    ``board`` (the master posts its count and loss too) or a ``then``."""
+    ``board`` (the master posts its count and loss too) or a ``then``. ``unwrap``: as for
+    :func:`take_results` (``max_worker_restarts``)."""
     order = collective_order(layouts, parity)
     pack_window(comm, layouts, model, parity, size)
     by_board = board is not None
@@ -378,6 +421,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
                             lambda: workers.check(waiting=board.behind()))   # type: ignore[union-attr]
     else:
         others = workers.gather(Done.KIND)
+        if unwrap is not None:
+            others = {rank: unwrap(rank, shipment) for rank, shipment in others.items()}
         if then is not None:
             posted = [(r.count, r.loss_sum)
                       for r in [own] + [others[k] for k in sorted(others)]]  # type: ignore[list-item]
@@ -387,7 +432,7 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     if then is not None:
         then(*posted_total(posted))
     if by_board:
-        others = take_results(workers, board)   # type: ignore[arg-type]
+        others = take_results(workers, board, unwrap)   # type: ignore[arg-type]
     return [others[rank] for rank in sorted(others)]
 
 
@@ -436,12 +481,18 @@ class ParamViews:
 def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
                 size: int, views: Optional[ParamViews] = None,
                 board: Optional[Board] = None,
-                done: Callable[[WindowResult], None] = lambda result: None,
-                announce_packs: bool = False) -> None:
+                done: Callable[[Any], None] = lambda result: None,
+                announce_packs: bool = False, keeper: Any = None) -> None:
     """The worker's half of one update: parameters in, the window, reductions issued,
     ``done(result)`` (which sends :class:`Done`); with ``announce_packs``, instead a post
     at ``board`` with its count and loss, which tells the master that its gradient is
-    packed, and the result in its mailbox there (:func:`deliver`)."""
+    packed, and the result in its mailbox there (:func:`deliver`).
+
+    ``keeper`` (``max_worker_restarts``, a :class:`.resume.Keeper`): the window's start
+    and end are kept, and what is delivered is a :class:`Shipment`, the result with where
+    the next update starts; with ``announce_packs`` it is delivered before the post."""
+    if keeper is not None:
+        keeper.window_starts()
     model = replica.model
     order = collective_order(layouts, step.parity)
     comm.begin_update()
@@ -456,6 +507,14 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     pack_window(comm, layouts, model, step.parity, size)
     issue(comm, after_window(order))
     comm.end_update()
+    if keeper is not None:
+        shipment = Shipment(result, keeper.window_ended(replica.loader))
+        if announce_packs:   # the result first: a rank seen posting has delivered it
+            deliver(board, shipment, done, ahead=True)   # type: ignore[arg-type]
+            board.post(result.count, result.loss_sum)   # type: ignore[union-attr]
+        else:
+            done(shipment)
+        return
     if announce_packs:   # the gradient is packed: the master sums
         board.post(result.count, result.loss_sum)   # type: ignore[union-attr]
         deliver(board, result, done)   # type: ignore[arg-type]
@@ -463,11 +522,18 @@ def worker_step(step: Step, replica: Replica, comm: Any, layouts: ModelLayouts,
     done(result)
 
 
-def deliver(board: Board, result: WindowResult,
-            done: Callable[[WindowResult], None]) -> None:
+def deliver(board: Board, result: Any, done: Callable[[Any], None],
+            ahead: bool = False) -> None:
     """A worker's window result, after its post at ``board``: into its mailbox there
     (:meth:`.board.Board.post_result`), or where it does not fit, ``done(result)`` (a
     Done through the pipe), which the mailbox then announces. The master takes it with
-    :func:`take_results`."""
-    if not board.post_result(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)):
+    :func:`take_results`. ``ahead``: before the post, as the result of the round posted
+    next (the Done, where it goes by the pipe, sent before the mailbox says so)."""
+    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    if ahead:
+        if len(data) > MAILBOX:
+            done(result)
+        board.post_result(data, ahead=True)
+        return
+    if not board.post_result(data):
         done(result)

@@ -12,6 +12,7 @@ Step(loss_scale, scalars, parity)         Done(WindowResult) (or, where packs ar
                                           announced, a post and its result in its
                                           mailbox at the board, .board)
 StateRequest()                            State(iterator state dict)
+Rewind() (max_worker_restarts)            Rewound(), back where its latest window began
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
 """
@@ -24,8 +25,8 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Decoder, Done, Failed, Hello, Joining, ParamViews, Ready, State,
-                       StateRequest, Step, Stop, worker_step)
+from .protocol import (Decoder, Done, Failed, Hello, Joining, ParamViews, Ready, Rewind,
+                       Rewound, State, StateRequest, Step, Stop, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -54,6 +55,8 @@ class WorkerInit(NamedTuple):
     announce_packs: bool = False         # post at the board that the gradient is packed
     prefetch_gated: bool = False         # its loader loads while it waits (_loader.plan)
     prefetch_trial: bool = False         # ... and tries loading ahead (_load_trial)
+    keep_resume: bool = False            # keep and send its resume points (.resume)
+    resume: Any = None                   # a replacement's .resume.ResumePoint, or None
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -207,7 +210,6 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     from .. import _inherit, _loss_binding, comm as comm_module
     from .._flat_buffers import ModelLayouts
     from .._replica import Replica
-    from .._loader import make_loader
     from .._threads import ThreadBinding, limit_process
     from .._host_memory import reuse_freed_memory
 
@@ -225,9 +227,11 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
+    if init.resume is not None:   # a replacement: where the lost worker's update started
+        from .resume import restore
+        restore(init.resume, init.iterator)
     # Before any BLAS call: the first read may fork the iterator's pool (_loader.Prefetcher).
-    loader = make_loader(init.iterator, init.converter, device, init.prefetch,
-                         init.prefetch_gated, trial=init.prefetch_trial)
+    loader = _make_loader(init, device)
     # After that read, before the first BLAS call: for the rest of this process.
     limit_process(init.blas_threads)
     replica = Replica(model, loss_func, loader, init.accumulate_steps, init.scaling,
@@ -241,22 +245,33 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     if init.board is not None:
         from .board import Board
         board = Board.attach(init.board, init.size, init.rank)
-    return replica, comm, layouts, (ParamViews(comm, layouts, model), board)
+    keeper = None
+    if init.keep_resume:
+        from .resume import Keeper
+        keeper = Keeper(loader)
+    return replica, comm, layouts, (ParamViews(comm, layouts, model), board, keeper)
+
+
+def _make_loader(init: 'WorkerInit', device: Any) -> Any:
+    """The replica's loader over ``init.iterator``, as its payload says."""
+    from .._loader import make_loader
+    return make_loader(init.iterator, init.converter, device, init.prefetch,
+                       init.prefetch_gated, trial=init.prefetch_trial)
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
            in_place: Any) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
-    views, board = in_place
+    views, board, keeper = in_place
     try:
-        _answer(conn, init, replica, comm, layouts, views, board)
+        _answer(conn, init, replica, comm, layouts, views, board, keeper)
     finally:
         if board is not None:
             board.close()
 
 
 def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
-            views: Any, board: Any) -> None:
+            views: Any, board: Any, keeper: Any = None) -> None:
     decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
     # where each rank of the host has a core of its own, the board's spin (.board.spin_for)
     spin = board.spin if board is not None else 0.0
@@ -277,9 +292,15 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
             if kind == Step.KIND:
                 worker_step(msg, replica, comm, layouts, init.size, views, board,
                             done=lambda result: conn.send(Done(result)),
-                            announce_packs=init.announce_packs)
+                            announce_packs=init.announce_packs, keeper=keeper)
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
+            elif kind == Rewind.KIND and keeper is not None:
+                device = replica.loader.device
+                keeper.rewind(replica, lambda: _make_loader(init, device))
+                if board is not None:
+                    board.start_over()
+                conn.send(Rewound())
             else:
                 raise ValueError(f'unknown command {kind!r}')
         except BaseException:  # noqa: BLE001 - reported to the master

@@ -194,6 +194,22 @@ class Communicator(abc.ABC):
         order compare the ranks' sequences here (on rank 0, which under the ordering
         contract is the last to issue) or earlier. Default: nothing."""
 
+    #: whether :meth:`rebuild` can take a new rank in place of one that died
+    #: (``max_worker_restarts``)
+    rebuilds: bool = False
+
+    def rebuild(self) -> Any:
+        """On the master, after a rank's process died and a new one takes its place
+        (``max_worker_restarts``), with every other rank between updates: make the
+        communicator usable by all of them again, each counting updates from the first,
+        and return the handle the new rank attaches with. The shared-memory backend keeps
+        its segments (the dead rank only wrote its own slots) and clears its ledger. A
+        backend whose collectives a dead rank breaks (NCCL) would abort on every surviving
+        rank and build anew with a fresh unique id, each survivor joining it. Default:
+        cannot (:attr:`rebuilds` False)."""
+        raise NotImplementedError(f'the {self.name or type(self).__name__} communicator '
+                                  'cannot take a new rank')
+
     def abort(self) -> None:
         """Give up at once because a peer died; must never block. Default: finalize."""
         self.finalize()

@@ -280,6 +280,21 @@ class ShmCommunicator(Communicator):
                                     self.issued(high, first),
                                     self._row(self.rank)[_UPDATE], first=first)
 
+    # ------------------------------------------------------------------ a rank replaced
+    rebuilds = True
+
+    def rebuild(self) -> Handle:
+        """A new process takes a dead rank's place (every rank between updates): the same
+        segments, the ledger cleared, so that every rank's next update is its first
+        (the dead rank's row held whatever update it died in). Rank 0 only."""
+        self._check_open()
+        if self.rank != 0:
+            raise RuntimeError('rebuild() is the master\'s (rank 0)')
+        for row in self._rows:
+            row[_UPDATE] = 0
+            row[_COUNT] = 0
+        return self.handle
+
     # ------------------------------------------------------------------ shutdown
     def finalize(self) -> None:
         if self._finalized:

@@ -55,6 +55,11 @@ class HostStagedCommunicator(Communicator):
     def watch_peers(self, check_alive: Callable[[], None]) -> None:
         self._inner.watch_peers(check_alive)
 
+    rebuilds = True
+
+    def rebuild(self) -> Any:
+        return self._inner.rebuild()   # the host segments and their ledger are the inner's
+
     def begin_update(self) -> None:
         self._inner.begin_update()   # the shared-memory ledger checks the issue order
 

@@ -51,6 +51,9 @@ def target(conn, master_pid, shm_names, default_start_method, stack_file=None):
         msg = _recv(conn)
         if msg[0] == 'stop' and behaviour != 'stubborn':
             return
+        if msg[0] == 'rewind' and behaviour == 'echo':   # max_worker_restarts' question
+            conn.send(('rewound',))
+            continue
         if behaviour == 'echo':
             conn.send(('done', msg[1]))
         elif behaviour == 'exit':

@@ -2,8 +2,8 @@
 
     python harness.py SCENARIO [--timeout S] [driver options...]
 
-SCENARIO is one of ``run_fault.WORKER_FAULTS`` or ``master_sigint``, ``master_sigterm``,
-``master_sigkill``. The harness makes itself a child subreaper (Linux ``prctl``), so the
+SCENARIO is one of ``run_fault.WORKER_FAULTS``, ``run_fault.RESTARTS`` or
+``master_sigint``, ``master_sigterm``, ``master_sigkill``. The harness makes itself a child subreaper (Linux ``prctl``), so the
 workers of a master that dies become its children: it sees when each one exits and reaps
 it, and at the end it knows that no descendant is left. It imports neither Chainer nor the
 package, so it starts in milliseconds. Prints one line: ``HARNESS <json>``, whose
@@ -30,8 +30,11 @@ MASTER_SIGNALS = {'master_sigint': signal.SIGINT, 'master_sigterm': signal.SIGTE
                   'master_sigkill': signal.SIGKILL}
 # the bound each scenario must meet: seconds from the fault to the error in the master
 # (worker faults) or to the last worker gone (master signals)
-LIMITS = {'kill_worker': 10.0}
+LIMITS = {'kill_worker': 10.0, 'restart_spent': 10.0}
 DEFAULT_LIMIT = 5.0
+# restart_*: seconds from the SIGKILL to the end of the redone update, beyond the new
+# worker's own start-up (detect, rewind, start, redo)
+RESTART_LIMIT = 10.0
 
 
 def become_subreaper():
@@ -185,7 +188,9 @@ def main():
 def check(scenario, signum, report, result, problems):
     limit = LIMITS.get(scenario, DEFAULT_LIMIT)
     report['limit'] = limit
-    if signum is None:
+    if scenario in RESTART_SCENARIOS:
+        limit = _restart_as_expected(report, result, problems)
+    elif signum is None:
         if result is None:
             problems.append('the driver printed no RESULT')
             return
@@ -222,6 +227,41 @@ def check(scenario, signum, report, result, problems):
         problems.append(f'time to error {t:.2f} s > {limit} s')
 
 
+RESTART_SCENARIOS = ('restart_window', 'restart_reduce', 'restart_post', 'restart_between')
+
+
+def _restart_as_expected(report, result, problems):
+    """The checks of a worker SIGKILLed once under ``max_worker_restarts``: the run goes
+    on, bitwise the uninterrupted one; returns the bound on the recovery time."""
+    if result is None:
+        problems.append('the driver printed no RESULT')
+        return RESTART_LIMIT
+    if result.get('error'):
+        problems.append(f'the run with the restart raised: {result["error"]}')
+        return RESTART_LIMIT
+    for key in ('bitwise_equal', 'reports_equal'):
+        if not result.get(key):
+            problems.append(f'{key} is {result.get(key)}')
+    for key in ('iteration', 'epoch_detail'):
+        if result.get(key) != result.get('reference_' + key):
+            problems.append(f'{key} {result.get(key)} (uninterrupted: '
+                            f'{result.get("reference_" + key)})')
+    if result.get('restarts') != 1 or len(result.get('warnings', [])) != 1:
+        problems.append(f'restarts {result.get("restarts")}, warnings '
+                        f'{result.get("warnings")} (expected one of each)')
+    reported = result.get('reported_restarts') or [0]
+    if reported[-1] != 1:
+        problems.append(f'main/worker_restarts reported {reported}')
+    for key in ('not_reaped', 'segments_left'):
+        if result.get(key):
+            problems.append(f'{key}: {result[key]}')
+    start = result.get('start_s') or 0.0
+    report['start_s'] = start
+    report['time_to_error'] = result.get('recovery_s')   # the time to recover, here
+    report['limit'] = RESTART_LIMIT + start
+    return RESTART_LIMIT + start
+
+
 def _worker_error_as_expected(scenario, result, problems):
     """The checks of a fault in a worker; False when the error is no WorkerError."""
     if not result.get('is_worker_error'):
@@ -239,7 +279,7 @@ def _worker_error_as_expected(scenario, result, problems):
                         f'{result["segments_created"]}')
     if result['device'] != '@numpy':
         problems.append(f'the error names device {result["device"]!r}')
-    if scenario == 'kill_worker':
+    if scenario in ('kill_worker', 'restart_spent'):
         if result.get('exitcode') != -signal.SIGKILL:
             problems.append(f'exitcode {result.get("exitcode")} (expected -9)')
         if 'SIGKILL' not in result['message']:

@@ -1,0 +1,121 @@
+"""A worker process that died, replaced, and its update redone (``max_worker_restarts``).
+
+Without restarts, a worker that dies ends the run with a :class:`~mgpu_updater.WorkerError`.
+With them, :class:`Recovery` takes that error where the master learns of the death, in its
+half of an update (:mod:`.protocol`): when it sends the Step (a worker that died between
+updates), while it waits at the board for the posts, or for the Done messages where there
+is no board. All of these come before the master's optimizer step: a worker delivers its
+result before it posts (:func:`.protocol.worker_step` with a keeper), so once every rank
+has posted nothing is awaited from a worker in that update and no death can interrupt it;
+a worker that dies after its post is found at the next update's Step. The procedure:
+
+1. The update is abandoned. The deaths are collected (a worker that sent ``Failed`` is a
+   Python error, not recovered: :func:`mgpu_updater._restarts.not_restarted`) and must fit
+   in the restarts left (:class:`mgpu_updater._restarts.RestartLog`).
+2. Every surviving worker is told to :class:`~.protocol.Rewind`: once done with the
+   abandoned update's window (on the shared-memory backend no collective waits for a
+   peer), each goes back to where that window started (:class:`.resume.Keeper`) and says
+   :class:`~.protocol.Rewound`; what the abandoned update still delivers is dropped.
+3. Each dead rank gets a new process with its original payload and the master's record of
+   where its update started (:class:`.resume.Records`), the same device, the same seed.
+4. The communicator and the board count updates from zero again on every rank
+   (:meth:`~mgpu_updater.comm.base.Communicator.rebuild`, :meth:`.board.Board.start_over`).
+5. The update is redone: the same Step again, the parameters left in the broadcast buffers
+   as they were packed (the master has not stepped). The master's own window is not run
+   again: its result, its gradient and its loader's progress depend only on its own
+   replica, the parameters and its batches, none of which the death touched, so keeping
+   them equals redoing them (and draws no random number twice).
+
+A death during these steps joins the ones being handled; one during the redo starts again
+at 1. Starting a replacement that fails raises, as a failure at start-up does.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List
+
+from .._restarts import Restart, RestartLog, not_restarted
+from ..errors import WorkerError
+from .protocol import Done, Rewind, Rewound
+from .resume import Records
+
+
+class Recovery:
+    """The master's side of restarts for one local group.
+
+    ``payload(rank, point, size)`` pickles rank's original payload with the resume point
+    ``point`` (and under ``micro_batch_size='auto'`` the chunk size ``size`` the lost one
+    had come to); ``start(rank, payload)`` replaces rank's process and returns the new pid
+    (:meth:`.pool.WorkerPool.replace`).
+    """
+
+    def __init__(self, log: RestartLog, records: Records, pool: Any, comm: Any, board: Any,
+                 payload: Callable[[int, Any, Any], bytes],
+                 start: Callable[[int, bytes], int]) -> None:
+        self.log, self.records = log, records
+        self.pool, self.comm, self.board = pool, comm, board
+        self._payload, self._start = payload, start
+
+    def recover(self, error: WorkerError, redo: Callable[[], None]) -> None:
+        """Replace the worker(s) ``error`` found dead and call ``redo`` (the update's Step,
+        again); raise what cannot be recovered. A death during ``redo`` is recovered
+        too."""
+        while True:
+            self._replace_the_dead(error)
+            try:
+                redo()
+                return
+            except WorkerError as again:
+                error = again
+
+    def _replace_the_dead(self, error: WorkerError) -> None:
+        learned = time.monotonic()
+        if not error.died:
+            raise not_restarted(error) if error.remote_traceback else error
+        if not self.comm.rebuilds:
+            raise WorkerError(
+                f'{error.reason}; not restarted: the {self.comm.name} communicator cannot '
+                'take a new rank yet (max_worker_restarts works on the shared-memory '
+                'backend: CPU replicas, or GPUs listed more than once)',
+                replica=error.replica, device=error.device, exitcode=error.exitcode)
+        self.records.discard()
+        pool = self.pool
+        dead = self._deaths([error.replica] + pool.dead_ranks())
+        self.log.admit([dead[rank] for rank in sorted(dead)])
+        survivors = [rank for rank in pool.ranks if rank not in dead]
+        dead.update(self._deaths(pool.rewind(survivors, Rewind(), Rewound.KIND,
+                                             (Done.KIND,))))
+        self.log.admit([dead[rank] for rank in sorted(dead)])
+        pids, starts = {}, {}
+        for rank in sorted(dead):
+            begun = time.monotonic()
+            try:
+                pids[rank] = self._start(rank, self._payload(
+                    rank, self.records.points[rank], self.records.micro_batch_sizes[rank]))
+                starts[rank] = time.monotonic() - begun
+            except WorkerError as failed:
+                raise WorkerError(
+                    f'{failed.reason}, while it was started in place of a worker process '
+                    f'that died ({dead[rank].reason}): not restarted again',
+                    replica=rank, device=failed.device, exitcode=failed.exitcode,
+                    remote_traceback=failed.remote_traceback) from dead[rank]
+        self.comm.rebuild()
+        if self.board is not None:
+            self.board.start_over()
+        seconds = time.monotonic() - learned
+        for rank in sorted(dead):
+            self.log.record(Restart(self.log.update, rank, dead[rank].device,
+                                    dead[rank].reason, pids[rank], seconds, starts[rank]))
+
+    def _deaths(self, ranks: List[int]) -> Dict[int, WorkerError]:
+        """The error of each rank's death; one that sent ``Failed`` raises (a Python
+        error, not restarted)."""
+        deaths: Dict[int, WorkerError] = {}
+        for rank in ranks:
+            if rank in deaths:
+                continue
+            death = self.pool.death(rank)
+            if not death.died:
+                raise not_restarted(death) if death.remote_traceback else death
+            deaths[rank] = death
+        return deaths
