@@ -71,8 +71,19 @@ def apply_config(entries: Dict[str, Any]) -> None:
 
 
 def draw_seeds(count: int) -> List[int]:
-    """One seed per worker from the master's ``numpy.random`` global state."""
-    return [int(s) for s in numpy.random.randint(0, 2 ** 32, size=count, dtype=numpy.int64)]
+    """One seed per worker from the master's ``numpy.random`` global state, which is left
+    as it was: the user seeds it for reproducible runs, and Chainer's default shuffling
+    draws from it (``ShuffleOrderSampler()`` without a generator). A draw here moved every
+    later shuffle of the master's iterator, away from StandardUpdater's, and, since a
+    snapshot restores that state (:func:`mgpu_updater._checkpoint.serialize_order_rng`)
+    and the workers start again after a load, a resumed run shuffled its next epoch
+    differently from the run it resumed."""
+    state = numpy.random.get_state()
+    try:
+        return [int(s) for s in
+                numpy.random.randint(0, 2 ** 32, size=count, dtype=numpy.int64)]
+    finally:
+        numpy.random.set_state(state)
 
 
 def seed_process(seed: int) -> None:
