@@ -110,7 +110,10 @@ class _Waits(chainer.Chain):
 def test_loads_that_wait_as_long_as_the_compute_end_loading_ahead(monkeypatch):
     """Loading L and computing C both outside the GIL, L = C: inline takes L + C, ahead
     max(L, C), half as long."""
-    windows = _small_trial(monkeypatch)
+    _small_trial(monkeypatch)
+    monkeypatch.setattr(_load_trial, 'ROUNDS', 6)     # a busy machine: more rounds
+    monkeypatch.setattr(_load_trial, 'BLOCK', 5)
+    windows = 2 + 6 * 2 * 5 + 1
     model = _Waits(0.004)
     it = chainer.iterators.SerialIterator(_Sleepy(dataset(256, seed=1), 0.001), 4)
     updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
