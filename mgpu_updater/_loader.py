@@ -207,6 +207,10 @@ class Prefetcher(Loader):
         # the thread cannot move until released (it has handed out every batch it loaded,
         # and recorded no state for another), so the consumer may read the iterator itself.
         self._parked = False
+        # True while the thread is past the gate, inside a load (until it hands the batch
+        # over): a consumer that finds nothing loaded then waits for that batch without
+        # opening the gate, which would let the thread start one more (``get``)
+        self._loading = True
         self.hold()
         # Loaded items, and one token per free place: both C queues (_queue.SimpleQueue),
         # so that no Python-level lock is taken in the consumer's thread (see close()).
@@ -244,10 +248,12 @@ class Prefetcher(Loader):
             while True:
                 item = None if read is None else self._convert(read, stager)
                 self._put(('item', item) if item is not None else ('end', None))
+                self._loading = False
                 if item is None or self._stop.is_set():
                     return
                 if self.gated and not self._pass_gate():
                     return
+                self._loading = True
                 # Record the state before loading, then load without the lock: the
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
@@ -324,8 +330,12 @@ class Prefetcher(Loader):
         opened = self._holding and self._items.empty()
         if opened and self._parked and self.load_here:   # the thread stays put: load here
             return self._load_here()
-        if opened:   # nothing loaded, the thread inside a load: let it go on, and wait
-            self.release()
+        if opened:
+            # nothing loaded: the thread inside a load goes on by itself (opening the gate
+            # would let it start one more: loading ahead, which a gated loader does not);
+            # one at the gate, or about to be, must be let through
+            if not self._loading:
+                self.release()
             start = time.perf_counter()
         while True:
             try:
