@@ -208,7 +208,7 @@ class Prefetcher(Loader):
         # and recorded no state for another), so the consumer may read the iterator itself.
         self._parked = False
         # True while the thread is past the gate, inside a load (until it hands the batch
-        # over): a consumer that finds nothing loaded then waits for that batch without
+        # over; both changes under ``_lock``, with what they come with): a consumer that finds nothing loaded then waits for that batch without
         # opening the gate, which would let the thread start one more (``get``)
         self._loading = True
         self.hold()
@@ -248,15 +248,14 @@ class Prefetcher(Loader):
             while True:
                 item = None if read is None else self._convert(read, stager)
                 self._put(('item', item) if item is not None else ('end', None))
-                self._loading = False
                 if item is None or self._stop.is_set():
                     return
                 if self.gated and not self._pass_gate():
                     return
-                self._loading = True
                 # Record the state before loading, then load without the lock: the
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
+                    self._loading = True
                     self._pending.append(capture_state(self.iterator))
                 read = self._read()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -319,8 +318,12 @@ class Prefetcher(Loader):
                 self._free.get(timeout=0.1)
             except queue.Empty:
                 continue
-            self._items.put(entry)
+            # the batch and the end of the load together, as a get sees them (get)
+            with self._lock:
+                self._items.put(entry)
+                self._loading = False
             return
+        self._loading = False
 
     def get(self) -> Optional[Batch]:
         if self._closed:
@@ -331,10 +334,13 @@ class Prefetcher(Loader):
         if opened and self._parked and self.load_here:   # the thread stays put: load here
             return self._load_here()
         if opened:
-            # nothing loaded: the thread inside a load goes on by itself (opening the gate
+            # Nothing loaded: a thread inside a load goes on by itself (opening the gate
             # would let it start one more: loading ahead, which a gated loader does not);
-            # one at the gate, or about to be, must be let through
-            if not self._loading:
+            # one at the gate, or on its way there, must be let through. Read under the
+            # lock that _put hands a batch on with: a thread seen loading puts one more.
+            with self._lock:
+                stuck = not self._loading and self._items.empty()
+            if stuck:
                 self.release()
             start = time.perf_counter()
         while True:

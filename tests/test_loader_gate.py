@@ -329,3 +329,35 @@ def test_a_loader_that_may_not_load_here_hands_each_load_to_its_thread():
         assert loader.gated and loader._holding
     finally:
         loader.close()
+
+
+class _Lingering(Prefetcher):
+    """A loader whose thread lingers after handing a batch on (a thread switch there)."""
+
+    def _put(self, entry):
+        super()._put(entry)
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize('load_here', [False, True])
+def test_a_get_never_waits_on_a_thread_that_lingers_after_handing_a_batch_on(load_here):
+    """The consumer takes the batch just handed on and asks again before the thread has
+    gone on to the gate: that get must still let it through (a master reading a
+    MultiprocessIterator once waited there for good: CI, Python 3.13, 2026-12-03)."""
+    data = _Counting(n=200)
+    loader = _Lingering(chainer.iterators.SerialIterator(data, 2, shuffle=False),
+                        chainer.dataset.concat_examples, None, 2, gated=True,
+                        load_here=load_here)
+    got = []
+
+    def consume():
+        for _ in range(20):
+            got.append(loader.get().arrays[1].tolist())
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(10.0)
+    hung = consumer.is_alive()
+    loader.close()   # ends a hung consumer's wait too (the thread stops)
+    assert not hung, f'a get waited for good after {len(got)} batches'
+    assert got == [[int(data.base[i][1]) for i in (2 * j, 2 * j + 1)] for j in range(20)]
