@@ -27,10 +27,25 @@ USER_VARIABLES: Tuple[str, ...] = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS',
                                    'VECLIB_MAXIMUM_THREADS')
 
 
+# The affinity this process had before the first ThreadBinding of ours that is still in
+# force, and how many are: an updater built while another one runs here (or a bench that
+# keeps several alive) shares out the cores the process had, not the master's share of
+# the first, which its workers would inherit (two replicas then ran on one core).
+_unbound: Optional[Any] = None
+_bindings = 0
+
+
+def _process_cores() -> List[int]:
+    """The cores this process may run on, as before any binding of ours (raises where
+    affinity is unknown: not Linux)."""
+    return sorted(_unbound if _unbound is not None else os.sched_getaffinity(0))
+
+
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity; all cores where unknown)."""
+    """The cores this process may run on (its CPU affinity, as before any binding of ours;
+    all cores where unknown)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return len(_process_cores())
     except (AttributeError, OSError):   # not Linux
         return os.cpu_count() or 1
 
@@ -116,7 +131,7 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
     if setting is False or (setting == 'auto' and not on_cpu) or replicas < 2:
         return None
     try:
-        cores = sorted(os.sched_getaffinity(0))
+        cores = _process_cores()
     except (AttributeError, OSError):   # not Linux
         return None
     if len(cores) < replicas:
@@ -130,24 +145,39 @@ class ThreadBinding:
     ``also`` (native thread ids), bound to ``cores`` until :meth:`restore` (None:
     nothing); restore gives the calling thread its cores back. The master binds its main
     thread and its loader's thread so while the updater runs; a worker binds itself for
-    its life."""
+    its life. While bindings overlap (two updaters alive in one process), the thread
+    keeps the latest one's cores until the last is restored, which gives back the
+    affinity from before the first."""
 
     def __init__(self, cores: Optional[Tuple[int, ...]], also: Any = ()) -> None:
+        global _unbound, _bindings
         self.cores = cores
-        self._before: Optional[Any] = None
+        self._bound = False
         if cores:
             try:
-                self._before = os.sched_getaffinity(0)
+                before = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, cores)
-                for thread_id in also:   # other threads of ours (native ids)
-                    if thread_id is not None:
+            except (AttributeError, OSError):   # a container that forbids it: as it is
+                return
+            if _bindings == 0:
+                _unbound = before
+            _bindings += 1
+            self._bound = True
+            for thread_id in also:   # other threads of ours (native ids)
+                if thread_id is not None:
+                    try:
                         os.sched_setaffinity(thread_id, cores)
-            except OSError:   # a container that forbids it, a thread gone: as it is
-                pass
+                    except OSError:   # a thread gone: as it is
+                        pass
 
     def restore(self) -> None:
-        before, self._before = self._before, None
-        if before is not None:
+        global _unbound, _bindings
+        if not self._bound:
+            return
+        self._bound = False
+        _bindings -= 1
+        if _bindings == 0:
+            before, _unbound = _unbound, None
             try:
                 os.sched_setaffinity(0, before)
             except OSError:

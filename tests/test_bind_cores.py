@@ -57,6 +57,32 @@ def test_the_master_and_the_worker_run_on_their_own_cores_until_finalize():
     assert os.sched_getaffinity(0) == before
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores to bind 2 replicas')
+def test_an_updater_built_while_another_runs_shares_out_the_cores_the_process_had():
+    """The second's worker on its own share, not on the first's master share (which it
+    would inherit: both replicas then ran on one core, at twice the time per update); the
+    process's cores back only when the last one ends."""
+    before = os.sched_getaffinity(0)
+    shares = _threads.core_shares('auto', 2, on_cpu=True)
+    first_model, first = two_cpu_replicas()
+    second = None
+    try:
+        run_updates(first, first_model, 1)
+        second_model, second = two_cpu_replicas()
+        run_updates(second, second_model, 1)
+        for updater in (first, second):
+            worker, = updater.worker_pids()
+            assert os.sched_getaffinity(worker) == set(shares[1])
+        assert os.sched_getaffinity(0) == set(shares[0])
+        first.finalize()
+        assert os.sched_getaffinity(0) == set(shares[0])   # the second still runs
+    finally:
+        first.finalize()
+        if second is not None:
+            second.finalize()
+    assert os.sched_getaffinity(0) == before
+
+
 def test_bind_cores_false_leaves_every_process_as_it_was():
     before = os.sched_getaffinity(0)
     model, updater = two_cpu_replicas(bind_cores=False)
