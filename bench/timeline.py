@@ -320,9 +320,7 @@ def markdown(result):
     names = ['ours', 'chainermn']
     heads = ['ours', 'ChainerMN (naive)']
     lines = ['# Where an update\'s time goes: 2 CPU replicas, ours and ChainerMN', '',
-             '`python bench/timeline.py{}`'.format(
-                 ' --k {}'.format(result['config']['k']) if result['config']['k'] != 1
-                 else ''), '',
+             '`{}`'.format(result.get('command', 'python bench/timeline.py')), '',
              'Model `{model}`, micro-batch {micro_batch} per replica, k = {k}, ours with '
              'prefetch={prefetch}; {repeats} repeats, '
              'alternating the methods, each '
@@ -424,7 +422,10 @@ def main(argv=None):
     env.setdefault('OMPI_ALLOW_RUN_AS_ROOT', '1')
     env.setdefault('OMPI_ALLOW_RUN_AS_ROOT_CONFIRM', '1')
     load_start = _common.loadavg()
-    result = {'schema': SCHEMA, 'config': {
+    result = {'schema': SCHEMA,
+              'command': ' '.join(['python bench/timeline.py']
+                                  + list(sys.argv[1:] if argv is None else argv)),
+              'config': {
         'model': args.model, 'micro_batch': args.micro_batch, 'k': args.k,
         'updates': args.updates, 'warmup': args.warmup, 'repeats': args.repeats,
         'prefetch': args.prefetch}}
