@@ -424,15 +424,7 @@ def run_anchor(args: argparse.Namespace, timeout: float) -> Dict[str, Any]:
     with open(os.path.join(args.outdir, 'bench.log'), 'a') as log:
         log.write(f'\n\n===== {NCCL_SECTION} anchor: {result["command"]} =====\n')
         log.flush()
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                                  timeout=timeout, env=_child_env())
-            stdout, result['returncode'] = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            raw = e.stdout or ''
-            stdout = raw.decode() if isinstance(raw, bytes) else raw
-            result['returncode'] = None
-            result['error'] = f'the anchor did not finish within {timeout:.0f} s'
+        stdout = _run_to_log(cmd, log, timeout, result, 'the anchor')
         log.write('--- stdout ---\n' + stdout)
     for line in stdout.splitlines():
         if not line.startswith(RESULT):
@@ -468,6 +460,23 @@ def _junit(path: str) -> Dict[str, Any]:
     return out
 
 
+def _run_to_log(cmd: List[str], log: Any, timeout: float, result: Dict[str, Any],
+                what: str) -> str:
+    """Run ``cmd`` with its stderr into ``log``; its stdout (what it printed by then, if it
+    ran past ``timeout``). Sets ``result['returncode']`` (None past the timeout, with
+    ``result['error']`` naming ``what``)."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                              timeout=timeout, env=_child_env())
+    except subprocess.TimeoutExpired as e:
+        raw = e.stdout or ''
+        result['returncode'] = None
+        result['error'] = f'{what} did not finish within {timeout:.0f} s'
+        return raw.decode() if isinstance(raw, bytes) else raw
+    result['returncode'] = proc.returncode
+    return proc.stdout
+
+
 def _child_env() -> Dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED='1')
     paths = [ROOT] + [p for p in env.get('PYTHONPATH', '').split(os.pathsep) if p]
@@ -487,15 +496,7 @@ def run_bench(args: argparse.Namespace, timeout: float) -> Dict[str, Any]:
         cmd += ['--seconds', str(args.seconds)]
     result: Dict[str, Any] = {'timeout_s': round(timeout)}
     with open(log, 'w') as f:
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f, text=True,
-                                  timeout=timeout, env=_child_env())
-            stdout, result['returncode'] = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout or ''
-            stdout = out.decode() if isinstance(out, bytes) else out
-            result['returncode'] = None
-            result['error'] = f'the throughput run did not finish within {timeout:.0f} s'
+        stdout = _run_to_log(cmd, f, timeout, result, 'the throughput run')
         f.write('\n--- stdout ---\n' + stdout)
     rows = [json.loads(line[len(RESULT):]) for line in stdout.splitlines()
             if line.startswith(RESULT)]

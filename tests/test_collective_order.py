@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from mgpu_updater.comm.shm import ShmCommunicator
 from mgpu_updater._loader import make_loader
 
 from _models import MLP, classifier, dataset, setup_optimizer
+from _processes import gone_within
 
 SYNC_AND_PARITIES = [None, 0, 1]
 
@@ -337,22 +337,6 @@ def _grads_first(order):     # the workers' order before the fix
             + [c for c in order if c.buffer.startswith('stat')])
 
 
-def _gone_within(pids, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize('parity', SYNC_AND_PARITIES)
 def test_updater_with_the_old_order_raises_and_every_worker_is_stopped(monkeypatch, parity):
     model = classifier(seed=4, batchnorm=True)
@@ -370,7 +354,7 @@ def test_updater_with_the_old_order_raises_and_every_worker_is_stopped(monkeypat
         assert (f"rank 0 issued [('bcast', 'param/<f4'), ('reduce', '{grad}')]" in message)
         assert (f"rank 1 issued [('bcast', 'param/<f4'), ('reduce', 'stat/<f4'), "
                 f"('reduce', '{grad}')]") in message
-        assert _gone_within(pids, 10.0), 'a worker outlived the failed update'
+        assert gone_within(pids, 10.0), 'a worker outlived the failed update'
     finally:
         updater.finalize()
 
@@ -390,7 +374,7 @@ def test_a_worker_that_sees_another_broadcast_order_fails_in_the_master(monkeypa
         assert ("collective #0 is ('bcast', 'param/<f8') on rank 0 but ('bcast', 'param/<f4') "
                 'on rank 1') in tb
         assert "rank 0 issued [('bcast', 'param/<f8'), ('bcast', 'param/<f4')]" in tb
-        assert _gone_within(pids, 10.0)
+        assert gone_within(pids, 10.0)
     finally:
         updater.finalize()
 

@@ -45,6 +45,7 @@ from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, comm as comms
 from mgpu_updater.comm.nccl import TEST_SWITCH, NcclCommunicator, act_as_own_host
 
 from _models import MLP, classifier, dataset, run_updates, setup_optimizer
+from _processes import gone_within
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'scripts'))
 import comm_contract as contract  # noqa: E402
@@ -77,22 +78,6 @@ def host_params(model):
 
 def max_diff(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
-
-
-def _gone_within(pids, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ------------------------------------------------------------------ the contract
@@ -398,7 +383,7 @@ def _two_updates_then(size, fail, marked=False):
     finally:
         updater.finalize()
     assert elapsed < 10, f'the WorkerError took {elapsed:.1f} s'
-    assert _gone_within(pids, 10), 'a worker outlived the updater'
+    assert gone_within(pids, 10), 'a worker outlived the updater'
     return info.value
 
 

@@ -181,16 +181,23 @@ class LocalGroup(Group):
         worker's Done says so)."""
         return self.board if self.announce_packs else None
 
+    def _master_half(self, own: WindowResult, parity: Optional[int],
+                     then: Optional[Callable[[int, float], None]] = None) -> List[WindowResult]:
+        """The workers' results of the master's half after its window
+        (:func:`.protocol.master_finish`); with restarts, redone after a death
+        (:meth:`_recovering`)."""
+        if self.recovery is None:
+            return master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                 self.size, own, self._pack_board, then=then)
+        self._stepped = False
+        unwrap = self.recovery.records.unwrap
+        return self._recovering(lambda: master_finish(
+            self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
+            self._pack_board, then=then, unwrap=unwrap))
+
     def finish(self, own: WindowResult) -> List[WindowResult]:
         with self._on_device():
-            if self.recovery is None:
-                others = master_finish(self.pool, self.comm, self.layouts, self.model, None,
-                                       self.size, own, self._pack_board)
-            else:
-                unwrap = self.recovery.records.unwrap
-                others = self._recovering(lambda: master_finish(
-                    self.pool, self.comm, self.layouts, self.model, None, self.size, own,
-                    self._pack_board, unwrap=unwrap))
+            others = self._master_half(own, None)
             self.grads.receive()
             self.settle()
         return [own] + others
@@ -200,36 +207,16 @@ class LocalGroup(Group):
         def summed(count: int, loss: float) -> None:
             self.grads.receive()   # enqueued while the reductions run
             self.settle()          # the step may read on the host (hooks, loss scaling)
+            self._stepped = True   # no death is recovered past this (_recovering)
             step(count, loss)
         with self._on_device():
-            if self.recovery is None:
-                return [own] + master_finish(self.pool, self.comm, self.layouts, self.model,
-                                             None, self.size, own, self._pack_board,
-                                             then=summed)
-            self._stepped = False
-
-            def summed_once(count: int, loss: float) -> None:
-                self.grads.receive()
-                self.settle()
-                self._stepped = True
-                step(count, loss)
-            unwrap = self.recovery.records.unwrap
-            return [own] + self._recovering(lambda: master_finish(
-                self.pool, self.comm, self.layouts, self.model, None, self.size, own,
-                self._pack_board, then=summed_once, unwrap=unwrap))
+            return [own] + self._master_half(own, None, then=summed)
 
     def finish_async(self, own: WindowResult, parity: int) -> Tuple[List[WindowResult], ReduceHandle]:
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
         with self._on_device():
-            if self.recovery is None:
-                others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                                       self.size, own, self._pack_board)
-            else:
-                unwrap = self.recovery.records.unwrap
-                others = self._recovering(lambda: master_finish(
-                    self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
-                    self._pack_board, unwrap=unwrap))
+            others = self._master_half(own, parity)
             self.settle()   # what follows may read on the host (the step, extensions)
         grads = self.layouts.grad_set(parity)
 
