@@ -421,7 +421,10 @@ def connect_ranks(fake: types.SimpleNamespace, asynchronous: bool = False,
       collective at the same position fails the check (NCCL would mix the buffers or
       hang). Synchronous (default): each call returns after that, as if the host waited.
       ``asynchronous``: a call returns once enqueued, like NCCL's, leaving a ticket on its
-      stream, which the last rank's call completes; events and host reads see it.
+      stream, which the last rank's call completes; events and host reads see it. A rank
+      whose communicator is aborted (ncclCommAbort) has its unfinished collectives end,
+      their buffers as they are, and its stream goes on; the other ranks' stay stuck
+      until they abort theirs.
 
     A wait that no rank ends fails after ``timeout`` seconds instead of hanging.
     """
@@ -459,6 +462,7 @@ def connect_ranks(fake: types.SimpleNamespace, asynchronous: bool = False,
             self.world = world = world_of(size, unique_id)
             self.connected: set = set()
             self.issued = 0
+            self.pending: List[threading.Event] = []   # its tickets, for abort
             world.members[rank] = self
             wait(world.joined, f'rank {rank}: NCCL initialisation')
             for other, comm in world.members.items():
@@ -490,13 +494,20 @@ def connect_ranks(fake: types.SimpleNamespace, asynchronous: bool = False,
                 wait(world.data, f'rank {rank}: {verb}')
                 return
             with world.lock:
-                ticket = world.tickets.setdefault(position, threading.Event())
+                ticket = world.tickets.setdefault(position, {})[rank] = threading.Event()
                 calls = world.calls.setdefault(position, {})
                 calls[rank] = call
                 complete = len(calls) == size
+            self.pending.append(ticket)
             fake.streams_by_ptr[call[-1]]._tickets.append(ticket)
             if complete:
                 execute([calls[r] for r in range(size)])
+                for each in world.tickets[position].values():
+                    each.set()
+
+        def abort(self) -> None:
+            super().abort()
+            for ticket in self.pending:   # ncclCommAbort ends this rank's kernels
                 ticket.set()
 
     def execute(calls: List[tuple]) -> None:

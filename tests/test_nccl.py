@@ -243,7 +243,19 @@ def test_wait_aborts_when_a_peer_dies(fake):
     fake.hang = True
     with pytest.raises(PeerDied, match='worker 1'):
         comm.wait()
-    assert fake.comms[0].calls[-1] == ('abort',) and comm.finalized
+    assert fake.comms[0].calls[-1] == ('abort',)
+    assert_abandoned(comm)
+
+
+def assert_abandoned(comm):
+    """NCCL's communicator aborted, the buffers kept, and no collective (a lazy init would
+    join the dead world again) until a rebuild or a rejoin."""
+    assert not comm.initialized and not comm.finalized
+    assert comm.buffer('grad/<f4').shape == (5,)
+    with pytest.raises(RuntimeError, match=r'abandoned after a peer failed.*rebuild\(\)'):
+        comm.reduce('grad/<f4')
+    with pytest.raises(RuntimeError, match=r'abandoned after a peer failed'):
+        comm.init()
 
 
 def test_wait_times_out_and_aborts(fake):

@@ -164,8 +164,11 @@ def test_1_a_worker_dead_after_step_is_an_error_before_the_window_is_read(fake, 
     with pytest.raises(WorkerError, match=r'replica 1 .*killed by SIGKILL'):
         group.settle()  # what the master's replica calls before it reads its values
     assert time.monotonic() - t0 < 5
-    assert fake.comms[0].calls[-1] == ('abort',) and group.comm.finalized
+    assert fake.comms[0].calls[-1] == ('abort',) and not group.comm.initialized
+    with pytest.raises(RuntimeError, match='abandoned after a peer failed'):
+        group.comm.bcast(sorted(group.layouts.spec())[0])   # no lazy init into a dead world
     group.close(abort=True)
+    assert group.comm.finalized
 
 
 def test_1_a_worker_dead_after_done_stops_the_update_before_the_step(fake, monkeypatch):

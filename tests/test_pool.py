@@ -201,7 +201,7 @@ def test_replace_starts_a_new_process_for_a_dead_rank_and_kills_what_it_left(poo
     os.kill(victim, signal.SIGKILL)
     assert gone(victim)
     assert p.dead_ranks() == [1]
-    new = p.replace(1, pool_targets.target, b'echo', [], START_TIMEOUT)
+    new = p.replace(pool_targets.target, {1: b'echo'}, [], START_TIMEOUT)[1]
     assert gone(grandchild)
     assert new not in (victim, other) and sorted(p.pids()) == sorted([new, other])
     assert p.dead_ranks() == []

@@ -444,11 +444,17 @@ def test_the_restart_error_keeps_what_it_says_when_pickled():
 
 # ------------------------------------------------------------------ what is not restarted
 class _Comm:
+    rejoins = False
+
     def __init__(self, name, rebuilds):
-        self.name, self.rebuilds, self.rebuilt = name, rebuilds, 0
+        self.name, self.rebuilds, self.rebuilt, self.abandoned = name, rebuilds, 0, 0
+
+    def abandon(self):
+        self.abandoned += 1
 
     def rebuild(self):
         self.rebuilt += 1
+        return ('handle', self.rebuilt)
 
 
 def _recovery(comm, limit=1):
@@ -461,16 +467,15 @@ def _recovery(comm, limit=1):
 
 
 def test_a_backend_that_cannot_take_a_new_rank_raises_saying_so():
-    """The NCCL backend has no rebuild yet: a death raises as without restarts, saying
-    why (nothing is rewound, nothing started)."""
+    """A communicator without rebuild (the interface's default): a death raises as
+    without restarts, saying why (nothing is rewound, nothing started)."""
     death = WorkerError('the worker process (pid 7) was killed by SIGKILL', replica=1,
                         device='@cupy:1', exitcode=-9)
     with pytest.raises(WorkerError, match=r"^replica 1 on device '@cupy:1': the worker "
                                           r'process \(pid 7\) was killed by SIGKILL; not '
-                                          r'restarted: the nccl communicator cannot take a new '
-                                          r'rank yet \(max_worker_restarts works on the '
-                                          r'shared-memory backend') as info:
-        _recovery(_Comm('nccl', rebuilds=False)).recover(death, lambda: None)
+                                          r'restarted: the custom communicator cannot take a '
+                                          r'new rank$') as info:
+        _recovery(_Comm('custom', rebuilds=False)).recover(death, lambda: None)
     assert info.value.exitcode == -9
 
 
@@ -483,12 +488,14 @@ def test_a_stall_is_not_a_death():
     assert info.value is stalled
 
 
-def test_the_shm_backends_rebuild_and_nccl_not_yet():
+def test_every_local_backend_rebuilds_and_nccls_ranks_rejoin():
     from mgpu_updater.comm.base import Communicator
     from mgpu_updater.comm.nccl import NcclCommunicator
     from mgpu_updater.comm.staged import HostStagedCommunicator
     assert ShmCommunicator.rebuilds and HostStagedCommunicator.rebuilds
-    assert not Communicator.rebuilds and not NcclCommunicator.rebuilds
+    assert NcclCommunicator.rebuilds and not Communicator.rebuilds
+    assert NcclCommunicator.rejoins
+    assert not (ShmCommunicator.rejoins or HostStagedCommunicator.rejoins)
 
 
 class _Pool:
@@ -514,13 +521,15 @@ def test_a_replacement_that_fails_to_start_raises_saying_both():
     from mgpu_updater._local.recovery import Recovery
     from mgpu_updater._restarts import RestartLog
 
-    def start(rank, payload):
-        raise WorkerError('failed during restart', replica=rank, device='@numpy',
+    def start(payloads, survivors, handle):
+        assert sorted(payloads) == [1] and survivors == [2] and handle == ('handle', 1)
+        raise WorkerError('failed during restart', replica=1, device='@numpy',
                           remote_traceback='Traceback (most recent call last):\n  planted\n')
     pool = _Pool()
+    comm = _Comm('shm', rebuilds=True)
     recovery = Recovery(RestartLog(3), Records({1: ResumePoint({}), 2: ResumePoint({})}),
-                        pool, _Comm('shm', rebuilds=True), board=None,
-                        payload=lambda rank, point, size: b'payload', start=start)
+                        pool, comm, board=None,
+                        payload=lambda rank, point, size, handle: b'payload', start=start)
     with pytest.raises(WorkerError, match=r"^replica 1 on device '@numpy': failed during "
                                           r'restart, while it was started in place of a worker '
                                           r'process that died \(the worker process \(pid 7\) '
@@ -528,3 +537,4 @@ def test_a_replacement_that_fails_to_start_raises_saying_both():
                        ) as info:
         recovery.recover(pool.death(1), lambda: pytest.fail('no redo'))
     assert pool.rewound == [[2]] and 'planted' in info.value.remote_traceback
+    assert comm.abandoned == 1 and comm.rebuilt == 1   # given up, then rebuilt, before

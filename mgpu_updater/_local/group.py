@@ -23,8 +23,8 @@ from .._threads import available_cores
 from ..errors import WorkerError
 from .board import STORE_ORDER, Board, announces_packs, spin_for
 from .pool import WorkerPool
-from .protocol import (Joining, State, StateRequest, Step, broadcast_only, master_begin,
-                       master_finish, slot_views)
+from .protocol import (Joining, Rejoin, Rejoined, State, StateRequest, Step, broadcast_only,
+                       master_begin, master_finish, slot_views)
 from .recovery import Recovery
 from .resume import Records, ResumePoint
 from .worker import WorkerInit, main as worker_main
@@ -75,6 +75,9 @@ class LocalGroup(Group):
         self.recovery: Optional[Recovery] = None
         self._sent: Optional[Step] = None   # ... and the update's Step, to send again
         self._stepped = False
+        #: a death the master's wait in its window found (:meth:`settle`), recovered in
+        #: its half after the window
+        self._death: Optional[WorkerError] = None
         try:
             self.comm.watch_peers(self._check_workers)   # NCCL checks it while it waits
             data = {r: p(handle, board, self.announce_packs) for r, p in payloads.items()}
@@ -83,11 +86,12 @@ class LocalGroup(Group):
                     restarts, Records({r: ResumePoint(capture_state(p.iterator))
                                        for r, p in payloads.items()}),
                     self.pool, self.comm, self.board,
-                    payload=lambda r, point, size: payloads[r](
-                        handle, board, self.announce_packs, resume=point, chunk_size=size),
-                    start=lambda r, payload: self.pool.replace(
-                        r, worker_main, payload, segments, start_timeout,
-                        before_ready=self._rejoiner(r, start_timeout)))
+                    payload=lambda r, point, size, renewed: payloads[r](
+                        renewed, board, self.announce_packs, resume=point, chunk_size=size),
+                    start=lambda data, survivors, renewed: self.pool.replace(
+                        worker_main, data, segments, start_timeout,
+                        before_ready=self._rejoiner(sorted(data), survivors, renewed,
+                                                    start_timeout)))
             self.pool.start(worker_main, data, segments, start_timeout,
                             before_ready=self._joiner(start_timeout))
             self._started = True
@@ -122,8 +126,21 @@ class LocalGroup(Group):
     def settle(self) -> None:
         """Return once the master's collectives in flight have finished: bounded by the
         communicator's timeout, watching the workers (a dead one raises WorkerError, the
-        communicator aborted). A no-op on backends whose verbs return done."""
-        self.comm.wait()
+        communicator abandoned). A no-op on backends whose verbs return done. The
+        master's replica calls it before it reads its window's values; there, under
+        ``max_worker_restarts`` on a communicator that a dead rank breaks (NCCL), a death
+        is kept instead and raised in the master's half after the window, which recovers
+        it (:mod:`.recovery`): the window's values are the master's own, which its bcast
+        (the collective a dead rank left waiting, now abandoned) never wrote."""
+        if self.recovery is None or not self.comm.rejoins:
+            self.comm.wait()
+            return
+        try:
+            self.comm.wait()
+        except WorkerError as error:
+            if not error.died:
+                raise
+            self._death = error
 
     def begin(self, loss_scale: Optional[float], parity: Optional[int] = None) -> None:
         with self._on_device():
@@ -147,16 +164,27 @@ class LocalGroup(Group):
         master_begin(self.pool, self.comm, self.layouts, self.model, None, None,
                      again=self._sent)
 
-    def _rejoiner(self, rank: int, start_timeout: float) -> Callable[[], None]:
-        """What the master does once a replacement has its payload (:mod:`.recovery`): wait
-        until it says it joins the communicator. The shared-memory backend has no
-        rendezvous; a backend that rebuilds with one (NCCL) would join here, with every
-        survivor."""
+    def _rejoiner(self, ranks: List[int], survivors: List[int], handle: Any,
+                  start_timeout: float) -> Callable[[], None]:
+        """What the master does once the replacements of ``ranks`` have their payloads
+        (:mod:`.recovery`): wait until each says it joins the communicator; where the
+        ranks meet again (NCCL's rendezvous), tell the ``survivors`` to rejoin through
+        ``handle``, join too, and wait until each survivor says it has, all within
+        ``start_timeout``."""
         deadline = time.monotonic() + start_timeout
 
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         def join() -> None:
-            self.pool.gather(Joining.KIND, timeout=max(0.0, deadline - time.monotonic()),
-                             what='restart', ranks=[rank])
+            self.pool.gather(Joining.KIND, timeout=left(), what='restart', ranks=ranks)
+            if self.comm.rejoins:
+                if survivors:
+                    self.pool.send(Rejoin(handle), ranks=survivors)
+                self.comm.init(timeout=left())
+                if survivors:
+                    self.pool.gather(Rejoined.KIND, timeout=left(), what='restart',
+                                     ranks=survivors)
         return join
 
     def _recovering(self, finish: Callable[[], List[WindowResult]]) -> List[WindowResult]:
@@ -166,6 +194,9 @@ class LocalGroup(Group):
         recovery = self.recovery
         while True:
             try:
+                death, self._death = self._death, None
+                if death is not None:   # found in the master's window (settle)
+                    raise death
                 results = finish()
             except WorkerError as error:
                 if self._stepped:
@@ -182,31 +213,42 @@ class LocalGroup(Group):
         return self.board if self.announce_packs else None
 
     def _master_half(self, own: WindowResult, parity: Optional[int],
-                     then: Optional[Callable[[int, float], None]] = None) -> List[WindowResult]:
+                     then: Optional[Callable[[int, float], None]] = None,
+                     after: Optional[Callable[[], None]] = None) -> List[WindowResult]:
         """The workers' results of the master's half after its window
-        (:func:`.protocol.master_finish`); with restarts, redone after a death
-        (:meth:`_recovering`)."""
+        (:func:`.protocol.master_finish`), then ``after()``; with restarts, both redone
+        after a death (:meth:`_recovering`)."""
         if self.recovery is None:
-            return master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                                 self.size, own, self._pack_board, then=then)
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                   self.size, own, self._pack_board, then=then)
+            if after is not None:
+                after()
+            return others
         self._stepped = False
         unwrap = self.recovery.records.unwrap
-        return self._recovering(lambda: master_finish(
-            self.pool, self.comm, self.layouts, self.model, parity, self.size, own,
-            self._pack_board, then=then, unwrap=unwrap))
+
+        def half() -> List[WindowResult]:
+            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
+                                   self.size, own, self._pack_board, then=then,
+                                   unwrap=unwrap)
+            if after is not None:
+                after()
+            return others
+        return self._recovering(half)
+
+    def _receive(self) -> None:
+        self.grads.receive()
+        self.comm.wait()   # what follows may read on the host (the step, extensions)
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         with self._on_device():
-            others = self._master_half(own, None)
-            self.grads.receive()
-            self.settle()
-        return [own] + others
+            return [own] + self._master_half(own, None, after=self._receive)
 
     def finish_stepping(self, own: WindowResult,
                         step: Callable[[int, float], None]) -> List[WindowResult]:
         def summed(count: int, loss: float) -> None:
             self.grads.receive()   # enqueued while the reductions run
-            self.settle()          # the step may read on the host (hooks, loss scaling)
+            self.comm.wait()       # the step may read on the host (hooks, loss scaling)
             self._stepped = True   # no death is recovered past this (_recovering)
             step(count, loss)
         with self._on_device():
@@ -216,8 +258,8 @@ class LocalGroup(Group):
         """As :meth:`finish`, but the summed gradient stays in the parity's buffers until
         the updater applies it, one update later (the next update uses the other set)."""
         with self._on_device():
-            others = self._master_half(own, parity)
-            self.settle()   # what follows may read on the host (the step, extensions)
+            # what follows may read on the host (the step, extensions)
+            others = self._master_half(own, parity, after=self.comm.wait)
         grads = self.layouts.grad_set(parity)
 
         def source() -> Dict[str, Any]:

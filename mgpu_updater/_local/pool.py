@@ -242,35 +242,39 @@ class WorkerPool:
                     dead.append(rank)
         return dead
 
-    def replace(self, rank: int, target: Callable[..., None], payload: bytes,
+    def replace(self, target: Callable[..., None], payloads: Dict[int, bytes],
                 shm_names: List[str], timeout: float,
-                before_ready: Optional[Callable[[], None]] = None) -> int:
-        """Start a new process for ``rank``, whose process died, with ``payload``, and
-        wait (``timeout``) until it is ready, as :meth:`start` does (``before_ready`` as
-        there); returns its pid. What the dead one's iterator started (its process group)
-        is killed first, and the dead one reaped. A failure here raises
+                before_ready: Optional[Callable[[], None]] = None) -> Dict[int, int]:
+        """Start a new process for each rank of ``payloads``, whose process died, with its
+        payload, and wait (``timeout``) until each is ready, as :meth:`start` does, all
+        at once (``before_ready`` as there: a rendezvous needs every new rank); returns
+        their pids by rank. What each dead one's iterator started (its process group) is
+        killed first, and the dead one reaped. A failure here raises
         :class:`WorkerError`, as at start-up."""
-        old = self._procs[rank]
-        _kill_group(old.pid)
-        old.join(KILL_TIMEOUT)
-        self._conns.pop(rank).close()
-        handle = self._exits.pop(rank)
-        if isinstance(handle, int):
-            os.close(handle)
-        if old.exitcode is not None:
-            old.close()
-        del self._procs[rank]
-        self._early.pop(rank, None)
+        ranks = sorted(payloads)
+        for rank in ranks:
+            old = self._procs[rank]
+            _kill_group(old.pid)
+            old.join(KILL_TIMEOUT)
+            self._conns.pop(rank).close()
+            handle = self._exits.pop(rank)
+            if isinstance(handle, int):
+                os.close(handle)
+            if old.exitcode is not None:
+                old.close()
+            del self._procs[rank]
+            self._early.pop(rank, None)
         deadline = time.monotonic() + timeout
-        self._spawn(rank, target, shm_names)
+        for rank in ranks:
+            self._spawn(rank, target, shm_names)
         self._collect(Hello.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
-                      ranks=[rank])
-        self._send_payloads({rank: payload}, deadline, timeout)
+                      ranks=ranks)
+        self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
         self._collect(Ready.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
-                      ranks=[rank])
-        return self._procs[rank].pid
+                      ranks=ranks)
+        return {rank: self._procs[rank].pid for rank in ranks}
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
                        timeout: float) -> None:

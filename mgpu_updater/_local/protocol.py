@@ -60,8 +60,9 @@ the master never learns of a death after it has stepped; :class:`Rewind` sends a
 back to where its window started, once the update is abandoned.
 
 The messages (master -> worker: :class:`Step`, :class:`StateRequest`, :class:`Rewind`,
-:class:`Stop`; worker -> master: :class:`Hello`, :class:`Joining`, :class:`Ready`,
-:class:`Done`, :class:`State`, :class:`Rewound`, :class:`Failed`; the start-up payload goes
+:class:`Rejoin`, :class:`Stop`; worker -> master: :class:`Hello`, :class:`Joining`,
+:class:`Ready`, :class:`Done`, :class:`State`, :class:`Rewound`, :class:`Rejoined`,
+:class:`Failed`; the start-up payload goes
 as bytes between Hello and Ready, see
 :mod:`mgpu_updater._local.pool`) are named tuples whose first field, ``kind``, names the
 message, so ``msg[0]`` dispatches. The master's go as bytes that :class:`Encoder` keeps
@@ -184,6 +185,32 @@ class Rewind(_Kind, _NoFields):
 class Rewound(_Kind, _NoFields):
     """worker -> master: back where its latest window started, waiting for a Step."""
     KIND = 'rewound'
+
+
+class _RejoinFields(NamedTuple):
+    kind: str
+    handle: Any
+
+
+class Rejoin(_Kind, _RejoinFields):
+    """master -> worker (``max_worker_restarts``, a communicator that :attr:`~mgpu_updater.
+    comm.base.Communicator.rejoins`): after :class:`Rewind`, join the rebuilt
+    communicator through ``handle`` (NCCL: a fresh unique id), with the new ranks and the
+    master; answer :class:`Rejoined`."""
+    KIND = 'rejoin'
+
+
+class Rejoined(_Kind, _NoFields):
+    """worker -> master: joined the rebuilt communicator."""
+    KIND = 'rejoined'
+
+
+class Abandoned(Exception):
+    """Raised in a worker, under ``max_worker_restarts``, where it waits for its
+    collectives during an update (a communicator whose collectives a dead rank leaves
+    unfinished, NCCL) and a message from the master came meanwhile (in an update that
+    is a :class:`Rewind`, or a Stop), or the backend reported that a peer failed: its
+    window is given up, and it reads the message."""
 
 
 class Shipment(NamedTuple):

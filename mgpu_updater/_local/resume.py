@@ -109,13 +109,16 @@ class Keeper:
         self.here = capture(loader)
         self.before = self.here
         self._sent: Optional[ResumePoint] = None   # what the master holds, as far as known
+        self._in_window = False   # a window started and has not ended (or was given up)
 
     def window_starts(self) -> None:
         """A Step came: the master completed the update before it (or redoes this one)."""
         self.before = self.here
+        self._in_window = True
 
     def window_ended(self, loader: Any) -> Change:
         """The window is over: where the next starts, as the change to send the master."""
+        self._in_window = False
         self.here = point = capture(loader)
         change = difference(self._sent, point)
         self._sent = point
@@ -126,8 +129,9 @@ class Keeper:
         loader (the old one read ahead of it). The master did not apply the change sent
         for that window: the next change is sent whole."""
         self._sent = None
-        if self.here is self.before:   # no window ran since: already there
+        if self.here is self.before and not self._in_window:   # no window ran since
             return
+        self._in_window = False   # one given up half-way read batches too
         replica.loader.close()
         restore(self.before, replica.loader.iterator)
         replica.loader = make_loader()

@@ -13,6 +13,7 @@ Step(loss_scale, scalars, parity)         Done(WindowResult) (or, where packs ar
                                           mailbox at the board, .board)
 StateRequest()                            State(iterator state dict)
 Rewind() (max_worker_restarts)            Rewound(), back where its latest window began
+Rejoin(handle) (after Rewind, NCCL)       Rejoined(), the rebuilt communicator joined
 Stop()                                    (exits)
                                           Failed(traceback) on any exception
 """
@@ -25,8 +26,9 @@ import time
 import traceback
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from .protocol import (Decoder, Done, Failed, Hello, Joining, ParamViews, Ready, Rewind,
-                       Rewound, State, StateRequest, Step, Stop, worker_step)
+from .protocol import (Abandoned, Decoder, Done, Failed, Hello, Joining, ParamViews, Ready,
+                       Rejoin, Rejoined, Rewind, Rewound, State, StateRequest, Step, Stop,
+                       worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -263,11 +265,39 @@ def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
            in_place: Any) -> None:
     """Answer the master's messages (see :mod:`mgpu_updater._local.protocol`) until Stop."""
     views, board, keeper = in_place
+    if keeper is not None and comm.rejoins:
+        _give_up_on_message(conn, replica, comm)
     try:
         _answer(conn, init, replica, comm, layouts, views, board, keeper)
     finally:
         if board is not None:
             board.close()
+
+
+def _give_up_on_message(conn: Any, replica: Any, comm: Any) -> None:
+    """Under ``max_worker_restarts``, on a communicator whose collectives a dead rank
+    leaves unfinished (NCCL): the replica's read of its window's values on the host
+    (which would wait for good behind such a collective) first waits for the
+    collectives, bounded and watching, and gives the window up (:class:`Abandoned`,
+    the communicator abandoned) as soon as the master sends a message, which in an
+    update means that it abandoned the update (a :class:`Rewind`, or a Stop), or when
+    the backend says that a peer failed; the worker then reads that message."""
+    from ..comm.base import PeerFailure
+    master_alive = comm.check_peer_alive
+
+    def check() -> None:
+        if master_alive is not None:
+            master_alive()
+        if conn.poll(0):
+            raise Abandoned('the master sent a message during the update')
+    comm.watch_peers(check)
+
+    def settle() -> None:
+        try:
+            comm.wait()
+        except PeerFailure as failure:   # comm.wait() abandoned the communicator
+            raise Abandoned(str(failure)) from failure
+    replica.before_read = settle
 
 
 def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
@@ -296,13 +326,19 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
             elif kind == StateRequest.KIND:
                 conn.send(State(replica.loader.state()))
             elif kind == Rewind.KIND and keeper is not None:
+                comm.abandon()   # NCCL: first of all, the collectives stuck on a dead rank end
                 device = replica.loader.device
                 keeper.rewind(replica, lambda: _make_loader(init, device))
                 if board is not None:
                     board.start_over()
                 conn.send(Rewound())
+            elif kind == Rejoin.KIND and keeper is not None:
+                comm.rejoin(msg.handle)
+                conn.send(Rejoined())
             else:
                 raise ValueError(f'unknown command {kind!r}')
+        except Abandoned:   # the update given up (_give_up_on_message): read the message
+            continue
         except BaseException:  # noqa: BLE001 - reported to the master
             _send_error(conn)
             _wait_stop(conn)

@@ -64,6 +64,7 @@ def create(name: str, size: int, spec: BufferSpec, device: Any,
                             os.getpid(), as_hosts)
         comm = NcclCommunicator(0, size, device.device.id, spec, unique_id, timeout=timeout,
                                 broadcast=handle.broadcast)
+        comm.handle = handle   # what rebuild() renews
         return comm, handle
     raise ValueError(f"unknown local communicator {name!r}; use 'shm' or 'nccl'")
 

@@ -64,6 +64,12 @@ class CollectiveOrderError(RuntimeError):
             'that mgpu_updater._local.protocol.collective_order declares')
 
 
+class PeerFailure(RuntimeError):
+    """The backend itself reported that the ranks can no longer communicate (NCCL's
+    asynchronous error: a peer's connection closed, its process died or the network
+    broke)."""
+
+
 def _show(issued: Sequence[Issued]) -> str:
     return '[' + ', '.join(repr(tuple(c)) for c in issued) + ']'
 
@@ -198,17 +204,33 @@ class Communicator(abc.ABC):
     #: (``max_worker_restarts``)
     rebuilds: bool = False
 
+    #: whether the ranks meet again after :meth:`rebuild` (NCCL's rendezvous): then the
+    #: master tells every surviving rank to :meth:`rejoin` with the handle, and joins
+    #: with :meth:`init` while they and the new ranks do
+    rejoins: bool = False
+
+    def abandon(self) -> None:
+        """A peer died (``max_worker_restarts``): give up this rank's collectives in
+        flight, at once and without blocking, keeping the buffers and their contents.
+        Until :meth:`rebuild` (the master) or :meth:`rejoin` (a worker) no collective can
+        be issued. Default: nothing (a dead rank breaks nothing of the others')."""
+
     def rebuild(self) -> Any:
-        """On the master, after a rank's process died and a new one takes its place
-        (``max_worker_restarts``), with every other rank between updates: make the
-        communicator usable by all of them again, each counting updates from the first,
-        and return the handle the new rank attaches with. The shared-memory backend keeps
-        its segments (the dead rank only wrote its own slots) and clears its ledger. A
-        backend whose collectives a dead rank breaks (NCCL) would abort on every surviving
-        rank and build anew with a fresh unique id, each survivor joining it. Default:
-        cannot (:attr:`rebuilds` False)."""
+        """On the master, after a rank's process died, once every surviving rank has
+        abandoned the update (:meth:`abandon`) and before new processes take the dead
+        ranks' places (``max_worker_restarts``): make the communicator one that all of
+        them can use again, each counting updates from the first, and return the handle
+        a new rank attaches with (and a survivor rejoins with, where :attr:`rejoins`).
+        The shared-memory backend keeps its segments (the dead rank only wrote its own
+        slots) and clears its ledger; NCCL makes a fresh unique id, for a new NCCL
+        communicator that every rank joins. Default: cannot (:attr:`rebuilds` False)."""
         raise NotImplementedError(f'the {self.name or type(self).__name__} communicator '
                                   'cannot take a new rank')
+
+    def rejoin(self, handle: Any) -> None:
+        """On a surviving worker, after :meth:`rebuild` on the master: join the rebuilt
+        communicator through ``handle`` (blocking until every rank did, where
+        :attr:`rejoins`). Default: nothing (the same segments serve on)."""
 
     def abort(self) -> None:
         """Give up at once because a peer died; must never block. Default: finalize."""

@@ -52,7 +52,7 @@ from typing import Any, Callable, Collection, Dict, NamedTuple, Optional, Tuple
 import numpy
 
 from .. import _cuda
-from .base import BufferSpec, Communicator, check_spec, named_buffer
+from .base import BufferSpec, Communicator, PeerFailure, check_spec, named_buffer
 
 __all__ = ['NcclCommunicator', 'NcclHandle', 'act_as_own_host', 'ranks_as_hosts']
 
@@ -192,6 +192,11 @@ class NcclCommunicator(Communicator):
         self._comm: Any = None
         self._lock = threading.Lock()
         self._pending_init: Optional[Dict[str, Any]] = None
+        #: a peer died and this rank gave up its collectives (:meth:`abandon`): no
+        #: collective until :meth:`rebuild` or :meth:`rejoin`
+        self._abandoned = False
+        #: what a worker joins with (the master's, set by ``comm.create``), for rebuild()
+        self.handle: Optional[NcclHandle] = None
         self._finalized = False
 
     # -- set-up -------------------------------------------------------------------------
@@ -228,10 +233,11 @@ class NcclCommunicator(Communicator):
         self._check_open()
         if self._comm is not None:
             return
+        self._check_not_abandoned()
         timeout = self.timeout if timeout is None else timeout
         comm = self._create_comm(timeout)
         with self._lock:
-            aborted = self._finalized   # abort() from another thread meanwhile
+            aborted = self._finalized or self._abandoned   # from another thread meanwhile
             if not aborted:
                 self._comm = comm
         if aborted:
@@ -375,12 +381,13 @@ class NcclCommunicator(Communicator):
         self._ready.record(compute)
         self._stream.wait_event(self._ready)
         try:
-            if comm is None:   # abort() from another thread
+            if comm is None:   # abort() or abandon() from another thread
                 self._check_open()
+                self._check_not_abandoned()
             call(comm, array.data.ptr, array.size, nccl_type, self._stream.ptr)
         except Exception as e:
             what = f'NCCL {verb}{f" of {name!r}" if name else ""}'
-            if self._finalized:
+            if self._finalized or self._abandoned:
                 raise RuntimeError(f'{what} on rank {self.rank}: the communicator was '
                                    f'aborted or finalized meanwhile ({e})') from e
             raise RuntimeError(
@@ -407,7 +414,8 @@ class NcclCommunicator(Communicator):
 
         Polls, runs ``check_peer_alive`` and NCCL's asynchronous error check meanwhile, and
         gives up after ``timeout`` (default: the constructor's). On any failure the
-        communicator is aborted before the exception propagates.
+        communicator is abandoned (:meth:`abandon`: ncclCommAbort, which ends the stuck
+        collectives) before the exception propagates.
         """
         self._check_open()
         if self._comm is None:
@@ -418,7 +426,7 @@ class NcclCommunicator(Communicator):
                              what=f'NCCL collectives on rank {self.rank}')
             self._check_async_error()
         except BaseException:
-            self.abort()
+            self.abandon()
             raise
 
     def drain(self) -> None:
@@ -431,7 +439,7 @@ class NcclCommunicator(Communicator):
             return
         try:
             self.wait(self.timeout if self.timeout is not None else _FINALIZE_TIMEOUT)
-        except Exception as e:  # wait() has aborted the communicator
+        except Exception as e:  # wait() has abandoned the communicator
             warnings.warn(f'the collectives in flight on rank {self.rank} did not finish '
                           f'before the other ranks were stopped; the nccl communicator was '
                           f'aborted: {e}', RuntimeWarning)
@@ -458,9 +466,63 @@ class NcclCommunicator(Communicator):
         try:
             comm.check_async_error()
         except Exception as e:
-            raise RuntimeError(
+            raise PeerFailure(
                 f'NCCL reported an asynchronous error on rank {self.rank} '
                 f'(device {self.device_id}): {e}') from e
+
+    # -- a rank replaced (max_worker_restarts) ------------------------------------------
+
+    rebuilds = True
+    rejoins = True
+
+    def abandon(self) -> None:
+        """A peer died: ncclCommAbort (bounded, as in :meth:`abort`), which ends the
+        collectives stuck waiting for it, so that the streams that wait for them go on
+        (what those collectives left in the buffers is undefined). The buffers stay; no
+        collective can be issued until :meth:`rebuild` or :meth:`rejoin` gives this rank
+        a new NCCL communicator: a dead rank leaves NCCL's for good."""
+        with self._lock:
+            comm, self._comm = self._comm, None
+            self._abandoned = True
+            if self._pending_init is not None:
+                self._pending_init['abandoned'] = True
+        if comm is not None:
+            _bounded(comm.abort, _ABORT_TIMEOUT, f'ncclCommAbort on rank {self.rank}')
+
+    def rebuild(self) -> 'NcclHandle':
+        """The master's part: abandon the NCCL communicator (if not yet), make a fresh
+        unique id and return the handle with it, which new ranks attach with and every
+        surviving rank rejoins with (:meth:`rejoin`); the master joins with :meth:`init`
+        while they do (NCCL's rendezvous needs every rank at once)."""
+        self._check_open()
+        if self.rank != 0 or self.handle is None:
+            raise RuntimeError("rebuild() is the master's (rank 0, made by comm.create)")
+        self.abandon()
+        unique_id = self.new_unique_id()
+        self.handle = self.handle._replace(unique_id=unique_id)
+        self._renew(unique_id)
+        return self.handle
+
+    def rejoin(self, handle: 'NcclHandle') -> None:
+        """A surviving worker's part: abandon the NCCL communicator (if not yet) and
+        join the one of ``handle``'s unique id, with every other rank (:meth:`init`)."""
+        self._check_open()
+        check_unique_id(handle.unique_id, 'the rebuilt handle\'s unique_id')
+        self.abandon()
+        self._renew(handle.unique_id)
+        self.init()
+
+    def _renew(self, unique_id: bytes) -> None:
+        with self._lock:
+            self._unique_id = unique_id
+            self._abandoned = False
+
+    def _check_not_abandoned(self) -> None:
+        if self._abandoned:
+            raise RuntimeError(
+                f'the nccl communicator of rank {self.rank} was abandoned after a peer '
+                'failed; it takes no collective until rebuild() (the master) or rejoin() '
+                '(a worker) gives it a new NCCL communicator')
 
     # -- shutdown -----------------------------------------------------------------------
 
@@ -494,7 +556,7 @@ class NcclCommunicator(Communicator):
             timeout = self.timeout if self.timeout is not None else _FINALIZE_TIMEOUT
             try:
                 self.wait(timeout)
-            except BaseException as e:  # wait() has aborted the communicator
+            except BaseException as e:  # wait() has abandoned the communicator
                 warnings.warn(f'the nccl communicator of rank {self.rank} was aborted '
                               f'instead of destroyed: {e}', RuntimeWarning)
                 self._release()
