@@ -16,7 +16,10 @@ transport on the loopback interface (slow, but NCCL's own code paths). With 2 an
   a master that is not device 0 (where two devices exist);
 - a worker SIGKILLed in each window where NCCL would keep the master waiting for good
   (after Step before its bcast; after Done with its reduce in flight): WorkerError within
-  10 s, every process gone; a worker raising from user code.
+  10 s, every process gone; a worker raising from user code;
+- under ``max_worker_restarts=1``, a worker SIGKILLed between updates or after its Done
+  with 3 ranks (a survivor rejoins): the NCCL communicator is rebuilt with a fresh
+  unique id, and the parameters and losses are bitwise those of the uninterrupted run.
 
 Marked ``gpu``: each skips with the reason when CuPy, a CUDA device or NCCL is missing.
 ``bench/gpu_check.sh`` runs this file on its own (its section ``nccl_ranks_on_one_gpu``);
@@ -41,7 +44,8 @@ import pytest
 import chainer
 import chainer.links as L
 
-from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, comm as comms
+from mgpu_updater import (ParallelAccumulatingUpdater, WorkerError, WorkerRestartWarning,
+                          comm as comms)
 from mgpu_updater.comm.nccl import TEST_SWITCH, NcclCommunicator, act_as_own_host
 
 from _models import MLP, classifier, dataset, run_updates, setup_optimizer
@@ -424,3 +428,68 @@ def test_a_worker_raising_from_user_code(one_gpu, size):
         run_updates(updater, model, 1)
     error = _two_updates_then(size, fail, marked=True)
     assert 'planted in the worker' in (error.remote_traceback or '')
+
+
+# ------------------------------------------------------------------ restarts
+_UNINTERRUPTED = {}
+
+
+def _restart_run(size, kill=None, updates=4, device='@cupy:0'):
+    """``updates`` updates under ``max_worker_restarts=1`` (the Planted classifier, its
+    master's nap as set, SGD); ``kill``: (update index, seconds into it) at which the last
+    worker is SIGKILLed. Returns the parameters, the losses and the restarts."""
+    model = Planted()
+    data = [dataset(4 * updates, seed=70 + r) for r in range(size)]
+    its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in data]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=[device] * size, start_timeout=TIMEOUT,
+                                          max_worker_restarts=1)
+    losses = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', WorkerRestartWarning)
+            for u in range(updates):
+                timer = None
+                if kill is not None and u == kill[0]:
+                    victim = updater.worker_pids()[-1]
+                    if kill[1]:
+                        model.nap = 2 * kill[1]   # the master's window outlasts the kill
+                        timer = _kill_later(victim, kill[1])
+                    else:
+                        os.kill(victim, signal.SIGKILL)
+                        time.sleep(0.2)   # dead, not noticed yet
+                try:
+                    loss = run_updates(updater, model, 1)[0]['main/inner/loss']
+                    losses.append(float(chainer.backends.cuda.to_cpu(
+                        getattr(loss, 'array', loss))))
+                finally:
+                    model.nap = 0.0
+                    if timer is not None:
+                        timer.cancel()
+        restarts = updater.worker_restarts
+        pids = updater.worker_pids()
+    finally:
+        updater.finalize()
+    assert gone_within(pids, 10), 'a worker outlived the updater'
+    return {name: chainer.backends.cuda.to_cpu(p.array).copy()
+            for name, p in model.namedparams()}, losses, restarts
+
+
+@pytest.mark.parametrize('when', ['between_updates', 'after_done'])
+def test_a_worker_killed_is_replaced(one_gpu, when):
+    """3 ranks; the last worker SIGKILLed before update 2 (the master's Step finds it), or
+    1 s into it while the master's window sleeps 2 s (it has sent Done, its reduce in
+    flight): replaced, the survivor rejoining the rebuilt communicator, the update redone;
+    bitwise the uninterrupted run."""
+    if 'want' not in _UNINTERRUPTED:
+        _UNINTERRUPTED['want'] = _restart_run(3)
+    want_params, want_losses, none = _UNINTERRUPTED['want']
+    t0 = time.monotonic()
+    params, losses, restarts = _restart_run(3, kill=(2, 0.0 if when == 'between_updates'
+                                                     else 1.0))
+    record(f'restart_{when}', seconds=round(time.monotonic() - t0, 1))
+    assert none == 0 and restarts == 1
+    assert losses == want_losses
+    assert sorted(params) == sorted(want_params)
+    for name in want_params:
+        assert params[name].tobytes() == want_params[name].tobytes(), name

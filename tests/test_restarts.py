@@ -381,6 +381,21 @@ def test_a_keeper_rewinds_to_where_its_window_started():
     assert replica.loader is again and not again.closed
 
 
+def test_a_keeper_rewinds_a_window_given_up_half_way():
+    """A worker on NCCL gives its window up at the master's Rewind (its wait saw the
+    message) before the window ended: the batches it read come again all the same."""
+    it = _iterator()
+    replica = _Replica(_Loader(it))
+    numpy.random.seed(4)
+    keeper = Keeper(replica.loader)
+    keeper.window_starts()
+    lost = ([it.next()], numpy.random.rand(2).tolist())   # ... then Abandoned
+    old = replica.loader
+    keeper.rewind(replica, lambda: _Loader(it))
+    assert old.closed and replica.loader is not old
+    assert ([it.next()], numpy.random.rand(2).tolist()) == lost
+
+
 def test_capture_reads_the_loader_and_both_generators():
     it = _iterator()
     point = capture(_Loader(it))
