@@ -170,6 +170,7 @@ class RestartingPool:
         self.ranks = list(range(1, len(devices)))
         self.dead = set()
         self.log = []
+        self.gather_hook = None   # called as each Done is taken
 
     def start(self, target, payloads, shm_names, timeout, before_ready=None):
         before_ready()
@@ -179,6 +180,8 @@ class RestartingPool:
         self.check(what)
         ranks = list(ranks or self.ranks)
         self.log.append(('gather', kind, ranks))
+        if kind == Done.KIND and self.gather_hook is not None:
+            self.gather_hook()
         # under restarts a Done carries a Shipment: the result, and where the next starts
         return {r: Shipment(result(r), Change(False, {})) if kind == Done.KIND else None
                 for r in ranks}
@@ -236,30 +239,60 @@ class Payload:
         return b''
 
 
-def test_the_master_rebuilds_with_a_fresh_id_and_redoes_the_update(fake, monkeypatch):
+class WithStats(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(3, 2)
+            self.bn = L.BatchNormalization(2)
+
+
+def restarting_group(fake, monkeypatch):
+    """The master's group of 3 ranks on NCCL (the master on device 1) under
+    ``max_worker_restarts=1``, its model's parameters, gradients and statistics on the
+    stand-in's device 1; ``fake.hang``, global in the stand-in, ends where an NCCL
+    communicator is aborted, as ncclCommAbort ends the collectives stuck on a dead rank."""
+    model = WithStats()
     with fake.cuda.Device(1):
-        model = L.Linear(3, 2)
         for param in model.params():
             array = fake.zeros(param.shape, param.dtype)
             numpy.ndarray.__setitem__(array, Ellipsis, param.array)
-            param.array, param.grad = array, fake.zeros(param.shape, param.dtype)
+            grad = fake.zeros(param.shape, param.dtype)
+            numpy.ndarray.__setitem__(grad, Ellipsis, numpy.arange(param.size).reshape(
+                param.shape) + 1)
+            param.array, param.grad = array, grad
+        for name in ('avg_mean', 'avg_var'):
+            array = fake.zeros((2,), numpy.float32)
+            numpy.ndarray.__setitem__(array, Ellipsis, [0.25, 0.5])
+            setattr(model.bn, name, array)
+    abort = fake.cuda.nccl.NcclCommunicator.abort
+
+    def aborted(comm):
+        abort(comm)
+        fake.hang = False
+    monkeypatch.setattr(fake.cuda.nccl.NcclCommunicator, 'abort', aborted)
     pool = RestartingPool(['@cupy:1', '@cupy:0', '@cupy:0'])
     monkeypatch.setattr(group_module, 'WorkerPool', lambda devices, method, *stall: pool)
     payloads = {1: Payload(), 2: Payload()}
     group = group_module.LocalGroup(
         model, ModelLayouts(model), 'nccl', gpu(1), pool.devices, payloads, 'spawn', 5.0,
         restarts=RestartLog(1))
-    first = group.comm.handle
-    assert [p.handles for p in payloads.values()] == [[first], [first]]
     group.recovery.log.update = 1
     pool.log.clear()   # the start's
+    return group, pool, payloads, model
+
+
+def test_the_master_rebuilds_with_a_fresh_id_and_redoes_the_update(fake, monkeypatch):
+    group, pool, payloads, model = restarting_group(fake, monkeypatch)
+    first = group.comm.handle
+    assert [p.handles for p in payloads.values()] == [[first], [first]]
 
     group.begin(None)
     pool.dead.add(1)    # replica 1 dies before its bcast: the master's never finishes
     fake.hang = True
     group.settle()      # the master's window reads its values: the death is kept
     assert nccl_comm_of(fake, first.unique_id, 0).calls[-1] == ('abort',)
-    fake.hang = False   # (the stand-in's hang is global) ncclCommAbort ended the bcast
+    assert not fake.hang   # ncclCommAbort ended the bcast
     steps = []
     with pytest.warns(Warning, match='replica 1'):
         others = group.finish_stepping(result(0), lambda count, loss: steps.append(count))
@@ -282,6 +315,42 @@ def test_the_master_rebuilds_with_a_fresh_id_and_redoes_the_update(fake, monkeyp
     assert rejoin == Rejoin(renewed)
     assert nccl_comm_of(fake, renewed.unique_id, 0).args[0] == 3   # the master joined it
     assert [r.replica for r in group.recovery.log.restarts] == [1]
+    group.close()
+
+
+def test_a_death_found_after_the_reductions_leaves_the_masters_gradient_for_the_redo(
+        fake, monkeypatch):
+    """Replica 2 dies after its Done, its reduce in flight: the master's reductions never
+    finish, and an aborted in-place reduce leaves the master's buffers undefined. The
+    master finds the death in its wait for them, before their sums reach its model, so
+    the redo packs its own gradient and statistics again (the stand-in's reduce of an
+    unconnected rank leaves the buffer as packed: the step sees the master's own)."""
+    group, pool, payloads, model = restarting_group(fake, monkeypatch)
+    own = {name: numpy.asarray(p.grad).copy() for name, p in model.namedparams()}
+    stats = numpy.asarray(model.bn.avg_mean).copy()
+    comm = group.comm
+
+    def dies():
+        if pool.dead or len([e for e in pool.log if e[:2] == ('gather', Done.KIND)]) > 1:
+            return
+        pool.dead.add(2)
+        fake.hang = True
+        for name in group.layouts.spec():   # what an aborted reduce may leave
+            if not name.startswith('param'):
+                numpy.ndarray.__setitem__(comm.buffer(name), Ellipsis, 1e6)
+    pool.gather_hook = dies
+    seen = {}
+
+    def step(count, loss):
+        seen.update({name: numpy.asarray(p.grad).copy() for name, p in model.namedparams()})
+    group.begin(None)
+    with pytest.warns(Warning, match='replica 2'):
+        group.finish_stepping(result(0), step)
+    assert [r.replica for r in group.recovery.log.restarts] == [2]
+    assert [e[0] for e in pool.log].count('replace') == 1
+    for name in own:
+        assert seen[name].tolist() == own[name].tolist(), name
+    assert numpy.all(numpy.abs(numpy.asarray(model.bn.avg_mean)) <= numpy.abs(stats))
     group.close()
 
 

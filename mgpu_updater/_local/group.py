@@ -226,11 +226,15 @@ class LocalGroup(Group):
             return others
         self._stepped = False
         unwrap = self.recovery.records.unwrap
+        # where a dead rank can leave the reductions unfinished (NCCL), they are waited
+        # for before their sums reach the model: a death found then leaves the master's
+        # own gradient and statistics for the redo
+        settle = self.comm.wait if self.comm.rejoins else None
 
         def half() -> List[WindowResult]:
             others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
                                    self.size, own, self._pack_board, then=then,
-                                   unwrap=unwrap)
+                                   unwrap=unwrap, settle=settle)
             if after is not None:
                 after()
             return others

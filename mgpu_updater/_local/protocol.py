@@ -423,8 +423,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
                   parity: Optional[int], size: int, own: Optional[WindowResult] = None,
                   board: Optional[Board] = None,
                   then: Optional[Callable[[int, float], None]] = None,
-                  unwrap: Optional[Callable[[int, Any], WindowResult]] = None
-                  ) -> List[WindowResult]:
+                  unwrap: Optional[Callable[[int, Any], WindowResult]] = None,
+                  settle: Optional[Callable[[], None]] = None) -> List[WindowResult]:
     """The master's half, after its window: wait until every worker's gradient is packed,
     then issue the reductions and take the averaged statistics, and call ``then(count,
     loss)``, the update's sample count and mean loss. The summed gradient is in the
@@ -437,7 +437,11 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     sent after its post and which is on its way meanwhile; elsewhere (``board`` None) it
     waits for every Done first. ``own``, the master's window result, is needed with a
     ``board`` (the master posts its count and loss too) or a ``then``. ``unwrap``: as for
-    :func:`take_results` (``max_worker_restarts``)."""
+    :func:`take_results` (``max_worker_restarts``). ``settle``: called once the
+    reductions are issued, before their sums are unpacked into the model (the waits for
+    them, under ``max_worker_restarts`` where a dead rank can leave them unfinished: a
+    death found there leaves the master's own statistics and gradient as its window made
+    them, for the update's redo to pack again)."""
     order = collective_order(layouts, parity)
     pack_window(comm, layouts, model, parity, size)
     by_board = board is not None
@@ -455,6 +459,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
                       for r in [own] + [others[k] for k in sorted(others)]]  # type: ignore[list-item]
     issue(comm, after_window(order))
     comm.end_update()
+    if settle is not None:
+        settle()
     layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
     if then is not None:
         then(*posted_total(posted))
