@@ -193,10 +193,10 @@ class _RejoinFields(NamedTuple):
 
 
 class Rejoin(_Kind, _RejoinFields):
-    """master -> worker (``max_worker_restarts``, a communicator that :attr:`~mgpu_updater.
-    comm.base.Communicator.rejoins`): after :class:`Rewind`, join the rebuilt
-    communicator through ``handle`` (NCCL: a fresh unique id), with the new ranks and the
-    master; answer :class:`Rejoined`."""
+    """master -> worker (``max_worker_restarts``, a communicator that
+    :attr:`~mgpu_updater.comm.base.Communicator.rejoins`): after :class:`Rewind`, join the
+    rebuilt communicator through ``handle`` (NCCL: a fresh unique id), with the new ranks
+    and the master; answer :class:`Rejoined`."""
     KIND = 'rejoin'
 
 

@@ -23,8 +23,8 @@ a worker that dies after its post is found at the next update's Step. The proced
    that waits for its collectives gives its window up at the Rewind
    (:class:`~.protocol.Abandoned`).
 3. The communicator is rebuilt (:meth:`~mgpu_updater.comm.base.Communicator.rebuild`):
-   every rank counts updates from zero again (and the board, :meth:`.board.Board.
-   start_over`); NCCL makes a fresh unique id.
+   every rank counts updates from zero again (and the board,
+   :meth:`.board.Board.start_over`); NCCL makes a fresh unique id.
 4. Each dead rank gets a new process with its original payload, the rebuilt communicator's
    handle and the master's record of where its update started (:class:`.resume.Records`),
    the same device, the same seed. Where the ranks meet again (NCCL's rendezvous,
