@@ -535,12 +535,8 @@ class NcclCommunicator(Communicator):
         allocated until this object is dropped.
         """
         with self._lock:
-            comm, self._comm = self._comm, None
             self._finalized = True
-            if self._pending_init is not None:
-                self._pending_init['abandoned'] = True
-        if comm is not None:
-            _bounded(comm.abort, _ABORT_TIMEOUT, f'ncclCommAbort on rank {self.rank}')
+        self.abandon()
 
     def finalize(self) -> None:
         """Wait (bounded) for the collectives in flight, destroy the NCCL communicator,
