@@ -160,8 +160,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             count as ``main/worker_restarts``. The death after the last one allowed
             raises, naming the restarts before it. Never restarted: a worker's own Python
             exception (a bug repeats), a failure while starting, the master, ranks under
-            MPI (refused here with a ``communicator``). Shared-memory backend only (CPU
-            replicas, a GPU listed more than once); see docs/reliability.md.
+            MPI (refused here with a ``communicator``). On NCCL every rank aborts its
+            communicator and all join a new one; see docs/reliability.md.
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
         start_timeout: seconds the workers get to start and report ready (default 120;
             finite, at most 2147483, the longest wait the operating system's ``poll()``
