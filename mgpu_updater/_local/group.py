@@ -132,13 +132,10 @@ class LocalGroup(Group):
         is kept instead and raised in the master's half after the window, which recovers
         it (:mod:`.recovery`): the window's values are the master's own, which its bcast
         (the collective a dead rank left waiting, now abandoned) never wrote."""
-        if self.recovery is None or not self.comm.rejoins:
-            self.comm.wait()
-            return
         try:
             self.comm.wait()
         except WorkerError as error:
-            if not error.died:
+            if self.recovery is None or not self.comm.rejoins or not error.died:
                 raise
             self._death = error
 
@@ -218,18 +215,12 @@ class LocalGroup(Group):
         """The workers' results of the master's half after its window
         (:func:`.protocol.master_finish`), then ``after()``; with restarts, both redone
         after a death (:meth:`_recovering`)."""
-        if self.recovery is None:
-            others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
-                                   self.size, own, self._pack_board, then=then)
-            if after is not None:
-                after()
-            return others
-        self._stepped = False
-        unwrap = self.recovery.records.unwrap
-        # where a dead rank can leave the reductions unfinished (NCCL), they are waited
-        # for before their sums reach the model: a death found then leaves the master's
-        # own gradient and statistics for the redo
-        settle = self.comm.wait if self.comm.rejoins else None
+        recovery = self.recovery
+        unwrap = recovery.records.unwrap if recovery is not None else None
+        # with restarts, where a dead rank can leave the reductions unfinished (NCCL),
+        # they are waited for before their sums reach the model: a death found then
+        # leaves the master's own gradient and statistics for the redo
+        settle = self.comm.wait if recovery is not None and self.comm.rejoins else None
 
         def half() -> List[WindowResult]:
             others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
@@ -238,11 +229,16 @@ class LocalGroup(Group):
             if after is not None:
                 after()
             return others
+        if recovery is None:
+            return half()
+        self._stepped = False
         return self._recovering(half)
 
     def _receive(self) -> None:
+        """The sum into the model's gradients (enqueued while the reductions run), then
+        the wait for them: what follows may read on the host (the step, extensions)."""
         self.grads.receive()
-        self.comm.wait()   # what follows may read on the host (the step, extensions)
+        self.comm.wait()
 
     def finish(self, own: WindowResult) -> List[WindowResult]:
         with self._on_device():
@@ -251,8 +247,7 @@ class LocalGroup(Group):
     def finish_stepping(self, own: WindowResult,
                         step: Callable[[int, float], None]) -> List[WindowResult]:
         def summed(count: int, loss: float) -> None:
-            self.grads.receive()   # enqueued while the reductions run
-            self.comm.wait()       # the step may read on the host (hooks, loss scaling)
+            self._receive()        # the step may read on the host (hooks, loss scaling)
             self._stepped = True   # no death is recovered past this (_recovering)
             step(count, loss)
         with self._on_device():
