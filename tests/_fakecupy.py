@@ -96,6 +96,13 @@ class NcclError(RuntimeError):
         super().__init__('%s: %s' % _NCCL_ERRORS[status])
 
 
+def _basic_key(key: Any) -> bool:
+    """Whether an index is basic (ints, slices, Ellipsis, None): no index arrays."""
+    parts = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, numpy.integer, slice))
+               for k in parts)
+
+
 def make(nccl_available: bool = True) -> types.SimpleNamespace:
     """A fresh fake ``cupy`` module; ``fake.cuda.nccl`` is the fake NCCL module."""
     log: List[Any] = []
@@ -155,6 +162,11 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
             return result
 
         def __setitem__(self, key: Any, value: Any) -> None:
+            # CuPy: a host array assigned through basic indexing goes to ndarray.fill,
+            # which takes scalars only (host data goes in with set() or cupy.asarray)
+            if (isinstance(value, numpy.ndarray) and not isinstance(value, FakeArray)
+                    and value.shape != () and _basic_key(key)):
+                raise ValueError('non-scalar numpy.ndarray cannot be used for fill')
             kernel('copy', self, value)
             numpy.ndarray.__setitem__(self, key, value)
 

@@ -129,13 +129,22 @@ def result(rank, count=4, loss=0.5):
 
 
 def on_gpu(fake, model, device):
-    """Give every parameter (and its gradient) a stand-in array on ``device``."""
+    """Give every parameter (and its gradient) and every array persistent a stand-in array
+    on ``device``, as Chainer's ``to_device`` moves both."""
+    def moved(host):
+        array = fake.zeros(host.shape, host.dtype)
+        numpy.ndarray.__setitem__(array, Ellipsis, host)
+        return array
+
     with fake.cuda.Device(device):
         for param in model.params():
-            array = fake.zeros(param.shape, param.dtype)
-            numpy.ndarray.__setitem__(array, Ellipsis, param.array)
-            param.array = array
+            param.array = moved(param.array)
             param.grad = fake.zeros(param.shape, param.dtype)
+        for link in model.links():
+            for name in link._persistent:
+                value = link.__dict__[name]
+                if isinstance(value, numpy.ndarray):
+                    link.__dict__[name] = moved(value)
     return model
 
 

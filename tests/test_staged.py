@@ -79,7 +79,7 @@ def test_buffers_live_on_the_device(pair):
 def test_bcast_goes_device_host_device(pair):
     fake, master, worker = pair
     values = numpy.arange(5, dtype='<f4') + 0.5
-    master.buffer('param/<f4')[...] = values
+    master.buffer('param/<f4').set(values)   # as on CuPy: [...] = takes scalars only
     del fake.log[:]
     master.bcast('param/<f4')                 # the root: device -> shared host slot
     assert fake.log == [('d2h', 0, 20)]
@@ -94,8 +94,8 @@ def test_reduce_sums_on_the_host_and_returns_the_sum_to_the_roots_device(pair, n
     fake, master, worker = pair
     n = SPEC[name][1]
     mine, theirs = numpy.arange(n) + 1.0, 10.0 * (numpy.arange(n) + 1)
-    worker.buffer(name)[...] = theirs
-    master.buffer(name)[...] = mine
+    for comm, data in ((worker, theirs), (master, mine)):   # host -> device, as on CuPy
+        comm.buffer(name).set(data.astype(comm.buffer(name).dtype))
     del fake.log[:]
     worker.reduce(name)                       # before it tells the master it is done
     assert [entry[0] for entry in fake.log] == ['d2h']

@@ -56,7 +56,11 @@ def _host(array: Any) -> numpy.ndarray:
 
 
 def _fill(comm: Any, name: str, data: numpy.ndarray) -> None:
-    comm.buffer(name)[...] = data
+    buffer = comm.buffer(name)
+    if hasattr(buffer, 'set'):   # a CuPy array: `buffer[...] = data` takes scalars only
+        buffer.set(data)
+    else:
+        buffer[...] = data
 
 
 def run(comm: Any, channel: Callable[[str], None], allreduce: bool) -> Dict[str, Any]:
