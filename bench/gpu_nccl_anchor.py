@@ -17,7 +17,9 @@ trajectory), and the time per update of each is measured, device synchronised, a
 Prints one ``RESULT {json}`` line per item: ``setup``, each updater's ``run``, and the
 ``comparison`` (``max_param_diff_vs_mpu``, ``ours_over_mpu_time``, ``follows``), or one
 ``skipped`` line where CuPy, a GPU, NCCL or the updater is missing (``--dry-run`` says so
-without trying).
+without trying). Where Chainer's updater cannot compile its CUDA kernel (Chainer 7.8.1 under
+CuPy 14: its gather kernel names ``float16``, an incomplete type there), an
+``mpu_unavailable`` line says so, and ours is timed alone.
 """
 from __future__ import annotations
 
@@ -52,8 +54,23 @@ def emit(obj: Dict[str, Any]) -> None:
     print(RESULT + json.dumps(obj, default=str), flush=True)
 
 
-class HostPerRankWorker(mpu._Worker):
-    """Chainer's worker process, acting as a host of its own before its first NCCL call."""
+_ChainerWorker = mpu._Worker
+
+
+class HostPerRankWorker(_ChainerWorker):
+    """Chainer's worker process, acting as a host of its own before its first NCCL call.
+
+    ``main`` puts this class in ``mpu._Worker``, where Chainer's updater looks up the
+    class it starts. Chainer's ``__init__`` calls ``super(_Worker, self).__init__()``
+    with the module's name, which would then be this class (and ``_Worker.__init__``
+    again, without arguments): so Chainer's own class goes back there while it runs."""
+
+    def __init__(self, proc_id: int, pipe: Any, master: Any) -> None:
+        mpu._Worker = _ChainerWorker
+        try:
+            _ChainerWorker.__init__(self, proc_id, pipe, master)
+        finally:
+            mpu._Worker = HostPerRankWorker
 
     def run(self) -> None:
         act_as_own_host(self.proc_id)
@@ -192,6 +209,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             emit({'run': {k: v for k, v in runs[which].items()
                           if k not in ('first', 'last')}})
         except BaseException as e:  # noqa: B902  reported, the other still runs
+            if which == 'mpu' and type(e).__name__ == 'CompileException':
+                # Chainer 7.8.1's gather kernel names float16, which CuPy 14's kernel
+                # headers leave incomplete where no argument is float16: Chainer's
+                # updater cannot run there, which says nothing about ours
+                emit({'mpu_unavailable': f'{type(e).__name__}: {str(e).splitlines()[0]}'})
+                continue
             emit({'error': f'{which}: {type(e).__name__}: {e}',
                   'traceback': traceback.format_exc()})
             status = 1

@@ -119,3 +119,53 @@ def test_a_pytest_child_that_times_out_is_an_error(gpu_check, monkeypatch, tmp_p
     monkeypatch.setattr(gpu_check.subprocess, 'run', run)
     out = gpu_check.run_nccl(_args(tmp_path), 200)
     assert out['ok'] is False and 'did not finish within 125 s' in out['error']
+
+
+def test_a_pytest_child_stopped_at_its_limit_leaves_what_it_printed(gpu_check, monkeypatch,
+                                                                    tmp_path):
+    """No JUnit file when pytest is killed: the counts come from its -v lines in the log,
+    with the test it was running."""
+    name = 'tests/test_nccl_one_gpu.py'
+
+    def run(cmd, stdout=None, **kwargs):
+        if 'pytest' in cmd:
+            assert '-v' in cmd
+            stdout.write(f'{name}::test_a[2] PASSED  [  4%]\n'
+                         f'{name}::test_b[3] FAILED  [  8%]\n'
+                         f'{name}::test_c SKIPPED (needs two CUDA devices)  [ 12%]\n'
+                         f'{name}::test_d[2] ')
+            stdout.flush()
+            raise subprocess.TimeoutExpired(cmd, kwargs.get('timeout'))
+        return types.SimpleNamespace(returncode=0, stdout='RESULT {"skipped": "x"}\n')
+    monkeypatch.setattr(gpu_check.subprocess, 'run', run)
+    out = gpu_check.run_nccl(_args(tmp_path), 200)
+    assert out['ok'] is False and 'did not finish' in out['error']
+    assert (out['tests_passed'], out['tests_failed'], out['tests_skipped']) == (1, 1, 1)
+    assert out['failures'][0]['test'].endswith('::test_b[3]')
+    assert out['running_when_stopped'].endswith('::test_d[2]')
+
+
+@pytest.mark.parametrize('ours_ran', [True, False])
+def test_chainers_updater_unable_to_compile_leaves_ours_alone(gpu_check, monkeypatch,
+                                                              tmp_path, ours_ran):
+    """Chainer's MultiprocessParallelUpdater cannot run (mpu_unavailable): the section is
+    ok where ours ran and every test passed, not where ours failed too."""
+    _stub_children(monkeypatch, gpu_check)
+    stub = gpu_check.subprocess.run
+    lines = [{'setup': {'ranks': 2}},
+             {'mpu_unavailable': 'CompileException: incomplete type'}]
+    lines.insert(1, {'run': {'which': 'ours', 'ms_per_update': 4.6}} if ours_ran
+                 else {'error': 'ours: RuntimeError: boom'})
+
+    def run(cmd, **kwargs):
+        if 'pytest' in cmd:
+            return stub(cmd, **kwargs)
+        return types.SimpleNamespace(
+            returncode=0 if ours_ran else 1,
+            stdout=''.join('RESULT ' + json.dumps(x) + '\n' for x in lines))
+    monkeypatch.setattr(gpu_check.subprocess, 'run', run)
+    out = gpu_check.run_nccl(_args(tmp_path), 200)
+    assert out['anchor']['mpu_unavailable'].startswith('CompileException')
+    assert out['ok'] is ours_ran
+    if not ours_ran:
+        assert 'the anchor: ours: RuntimeError: boom' in out['error']
