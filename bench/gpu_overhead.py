@@ -16,7 +16,10 @@ micro-batches of batch/k:
 - ``ours_k``: ours with defaults, ``ours_k_prefetch0`` with ``prefetch=0`` and
   ``ours_k_ignore`` with ``nonfinite='ignore'`` (no host read in the update).
 
-Every update runs inside a reporter scope, as under a Trainer. Then it profiles (cProfile,
+Every update runs inside a reporter scope, as under a Trainer. Each config warms up for
+10 updates, and ours until ``prefetch='auto'`` has decided (at most 300): the defaults
+are timed as they train, not during their trial (``warmup`` in the JSON: the updates and
+the loading modes). Then it profiles (cProfile,
 host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
 writes their top functions.
 Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out``.
@@ -40,6 +43,7 @@ from bench._case import _hand_step  # noqa: E402
 import chainer  # noqa: E402
 
 SCHEMA = 'mgpu_updater.bench.gpu_overhead/1'
+MAX_WARMUP = 300   # warm-up updates at most, waiting for prefetch='auto' to decide
 
 
 def parse_args(argv=None):
@@ -72,7 +76,8 @@ def main(argv=None):
         _common.synchronize(kind)
 
     def build(config):
-        """(step, finalize) for ``config``."""
+        """(step, finalize, loading modes) for ``config``."""
+        modes = list   # not ours: nothing to settle
         name, k = config.split('_')[0], int(config.split('_')[1])
         b = args.batch // k
         model = _common.make_model('cnn')
@@ -108,27 +113,34 @@ def main(argv=None):
             updater = ParallelAccumulatingUpdater(its, optimizer, devices=[device],
                                                   accumulate_steps=k, **kwargs)
             run, fin = updater.update, updater.finalize
+            modes = lambda: updater.loading_modes   # noqa: E731
 
         def step():
             with reporter.scope({}):
                 run()
-        return step, fin
+        return step, fin, modes
 
     configs = ['standard_1']
     for k in args.ks:
         configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
                     f'ours_{k}_ignore']
     runs, errors = [], []
+    warmup = {}   # label -> warm-up updates and the loading modes after them
 
     def warmed(label, config, work):
         """Build ``config``, warm it up, then ``work(step)``; a failure becomes a line in
         ``errors`` under ``label``; the updater is finalized either way."""
         fin = None
         try:
-            step, fin = build(config)
-            for _ in range(10):
+            step, fin, modes = build(config)
+            # past prefetch='auto''s trial (about 125 windows): the defaults are timed as
+            # they train, not while they try both ways of loading
+            warm = 0
+            while warm < 10 or ('trial' in modes() and warm < MAX_WARMUP):
                 step()
+                warm += 1
             sync()
+            warmup[label] = {'updates': warm, 'loading_modes': list(modes())}
             work(step)
         except Exception as e:
             errors.append(f'{label}: {type(e).__name__}: {e}')
@@ -185,7 +197,8 @@ def main(argv=None):
     result = {'schema': SCHEMA, 'device': device, 'global_batch': args.batch,
               'ks': args.ks, 'seconds': args.seconds, 'rounds': args.rounds,
               'model': _common.model_source('cnn'), 'chainer': chainer.__version__,
-              'runs': runs, 'summary': summary, 'profiles': profiles, 'errors': errors}
+              'runs': runs, 'summary': summary, 'profiles': profiles, 'warmup': warmup,
+              'errors': errors}
     (out / 'gpu_overhead.json').write_text(json.dumps(result, indent=1))
     lines = [f'# One replica on {device}: global batch {args.batch}, samples/s (median of '
              f'{args.rounds} interleaved rounds, min-max)', '',

@@ -349,6 +349,12 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
     assert list(result['summary']) == expected
     for row in result['runs']:
         assert row['updates'] >= 5 and row['samples_per_s'] > 0
+    # ours is timed after prefetch='auto' decided, not during its trial
+    for label, warm in result['warmup'].items():
+        assert warm['updates'] >= 10, label
+        if label.startswith('ours_') and '_prefetch0' not in label:
+            assert warm['loading_modes'] and 'trial' not in warm['loading_modes'], (label, warm)
+            assert warm['updates'] > 10, (label, warm)   # the trial outlasts 10 windows
     profile = (tmp_path / 'profile_ours_2.txt').read_text()
     assert '_attempt' in profile and str(ROOT) not in profile
     assert '| ours_2 |' in (tmp_path / 'gpu_overhead.md').read_text()
