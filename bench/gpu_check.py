@@ -64,8 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--nccl-budget', type=float, default=260.0,
                         help='seconds for the NCCL step, on top of --budget (default 260), '
                              'within --total')
-    parser.add_argument('--total', type=float, default=455.0,
-                        help='seconds for everything, the NCCL step included (default 455)')
+    parser.add_argument('--total', type=float, default=530.0,
+                        help='seconds for everything, the NCCL step included (default 530)')
     parser.add_argument('--skip-nccl', action='store_true')
     parser.add_argument('--bench-child', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
