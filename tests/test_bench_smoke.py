@@ -542,3 +542,16 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
         m in ('inline', 'ahead', 'trial') for m in result['loading']['ours_n2'])
     assert '| ours_k1/standard |' in (tmp_path / 'overhead.md').read_text()
     assert str(ROOT) not in (tmp_path / 'overhead.json').read_text()
+
+
+def test_two_replica_floor_runs_both_processes_in_lockstep(tmp_path):
+    """``bench/two_replica_floor.py``: the worker's gradients reach the master every round
+    (a dead or stuck worker is an error, not a hang), and the report is written."""
+    cmd = [sys.executable, str(ROOT / 'bench' / 'two_replica_floor.py'), '--rounds', '20',
+           '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'two_replica_floor.json').read_text())
+    assert result['rounds'] == 20 and result['floor_ms'] > 0 and result['standard_ms'] > 0
+    assert result['ratio_q05'] <= result['ratio_median'] <= result['ratio_q95']
+    assert 'floor / standard: median' in (tmp_path / 'two_replica_floor.md').read_text()

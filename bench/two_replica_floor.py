@@ -1,0 +1,184 @@
+"""The floor for two CPU replicas: the least any two-process updater can cost here.
+
+    python bench/two_replica_floor.py [--rounds 300] [--out DIR]
+
+``bench/overhead.py`` sets ours with two replicas beside StandardUpdater on its
+launch-bound MLP (batch 16, forward plus backward well under a millisecond). This bench
+asks what two processes in lockstep cost at the least on the same machine, with nothing
+of ours: a worker process and the master share one block of shared memory; the master's
+parameters are views of it (so the worker sees every step without a copy); each update
+the master raises a flag, both run forward and backward on their own batch, the worker
+copies its gradients into shared memory and raises its flag, the master adds them, halves
+(the mean of two replicas), and its optimizer steps. Flags are spun on, never slept on.
+No pipe, no checks, no reporting, no loading ahead: a floor, not an updater.
+
+StandardUpdater runs in the same process, the two taking turns round by round (the order
+alternates), 4 timed updates each after one untimed; the ratio of each round, then its
+median and 5-95% quantiles. Writes ``two_replica_floor.md`` and ``.json`` into ``--out``.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+for _name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
+    os.environ.setdefault(_name, '1')   # one core per process, as ours sets by default
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import multiprocessing  # noqa: E402
+from multiprocessing import shared_memory  # noqa: E402
+
+import chainer  # noqa: E402
+import numpy  # noqa: E402
+
+from bench import _common, overhead  # noqa: E402
+
+BATCH = 16
+HEADER = 16   # two int64 flags: the master's round, the worker's round (-1: stop)
+
+
+def _params(model):
+    return [p for _, p in sorted(model.namedparams())]
+
+
+def _views(block, n):
+    flags = numpy.ndarray((2,), numpy.int64, block.buf, 0)
+    params = numpy.ndarray((n,), numpy.float32, block.buf, HEADER)
+    grads = numpy.ndarray((n,), numpy.float32, block.buf, HEADER + 4 * n)
+    return flags, params, grads
+
+
+def _bind(model, flat, write):
+    """Make the model's parameters views of ``flat`` (``write``: with their values first);
+    (param, offset) of each."""
+    out, offset = [], 0
+    for p in _params(model):
+        if write:
+            flat[offset:offset + p.size] = p.array.ravel()
+        p.array = flat[offset:offset + p.size].reshape(p.shape)
+        out.append((p, offset))
+        offset += p.size
+    return out
+
+
+def worker(name, n):
+    block = shared_memory.SharedMemory(name)
+    flags, params, grads = _views(block, n)
+    model = overhead.make_model()
+    bound = _bind(model, params, write=False)   # the master's parameters, not a copy
+    it = overhead._iterator(overhead.make_dataset(4096), BATCH, 2)
+    r = 0
+    try:
+        while True:
+            r += 1
+            while flags[0] < r:
+                if flags[0] < 0:
+                    return
+                os.sched_yield()
+            x, t = chainer.dataset.concat_examples(it.next())
+            model.cleargrads()
+            model(x, t).backward()
+            for p, o in bound:
+                grads[o:o + p.size] = p.grad.ravel()
+            flags[1] = r
+    finally:
+        del flags, params, grads
+        block.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--rounds', type=int, default=300)
+    parser.add_argument('--out', default=None, help='folder for the .md and .json')
+    args = parser.parse_args(argv)
+
+    model = overhead.make_model()
+    n = sum(p.size for p in _params(model))
+    block = shared_memory.SharedMemory(create=True, size=HEADER + 8 * n)
+    flags, params, grads = _views(block, n)
+    flags[:] = 0
+    bound = _bind(model, params, write=True)
+    optimizer = _common.make_optimizer(model)
+    it = overhead._iterator(overhead.make_dataset(4096), BATCH, 1)
+    proc = multiprocessing.get_context('spawn').Process(target=worker, args=(block.name, n))
+    proc.start()
+    std_model = overhead.make_model()
+    standard = chainer.training.updaters.StandardUpdater(
+        overhead._iterator(overhead.make_dataset(4096), BATCH, 1),
+        _common.make_optimizer(std_model))
+    state = {'round': 0}
+
+    def floor():
+        state['round'] += 1
+        r = state['round']
+        flags[0] = r
+        x, t = chainer.dataset.concat_examples(it.next())
+        model.cleargrads()
+        model(x, t).backward()
+        while flags[1] < r:
+            if not proc.is_alive():
+                raise RuntimeError(f'the worker died (exit code {proc.exitcode})')
+            os.sched_yield()
+        for p, o in bound:
+            p.grad += grads[o:o + p.size].reshape(p.shape)
+            p.grad *= 0.5
+        optimizer.update()
+
+    try:
+        floor()   # the worker's start-up
+        times = {'floor': [], 'standard': []}
+        ratios = []
+        for i in range(args.rounds):
+            got = {}
+            order = (('floor', floor), ('standard', standard.update))
+            for name, step in (order if i % 2 else order[::-1]):
+                step()
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    step()
+                got[name] = (time.perf_counter() - t0) / 4
+                times[name].append(got[name])
+            ratios.append(got['floor'] / got['standard'])
+    finally:
+        flags[0] = -1
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        del flags, params, grads
+        block.close()
+        block.unlink()
+    q = statistics.quantiles(ratios, n=20)
+    result = {
+        'bench': 'two_replica_floor', 'rounds': args.rounds, 'batch': BATCH,
+        'model': 'bench/overhead.py make_model()', 'python': platform.python_version(),
+        'numpy': numpy.__version__, 'chainer': chainer.__version__,
+        'cpu_count': os.cpu_count(),
+        'floor_ms': 1e3 * statistics.median(times['floor']),
+        'standard_ms': 1e3 * statistics.median(times['standard']),
+        'ratio_median': statistics.median(ratios), 'ratio_q05': q[0], 'ratio_q95': q[-1]}
+    line = (f"floor {result['floor_ms']:.3f} ms, StandardUpdater {result['standard_ms']:.3f} "
+            f"ms per update; floor / standard: median {result['ratio_median']:.3f} "
+            f"(5-95%: {result['ratio_q05']:.3f}-{result['ratio_q95']:.3f}), "
+            f"{args.rounds} rounds")
+    print(line)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / 'two_replica_floor.json').write_text(json.dumps(result, indent=1) + '\n')
+        (out / 'two_replica_floor.md').write_text(
+            f'`python bench/two_replica_floor.py --rounds {args.rounds} --out {args.out}`\n\n'
+            f'Two processes in lockstep, nothing of ours (see the bench\'s docstring), '
+            f'beside StandardUpdater, on bench/overhead.py\'s MLP, batch {BATCH} per '
+            f'replica; Python {result["python"]}, numpy {result["numpy"]}, Chainer '
+            f'{result["chainer"]}, {result["cpu_count"]} cores.\n\n{line}.\n')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
