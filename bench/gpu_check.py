@@ -364,14 +364,13 @@ def run_nccl(args: argparse.Namespace, budget: float) -> Dict[str, Any]:
     out['pytest_seconds'] = round(time.monotonic() - t0, 1)
     counts = _junit(xml) if os.path.exists(xml) else _outcomes_in_log(
         os.path.join(args.outdir, 'pytest_gpu.log'), NCCL_TESTS)
-    if counts:
-        out['tests_passed'] = counts['passed']
-        out['tests_skipped'] = counts['skipped']
-        out['tests_failed'] = counts['failed'] + counts['errors']
-        out['failures'] = counts['failures']
-        out['skips'] = counts['skips']
-        if 'running_when_stopped' in counts:
-            out['running_when_stopped'] = counts['running_when_stopped']
+    out['tests_passed'] = counts['passed']
+    out['tests_skipped'] = counts['skipped']
+    out['tests_failed'] = counts['failed'] + counts['errors']
+    out['failures'] = counts['failures']
+    out['skips'] = counts['skips']
+    if 'running_when_stopped' in counts:
+        out['running_when_stopped'] = counts['running_when_stopped']
     comparisons = _read_comparisons(report_file)
     out['comparisons'] = comparisons
     standard = [v for k, v in comparisons.items() if k.startswith(STANDARD_TESTS)]
