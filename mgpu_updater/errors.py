@@ -66,13 +66,20 @@ class NonFiniteLossError(FloatingPointError):
         iteration: the number of the update that produced it (1-based, as the Trainer
             counts after the update).
         loss: the sample-weighted mean loss of the update.
+        applied: whether that update's step was applied (where the master's loss is on
+            a GPU the check does not wait for it, and raises when the next step is due,
+            at a snapshot, or at ``finalize``); False: the parameters are as before it.
     """
 
-    def __init__(self, iteration: int, loss: float) -> None:
+    def __init__(self, iteration: int, loss: float, applied: bool = False) -> None:
         self.iteration = iteration
         self.loss = loss
+        self.applied = applied
+        what = ('its step was applied (on a GPU the check does not wait for the loss: '
+                "nonfinite='skip' checks before the step)" if applied
+                else 'parameters were not updated')
         super().__init__(
-            f'the loss became {loss} at update {iteration}; parameters were not updated. '
+            f'the loss became {loss} at update {iteration}; {what}. '
             "Lower the learning rate, use loss scaling for float16, or pass nonfinite='skip' "
             'to skip such updates')
 
@@ -88,6 +95,7 @@ class NonFiniteGradientError(NonFiniteLossError):
     def __init__(self, iteration: int, loss: float, loss_scale: float) -> None:
         self.iteration = iteration
         self.loss = loss
+        self.applied = False
         self.loss_scale = loss_scale
         FloatingPointError.__init__(
             self,

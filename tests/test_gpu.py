@@ -41,7 +41,9 @@ def test_one_gpu_with_accumulation_matches_the_large_batch(gpu, prefetch):
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@cupy:0'], accumulate_steps=k,
                                           prefetch=prefetch)
     try:
-        losses = [o['main/loss'] for o in run_updates(updater, model, updates)]
+        # the master alone on a GPU reports device arrays (nonfinite='raise' reads nothing
+        # before the step), as StandardUpdater does
+        losses = [float(o['main/loss']) for o in run_updates(updater, model, updates)]
     finally:
         updater.finalize()
     assert isinstance(model.predictor.l1.W.array, gpu.ndarray)
@@ -155,12 +157,14 @@ def test_read_on_host_reads_every_value_as_float_does(gpu):
     assert got[6].dtype == np.float64
 
 
-@pytest.mark.parametrize('nonfinite,prefetch', [('raise', 0), ('ignore', 0), ('ignore', 2)])
-def test_the_master_waits_for_its_device_only_to_check_the_loss(gpu, nonfinite, prefetch):
-    """``'raise'`` reads the window's loss before the step, so ``update()`` returns only
-    after the device finished what was queued before it. ``'ignore'`` reads nothing: it
-    returns while a long computation queued before it still runs, and reports device
-    arrays."""
+@pytest.mark.parametrize('nonfinite,prefetch', [('skip', 0), ('raise', 0), ('ignore', 0),
+                                                ('ignore', 2)])
+def test_the_master_alone_waits_for_its_device_only_to_skip(gpu, nonfinite, prefetch):
+    """``'skip'`` reads the window's loss before the step (it must not step on a NaN), so
+    ``update()`` returns only after the device finished what was queued before it.
+    ``'raise'`` (the default; its check one step late: mgpu_updater/_late_check.py) and
+    ``'ignore'`` read nothing: ``update()`` returns while a long computation queued before
+    it still runs, and reports device arrays."""
     b, k = 8, 2
     data = dataset(b * k * 4, seed=3)
     model = classifier(seed=3)
@@ -181,8 +185,40 @@ def test_the_master_waits_for_its_device_only_to_check_the_loss(gpu, nonfinite, 
         gpu.cuda.Device(0).synchronize()
     finally:
         updater.finalize()
-    assert finished == (nonfinite == 'raise')
-    if nonfinite == 'ignore':
+    assert finished == (nonfinite == 'skip')
+    if nonfinite != 'skip':
         assert isinstance(observation['main/loss'], gpu.ndarray)
     else:
         assert type(observation['main/loss']) is float
+
+
+def test_a_nan_loss_on_the_gpu_raises_by_the_next_step(gpu):
+    """The default check, one step late on a GPU (mgpu_updater/_late_check.py): update 2's
+    loss is NaN; update 2 returns with its step applied; update 3 raises naming update 2,
+    through the loss's copy to pinned memory and its event (tests/test_late_check.py
+    runs the rest of the protocol on the CPU)."""
+    from mgpu_updater import NonFiniteLossError
+    b = 8
+    data = dataset(b * 4, seed=4)
+    model = classifier(seed=4)
+    opt = setup_optimizer('momentum+decay', model)
+    calls = []
+
+    def loss_func(x, t):
+        calls.append(1)
+        loss = model(x, t)
+        return loss * np.float32('nan') if len(calls) == 2 else loss
+
+    it = chainer.iterators.SerialIterator(data, b, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@cupy:0'], loss_func=loss_func,
+                                          prefetch=0)
+    try:
+        run_updates(updater, model, 2)
+        assert updater.iteration == 2
+        assert bool(gpu.isnan(model.predictor.l1.W.array).any())   # its step was applied
+        with pytest.raises(NonFiniteLossError, match=r'^the loss became nan at update 2; '
+                                                     r'its step was applied') as info:
+            run_updates(updater, model, 1)
+        assert info.value.iteration == 2 and info.value.applied
+    finally:
+        updater.finalize()
