@@ -13,8 +13,11 @@ micro-batches of batch/k:
 - ``hand_k``: the hand-written accumulation loop (``bench._case``'s, as bench/paired.py);
 - ``hand_k_read``: the same plus one host read of the update's loss (what one sync per
   update costs by itself);
-- ``ours_k``: ours with defaults, ``ours_k_prefetch0`` with ``prefetch=0`` and
-  ``ours_k_ignore`` with ``nonfinite='ignore'`` (no host read in the update).
+- ``ours_k``: ours with defaults (``nonfinite='raise'``, which one GPU checks one step
+  late, reading nothing before the step), ``ours_k_prefetch0`` with ``prefetch=0``,
+  ``ours_k_ignore`` with ``nonfinite='ignore'`` (no check at all) and, at k = 1,
+  ``ours_1_skip`` with ``nonfinite='skip'`` (the loss read before the step, once per
+  update).
 
 Every update runs inside a reporter scope, as under a Trainer. Each config warms up for
 10 updates, and ours until ``prefetch='auto'`` has decided (at most 300): the defaults
@@ -110,6 +113,8 @@ def main(argv=None):
             kwargs = {'prefetch': 0} if config.endswith('_prefetch0') else {}
             if config.endswith('_ignore'):
                 kwargs['nonfinite'] = 'ignore'
+            elif config.endswith('_skip'):
+                kwargs['nonfinite'] = 'skip'
             updater = ParallelAccumulatingUpdater(its, optimizer, devices=[device],
                                                   accumulate_steps=k, **kwargs)
             run, fin = updater.update, updater.finalize
@@ -123,7 +128,7 @@ def main(argv=None):
     configs = ['standard_1']
     for k in args.ks:
         configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
-                    f'ours_{k}_ignore']
+                    f'ours_{k}_ignore'] + ([f'ours_{k}_skip'] if k == 1 else [])
     runs, errors = [], []
     warmup = {}   # label -> warm-up updates and the loading modes after them
 

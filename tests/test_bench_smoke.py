@@ -346,6 +346,7 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
                                  for name, suffix in (('hand', ''), ('hand', '_read'),
                                                       ('ours', ''), ('ours', '_prefetch0'),
                                                       ('ours', '_ignore'))]
+    expected.insert(expected.index('ours_1_ignore') + 1, 'ours_1_skip')
     assert list(result['summary']) == expected
     for row in result['runs']:
         assert row['updates'] >= 5 and row['samples_per_s'] > 0
