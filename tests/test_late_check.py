@@ -95,14 +95,16 @@ def test_with_other_replicas_the_check_stays_before_the_step(late):
         updater.finalize()
 
 
-def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch):
+@pytest.mark.parametrize('pipelined', [False, True])
+def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch, pipelined):
     """Nothing changes for finite losses: the same parameters and reports as the check
-    before the step, update by update."""
+    before the step, update by update (pipelined: the step of the update before, its
+    loss then the one on its way)."""
     runs = {}
     for deferred in (True, False):
         monkeypatch.setattr(_late_check, 'defers', lambda device, d=deferred: d)
         numpy.random.seed(0)   # the model's initial weights
-        updater = faulty.build(1, prefetch=0, own_orders=True)
+        updater = faulty.build(1, prefetch=0, own_orders=True, pipelined=pipelined)
         model = updater.get_optimizer('main').target
         reporter = chainer.Reporter()
         reporter.add_observer('main', model)
