@@ -25,6 +25,7 @@ import numpy
 INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'mgpu_updater[cuda12]' "
                 "(CUDA 12) or pip install 'mgpu_updater[cuda13]' (CUDA 13)")
 NCCL_HINT = "pip install nvidia-nccl-cu12 (CUDA 12) or nvidia-nccl-cu13 (CUDA 13)"
+PINNED_SETS = 2   # sets of pinned buffers a PinnedStager stages from in turn
 
 
 def import_cupy() -> Any:
@@ -190,9 +191,14 @@ class PinnedStager:
     stream's last use of it, is never overwritten early. The consumer calls
     ``staged.wait()`` before using the arrays.
 
-    The host blocks in one place only: before :meth:`stage` overwrites the pinned buffers,
-    it waits (bounded by ``timeout``) for the previous batch's copies from them. One stager
-    serves one thread.
+    The host blocks in one place only: before :meth:`stage` overwrites pinned buffers, it
+    waits (bounded by ``timeout``) for the copies from them. There are two sets of them,
+    taken in turn (:data:`PINNED_SETS`), so that is the copies of the batch before the
+    last: each copy starts only after the compute queued when its batch was staged, so with
+    one set the thread that stages the next batch waited for the device to finish the
+    compute queued before the last one, and a host that ran ahead of the device (a model
+    the GPU is busy with, several micro-batches an update) could be no more than about
+    one micro-batch ahead. One stager serves one thread.
     """
 
     def __init__(self, device: int, compute_stream: Any = None,
@@ -204,12 +210,16 @@ class PinnedStager:
         self._compute = compute_stream
         with cupy.cuda.Device(self.device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._pinned: List[Any] = []   # slot i -> pinned memory of the i-th array
-        self._last: Any = None         # event after the last batch's copies
+        # per set: slot i -> pinned memory of the i-th array; the event after the copies
+        # of the batch last staged from that set
+        self._sets: List[List[Any]] = [[] for _ in range(PINNED_SETS)]
+        self._copied: List[Any] = [None] * PINNED_SETS
+        self._turn = 0                 # the set the next batch is staged from
 
     def stage(self, batch: Any) -> Staged:
         cupy = self._cupy
-        self._wait_last()
+        turn = self._turn
+        self._wait_copied(turn)
         leaves: List[numpy.ndarray] = []
         template = _collect(batch, leaves)
         with cupy.cuda.Device(self.device):
@@ -222,34 +232,39 @@ class PinnedStager:
             for i, (src, dst) in enumerate(zip(leaves, targets)):
                 if src.nbytes == 0:
                     continue
-                host = self._pinned_view(i, dst.shape, dst.dtype)
+                host = self._pinned_view(self._sets[turn], i, dst.shape, dst.dtype)
                 host[...] = src
                 dst.data.copy_from_host_async(host.ctypes.data, dst.nbytes, self.stream)
             done = cupy.cuda.Event(disable_timing=True)
             done.record(self.stream)
-        self._last = done
+        self._copied[turn] = done
+        self._turn = (turn + 1) % PINNED_SETS
         return Staged(_rebuild(template, iter(targets)), done)
 
     def close(self) -> None:
         """Wait (bounded) for the last copies, then release the pinned buffers."""
-        self._wait_last()
-        self._pinned = []
+        for turn in range(PINNED_SETS):
+            self._wait_copied(turn)
+        self._sets = [[] for _ in range(PINNED_SETS)]
 
-    def _wait_last(self) -> None:
-        if self._last is not None:
-            wait_event(self._last, timeout=self.timeout,
+    def _wait_copied(self, turn: int) -> None:
+        """Wait for the copies from set ``turn`` (the batch staged from it last)."""
+        event = self._copied[turn]
+        if event is not None:
+            wait_event(event, timeout=self.timeout,
                        what=f'the host-to-device copy to device {self.device}')
-            self._last = None
+            self._copied[turn] = None
 
-    def _pinned_view(self, slot: int, shape: Any, dtype: numpy.dtype) -> numpy.ndarray:
+    def _pinned_view(self, pinned: List[Any], slot: int, shape: Any,
+                     dtype: numpy.dtype) -> numpy.ndarray:
         nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
-        while len(self._pinned) <= slot:
-            self._pinned.append(None)
-        mem = self._pinned[slot]
+        while len(pinned) <= slot:
+            pinned.append(None)
+        mem = pinned[slot]
         if mem is None or mem.size() < nbytes:
             # grow by a quarter so slowly growing batches do not reallocate every time
             mem = self._cupy.cuda.alloc_pinned_memory(nbytes + nbytes // 4)
-            self._pinned[slot] = mem
+            pinned[slot] = mem
         return numpy.ndarray(shape, dtype, buffer=mem)
 
 

@@ -71,8 +71,10 @@ def test_stager_orders_copies_after_compute_and_reuses_pinned_buffers(fake):
     compute = fake.cuda.Stream()
     stager = _cuda.PinnedStager(device=0, compute_stream=compute)
     a = numpy.ones((8, 8), numpy.float32)
-    stager.stage((a, a[0]))
+    for _ in range(_cuda.PINNED_SETS):   # one batch from each set of pinned buffers
+        stager.stage((a, a[0]))
     pinned = list(fake.pinned)
+    assert len(pinned) == 2 * _cuda.PINNED_SETS
     del fake.log[:]
     staged = stager.stage((a * 2, a[0] * 2))
     record, wait, h2d1, h2d2, done = fake.log
@@ -89,12 +91,16 @@ def test_stager_orders_copies_after_compute_and_reuses_pinned_buffers(fake):
     assert len(fake.pinned) == len(pinned) + 1                      # grown for the bigger one
 
 
-def test_stager_waits_for_the_previous_copy_before_reusing_pinned_memory(fake):
+def test_stager_waits_for_the_copies_of_the_batch_before_the_last(fake):
+    """Two sets of pinned buffers in turn: staging a batch waits for the copies from its
+    set, those of the batch before the last, not for the last one's (which wait for the
+    compute queued before them); a copy that never finishes is a TimeoutError."""
     stager = _cuda.PinnedStager(device=0, timeout=0.05)
     stager.stage(numpy.ones(4, numpy.float32))
-    fake.hang = True   # the previous copy never finishes
+    fake.hang = True   # no copy finishes from now on
+    stager.stage(numpy.ones(4, numpy.float32))   # from the other set: no wait
     with pytest.raises(TimeoutError, match=r'host-to-device copy to device 0'):
-        stager.stage(numpy.ones(4, numpy.float32))
+        stager.stage(numpy.ones(4, numpy.float32))   # the first set again: its copy
 
 
 def test_unavailable_reason_without_cupy(monkeypatch):
