@@ -157,8 +157,8 @@ def test_read_on_host_reads_every_value_as_float_does(gpu):
     assert got[6].dtype == np.float64
 
 
-@pytest.mark.parametrize('nonfinite,prefetch', [('skip', 0), ('raise', 0), ('ignore', 0),
-                                                ('ignore', 2)])
+@pytest.mark.parametrize('nonfinite,prefetch', [('skip', 0), ('raise', 0), ('raise', 2),
+                                                ('ignore', 0), ('ignore', 2)])
 def test_the_master_alone_waits_for_its_device_only_to_skip(gpu, nonfinite, prefetch):
     """``'skip'`` reads the window's loss before the step (it must not step on a NaN), so
     ``update()`` returns only after the device finished what was queued before it.
