@@ -4,11 +4,11 @@ The updater must know whether an update's loss is finite. Where the loss is on t
 already (CPU replicas), or the master waits for its device before the step anyway (other
 replicas, whose reduction it waits for; MPI ranks), it is checked before the step, and a
 non-finite one leaves the parameters as they were. Where the master is alone on a GPU,
-reading its loss before the step makes the host wait for the
-device once per update, and then the device idles while the host launches the next
-update: on one H200 with the example CNN at global batch 4096 the hand-written loop with
-that one read ran at 0.645 of StandardUpdater's samples/s, and ours with the check at
-0.685, against 0.998 without it (``bench/results/gpu``).
+reading its loss before the step makes the host wait for the device once per update, and
+then the device idles while the host launches the next update: on one H200 with the
+example CNN at global batch 4096 the hand-written loop with that one read ran at 0.645 of
+StandardUpdater's samples/s, and ours with the check at 0.685, against 0.998 without it
+(``bench/results/gpu``).
 
 So there the check does not wait: :meth:`LateCheck.start` queues a copy of the loss into
 pinned host memory on the current stream and records an event after it; the update steps;
@@ -19,9 +19,10 @@ snapshot never holds a step whose loss was not looked at), or finalized. A non-f
 loss then raises :class:`~mgpu_updater.NonFiniteLossError` naming its update, whose step
 was applied. ``nonfinite='skip'`` still reads before the step (it must not step).
 
-:func:`defers` is the one place that decides where the check is late; a CPU test can
-make it defer there too and so run the updater's side of this protocol (the 0-dim numpy
-loss is then copied at :meth:`~LateCheck.start`).
+:func:`defers` is the one place that says on which devices the check of a lone master is
+late (the updater adds: one device, no MPI communicator); a CPU test can make it defer
+there too and so run the updater's side of this protocol (the 0-dim numpy loss is then
+copied at :meth:`~LateCheck.start`).
 """
 from __future__ import annotations
 
