@@ -349,7 +349,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
-                                                      self._loader)
+                                                      self._loader, self._late)
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
@@ -611,11 +611,19 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 _TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'update')}
 
 
-def _release(group: Group, loader: Optional[Loader]) -> None:
+def _release(group: Group, loader: Optional[Loader],
+             late: Optional[_late_check.LateCheck] = None) -> None:
     """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
     finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
-    and its loader's thread. Runs from ``weakref.finalize``: when the updater is garbage,
-    or at the interpreter's exit; it must not raise."""
+    and its loader's thread; and the loss of its last update where it was still on its way
+    (``nonfinite='raise'``, a master alone on a GPU): a non-finite one is a RuntimeWarning,
+    there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
+    garbage, or at the interpreter's exit; it must not raise."""
+    found = None
+    try:
+        found = late.take() if late is not None else None
+    except Exception:  # noqa: BLE001 - the device may be gone at the interpreter's exit
+        pass
     try:
         group.close(abort=False)
     except Exception:  # noqa: BLE001 - nobody to tell; the pool's own exit hook remains
@@ -623,3 +631,5 @@ def _release(group: Group, loader: Optional[Loader]) -> None:
     finally:
         if loader is not None:
             loader.close()
+        if found is not None:
+            warnings.warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)

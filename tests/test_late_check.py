@@ -17,6 +17,7 @@ Two halves, each against what it must match:
   the current stream, an event after it, and the host waits on that event only when the
   value is taken. tests/test_gpu.py runs it on a GPU.
 """
+import gc
 import multiprocessing
 import sys
 from pathlib import Path
@@ -166,6 +167,19 @@ def test_finalize_in_a_finally_block_warns_instead_of_hiding_the_error(late):
             raise KeyError('elsewhere')
         finally:
             updater.finalize()
+
+
+def test_an_updater_dropped_without_finalize_warns_of_its_last_nan(late):
+    """Nobody to raise to: dropped (garbage), the updater still looks at the loss on its
+    way, and a NaN is a RuntimeWarning."""
+    updater = nan_at_update_2(1)
+    updater.update()
+    with numpy.errstate(invalid='ignore'):
+        updater.update()
+    with pytest.warns(RuntimeWarning, match=r'^the loss became nan at update 2; its step '
+                                            r'was applied'):
+        del updater
+        gc.collect()
 
 
 def test_a_trainer_whose_last_update_is_nan_raises(late, tmp_path):
