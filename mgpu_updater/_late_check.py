@@ -17,7 +17,8 @@ device has long finished that copy (and, if the host ran ahead, waiting for it k
 host at most one update ahead of the device), or when the updater is serialized (a
 snapshot never holds a step whose loss was not looked at), or finalized. A non-finite
 loss then raises :class:`~mgpu_updater.NonFiniteLossError` naming its update, whose step
-was applied (an updater dropped without ``finalize`` warns instead: nobody to raise to). ``nonfinite='skip'`` still reads before the step (it must not step).
+was applied (an updater dropped without ``finalize`` warns instead: nobody to raise to).
+``nonfinite='skip'`` still reads before the step (it must not step).
 
 :func:`defers` is the one place that says on which devices the check of a lone master is
 late (the updater adds: one device, no MPI communicator); a CPU test can make it defer

@@ -115,9 +115,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             wait per update). Under ``'raise'`` and ``'ignore'`` that master never waits
             for its device during an update, and reports its values as 0-dim float64
             arrays on the device, as StandardUpdater reports device arrays (workers and
-            MPI ranks read theirs, to send them, and check before the step). With dynamic loss scaling
-            (``optimizer.loss_scaling()``) Chainer itself skips such steps and lowers the
-            scale, so the policy does not apply.
+            MPI ranks read theirs, to send them, and check before the step). With dynamic
+            loss scaling (``optimizer.loss_scaling()``) Chainer itself skips such steps
+            and lowers the scale, so the policy does not apply.
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
             t is reduced into a second set of buffers and applied one update late, so
             update t+1's gradient was computed on parameters one step stale (no
@@ -535,12 +535,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         optimizer, every replica's iterator (as of the last batch used, prefetch
         notwithstanding), the iteration, the layout (number of devices,
         accumulate_steps), the step in flight (pipelined), the chunk sizes 'auto' found."""
-        if _checkpoint.saving(serializer):
+        saving = _checkpoint.saving(serializer)
+        if saving:
             self._check_late()   # a snapshot holds no step whose loss was not looked at
         else:
             self._late.drop()    # the run it belonged to is replaced
         _checkpoint.serialize_counters(self, serializer)
-        if _checkpoint.saving(serializer):
+        if saving:
             main = self._loader.state() if self._loader else capture_state(
                 self.get_iterator('main'))
             _checkpoint.save_iterators(serializer, main, self._worker_iterators,
