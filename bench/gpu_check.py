@@ -22,12 +22,14 @@ GPUs may skip) and ours followed the anchor's trajectory.
 The throughput step runs in a child process (a CUDA failure or a hang cannot stop the JSON
 from being written): for each of StandardUpdater, ours with ``accumulate_steps=1``, the
 hand-written accumulation loop with 4 micro-batches (``bench._case``'s) and ours with
-``accumulate_steps=4`` (same global batch), a few warm-up updates, then as many updates as
-fit in ``--seconds``, with the device synchronised before the clock starts and stops. Two
-rounds, interleaved, so drift shows. Accumulating 4 micro-batches of a model this small
-costs about 4 times the host's kernel launches of one batch, so the fair comparison for
-``ours_acc4`` is ``hand_acc4`` (``relative_to_hand_acc4``), not StandardUpdater. Data are synthetic MNIST-shaped arrays: the
-machine has no network, and samples/s does not depend on the pixel values.
+``accumulate_steps=4`` (same global batch), a few warm-up updates (ours, with its defaults:
+until ``prefetch='auto'`` has decided how to load, at most 300; its row says how), then as
+many updates as fit in ``--seconds``, with the device synchronised before the clock starts
+and stops. Two rounds, interleaved, so drift shows. Accumulating 4 micro-batches of a
+model this small costs about 4 times the host's kernel launches of one batch, so the fair
+comparison for ``ours_acc4`` is ``hand_acc4`` (``relative_to_hand_acc4``), not
+StandardUpdater. Data are synthetic MNIST-shaped arrays: the machine has no network, and
+samples/s does not depend on the pixel values.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = 'RESULT '
+MAX_WARMUP = 300   # warm-up updates at most, waiting for prefetch='auto' to decide
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -585,6 +588,7 @@ def bench_child(args: argparse.Namespace) -> int:
                             rng.randint(0, 10, n).astype(numpy.int32))
         emit({'setup': {'device': device, 'global_batch': args.batch, 'dataset': n,
                         'timed_seconds': seconds, 'warmup_updates': 3 if args.dry_run else 10,
+                        'ours_warmup_until_decided_at_most': 3 if args.dry_run else MAX_WARMUP,
                         'model': model_source, 'optimizer': 'MomentumSGD(lr=0.01)',
                         'chainer': chainer.__version__}})
     except BaseException as e:
@@ -607,11 +611,13 @@ def bench_child(args: argparse.Namespace) -> int:
             it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
             return _HandUpdater(_hand_step(model, optimizer, it, acc, device))
         its = shard_iterators(data, 1, args.batch // acc, seed=0, shuffle=True)
+        # the defaults, as users run it (prefetch='auto': timed once its trial decided)
         return ParallelAccumulatingUpdater(its, optimizer, devices=[device],
-                                           accumulate_steps=acc, prefetch=2)
+                                           accumulate_steps=acc)
 
     configs = ['standard', 'ours_acc1', 'hand_acc4', 'ours_acc4']
     warmup = 3 if args.dry_run else 10
+    most = warmup if args.dry_run else MAX_WARMUP   # the dry run checks the script only
     status = 0
     for round_ in (1, 2):
         for config in configs:
@@ -623,8 +629,12 @@ def bench_child(args: argparse.Namespace) -> int:
             updater = None
             try:
                 updater = build(config)
-                for _ in range(warmup):
+                # ours: past prefetch='auto''s trial (about 125 windows), as it trains
+                modes = lambda: getattr(updater, 'loading_modes', [])  # noqa: E731
+                warm = 0
+                while warm < warmup or ('trial' in modes() and warm < most):
                     updater.update()
+                    warm += 1
                 sync()
                 t0 = time.perf_counter()
                 count = 0
@@ -639,6 +649,9 @@ def bench_child(args: argparse.Namespace) -> int:
                        'seconds': round(elapsed, 3),
                        'samples_per_s': round(count * args.batch / elapsed, 1),
                        'ms_per_update': round(1000 * elapsed / count, 3)}
+                if modes():
+                    row['warmup_updates'] = warm
+                    row['loading_modes'] = list(modes())
                 times = getattr(updater, 'last_times', None)
                 if times:
                     row['last_times_ms'] = {k: round(1000 * v, 3) for k, v in times.items()}
