@@ -2,6 +2,7 @@
 
     python bench/gpu_overhead.py --out DIR [--ks 1,4] [--batch 256] [--seconds 2.5]
     python bench/gpu_overhead.py --out DIR --dry-run      # the same on '@numpy'
+    python bench/gpu_overhead.py --out DIR --configs standard_1,ours_1   # only these
 
 On a GPU the host only enqueues kernels; a loop that never reads a result on the host
 runs ahead of the device, and one read per update (``float(loss)``) makes the host wait
@@ -25,7 +26,9 @@ are timed as they train, not during their trial (``warmup`` in the JSON: the upd
 the loading modes). Then it profiles (cProfile,
 host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
 writes their top functions.
-Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out``.
+Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out`` (with
+``--profile-in-json``, each profile's text goes into the JSON's ``profiles`` instead: fewer
+files).
 """
 import argparse
 import cProfile
@@ -60,10 +63,31 @@ def parse_args(argv=None):
     p.add_argument('--profile', default='hand_1_read,ours_1_prefetch0,ours_1',
                    help='configs to profile (comma-separated; empty: none)')
     p.add_argument('--profile-updates', type=int, default=300)
+    p.add_argument('--profile-in-json', action='store_true',
+                   help="each profile's text in the JSON's 'profiles', not a file of its own")
+    p.add_argument('--configs', default='',
+                   help='time only these configs, in this order (comma-separated; empty: '
+                        'every config of --ks)')
     p.add_argument('--dry-run', action='store_true', help="run on '@numpy'")
     args = p.parse_args(argv)
     args.ks = [int(k) for k in args.ks.split(',') if k]
+    args.configs = [c for c in args.configs.split(',') if c]
+    known = all_configs(args.ks)
+    unknown = [c for c in args.configs + [c for c in args.profile.split(',') if c]
+               if c not in known]
+    if unknown:
+        p.error(f'--configs/--profile: unknown config(s) {", ".join(unknown)} for --ks '
+                f'{",".join(map(str, args.ks))}; known: {", ".join(known)}')
     return args
+
+
+def all_configs(ks):
+    """Every config of the k values ``ks``, in the order they are timed."""
+    configs = ['standard_1']
+    for k in ks:
+        configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
+                    f'ours_{k}_ignore'] + ([f'ours_{k}_skip'] if k == 1 else [])
+    return configs
 
 
 def main(argv=None):
@@ -125,10 +149,7 @@ def main(argv=None):
                 run()
         return step, fin, modes
 
-    configs = ['standard_1']
-    for k in args.ks:
-        configs += [f'hand_{k}', f'hand_{k}_read', f'ours_{k}', f'ours_{k}_prefetch0',
-                    f'ours_{k}_ignore'] + ([f'ours_{k}_skip'] if k == 1 else [])
+    configs = args.configs or all_configs(args.ks)
     runs, errors = [], []
     warmup = {}   # label -> warm-up updates and the loading modes after them
 
@@ -188,8 +209,11 @@ def main(argv=None):
             stats = pstats.Stats(prof, stream=text).strip_dirs()
             stats.sort_stats('tottime').print_stats(40)
             stats.sort_stats('cumulative').print_stats(90)
-            (out / f'profile_{config}.txt').write_text(text.getvalue())
-            profiles[config] = f'profile_{config}.txt'
+            if args.profile_in_json:
+                profiles[config] = text.getvalue()
+            else:
+                (out / f'profile_{config}.txt').write_text(text.getvalue())
+                profiles[config] = f'profile_{config}.txt'
         warmed(f'profile {config}', config, profiled)
 
     summary = {}
@@ -207,11 +231,15 @@ def main(argv=None):
     (out / 'gpu_overhead.json').write_text(json.dumps(result, indent=1))
     lines = [f'# One replica on {device}: global batch {args.batch}, samples/s (median of '
              f'{args.rounds} interleaved rounds, min-max)', '',
-             '| config | samples/s | min-max | / standard |', '|---|---|---|---|']
+             '| config | samples/s | min-max | / standard | / hand loop, same k |',
+             '|---|---|---|---|---|']
     for config, s in summary.items():
         ratio = f"{s['median_samples_per_s'] / base:.3f}" if base else ''
+        hand = summary.get('hand_' + config.split('_')[1], {}).get('median_samples_per_s')
+        to_hand = (f"{s['median_samples_per_s'] / hand:.3f}"
+                   if hand and config.startswith('ours_') else '')
         lines.append(f"| {config} | {s['median_samples_per_s']:.0f} | "
-                     f"{s['min']:.0f}-{s['max']:.0f} | {ratio} |")
+                     f"{s['min']:.0f}-{s['max']:.0f} | {ratio} | {to_hand} |")
     if errors:
         lines += ['', 'Errors:', ''] + [f'- {e}' for e in errors]
     (out / 'gpu_overhead.md').write_text('\n'.join(lines) + '\n')

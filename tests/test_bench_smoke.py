@@ -361,6 +361,37 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
     assert '| ours_2 |' in (tmp_path / 'gpu_overhead.md').read_text()
 
 
+def test_gpu_overhead_bench_times_the_configs_asked_for(tmp_path):
+    """``--configs`` times those configs only, in that order; ``--profile-in-json`` keeps
+    the profile in the JSON (bench/gpu_check.sh: the machine returns 8 files at most); an
+    unknown config is refused, naming the known ones."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+    script = str(ROOT / 'bench' / 'gpu_overhead.py')
+    cmd = [sys.executable, script, '--dry-run', '--batch', '8', '--ks', '1,2',
+           '--seconds', '0.05', '--rounds', '1', '--configs', 'hand_2,standard_1,ours_2',
+           '--profile', 'ours_2', '--profile-updates', '5', '--profile-in-json',
+           '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'gpu_overhead.json').read_text())
+    assert list(result['summary']) == ['hand_2', 'standard_1', 'ours_2']
+    assert '_attempt' in result['profiles']['ours_2']
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['gpu_overhead.json',
+                                                          'gpu_overhead.md']
+    table = (tmp_path / 'gpu_overhead.md').read_text()
+    ours = next(line for line in table.splitlines() if line.startswith('| ours_2 |'))
+    hand = result['summary']['hand_2']['median_samples_per_s']
+    mine = result['summary']['ours_2']['median_samples_per_s']
+    assert ours.rstrip(' |').endswith(f'{mine / hand:.3f}')   # ours against the hand loop
+    refused = subprocess.run(cmd[:-2] + ['--configs', 'ours_3', '--out', str(tmp_path)],
+                             cwd=str(ROOT), env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2
+    assert 'unknown config(s) ours_3' in refused.stderr and 'ours_2_ignore' in refused.stderr
+
+
 def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
     """``bench/timeline.py``: ours' master and worker stamp their phases (the worker wraps
     them when it imports the file as its main module); ChainerMN's where it can run."""
