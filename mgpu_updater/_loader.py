@@ -342,7 +342,6 @@ class Prefetcher(Loader):
                 stuck = not self._loading and self._items.empty()
             if stuck:
                 self.release()
-            start = time.perf_counter()
         while True:
             try:
                 kind, payload = self._items.get(timeout=1.0)
@@ -350,8 +349,8 @@ class Prefetcher(Loader):
             except queue.Empty:
                 if not self._thread.is_alive() and self._items.empty():
                     raise RuntimeError('the prefetch thread stopped unexpectedly') from None
-        if opened:
-            self._waited(time.perf_counter() - start)
+        if opened:   # the gate is held again: a gated loader loads no further ahead
+            self.hold()
         self._free.put(None)
         if kind == 'error':
             self._exhausted = True
@@ -367,18 +366,10 @@ class Prefetcher(Loader):
 
     def _load_here(self) -> Optional[Batch]:
         """Load the next batch in the consumer's thread, the gate held and the thread
-        parked at it (see ``_parked``); an error is raised as it came."""
-        start = time.perf_counter()
-        item = self._load()
-        if item is None:
-            self._exhausted = True
-        self._waited(time.perf_counter() - start)
-        return item
-
-    def _waited(self, seconds: float) -> None:
-        """A get waited ``seconds`` for a batch not loaded yet: the gate is held again
-        (a gated loader loads no further ahead)."""
-        self.hold()
+        parked at it (see ``_parked``), as the synchronous loader does (its
+        :meth:`Loader.get`: this runs for every micro-batch loaded inline); an error is
+        raised as it came."""
+        return Loader.get(self)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         with self._lock:
