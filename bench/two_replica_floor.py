@@ -9,12 +9,17 @@ of ours: a worker process and the master share one block of shared memory; the m
 parameters are views of it (so the worker sees every step without a copy); each update
 the master raises a flag, both run forward and backward on their own batch, the worker
 copies its gradients into shared memory and raises its flag, the master adds them, halves
-(the mean of two replicas), and its optimizer steps. Flags are spun on, never slept on.
-No pipe, no checks, no reporting, no loading ahead: a floor, not an updater.
+(the mean of two replicas), and its optimizer steps. Flags are spun on (the worker sleeps
+between looks only after :data:`SPIN` seconds without a round: between its turns). No
+pipe, no checks, no reporting, no loading ahead: a floor, not an updater.
 
-StandardUpdater runs in the same process, the two taking turns round by round (the order
-alternates), 4 timed updates each after one untimed; the ratio of each round, then its
-median and 5-95% quantiles. Writes ``two_replica_floor.md`` and ``.json`` into ``--out``.
+StandardUpdater and ours (``ParallelAccumulatingUpdater`` with two ``'@numpy'`` replicas,
+its defaults, each replica with StandardUpdater's batch, as ``bench/overhead.py``'s
+``ours_n2``) run in the same process, the three taking turns round by round (the order
+rotating), 4 timed updates each after one untimed, each update inside a reporter scope as
+under a Trainer; ours first warmed up until ``prefetch='auto'`` has decided. Per round the ratios floor / standard, ours / standard and ours / floor;
+for each, its median with the 5-95% quantiles of the rounds and a 95% bootstrap interval of
+the median. Writes ``two_replica_floor.md`` and ``.json`` into ``--out``.
 """
 import argparse
 import json
@@ -41,6 +46,7 @@ from bench import _common, overhead  # noqa: E402
 
 BATCH = 16
 HEADER = 16   # two int64 flags: the master's round, the worker's round (-1: stop)
+SPIN = 2e-3   # seconds the worker spins for a round before it sleeps between looks
 
 
 def _params(model):
@@ -77,10 +83,14 @@ def worker(name, n):
     try:
         while True:
             r += 1
+            since = time.perf_counter()
             while flags[0] < r:
                 if flags[0] < 0:
                     return
-                os.sched_yield()
+                if time.perf_counter() - since < SPIN:
+                    os.sched_yield()
+                else:   # the others' turn: leave the cores to them
+                    time.sleep(2e-4)
             x, t = chainer.dataset.concat_examples(it.next())
             model.cleargrads()
             model(x, t).backward()
@@ -90,6 +100,9 @@ def worker(name, n):
     finally:
         del flags, params, grads
         block.close()
+
+
+PAIRS = (('floor', 'standard'), ('ours', 'standard'), ('ours', 'floor'))
 
 
 def main(argv=None):
@@ -109,9 +122,16 @@ def main(argv=None):
     proc = multiprocessing.get_context('spawn').Process(target=worker, args=(block.name, n))
     proc.start()
     std_model = overhead.make_model()
-    standard = chainer.training.updaters.StandardUpdater(
+    standard = overhead._observed(chainer.training.updaters.StandardUpdater(
         overhead._iterator(overhead.make_dataset(4096), BATCH, 1),
-        _common.make_optimizer(std_model))
+        _common.make_optimizer(std_model)), std_model)
+    from mgpu_updater import ParallelAccumulatingUpdater
+    ours_model = overhead.make_model()
+    dataset = overhead.make_dataset(4096)
+    ours_updater = ParallelAccumulatingUpdater(
+        [overhead._iterator(dataset, BATCH, 1 + r) for r in range(2)],
+        _common.make_optimizer(ours_model), devices=['@numpy'] * 2)
+    ours = overhead._observed(ours_updater, ours_model)
     state = {'round': 0}
 
     def floor():
@@ -131,21 +151,28 @@ def main(argv=None):
         optimizer.update()
 
     try:
-        floor()   # the worker's start-up
-        times = {'floor': [], 'standard': []}
-        ratios = []
+        floor()   # the workers' start-up
+        warm = 0   # ours past prefetch='auto''s trial (about 125 windows): as it trains
+        while warm < 10 or ('trial' in ours_updater.loading_modes and warm < 300):
+            ours()
+            warm += 1
+        times = {'floor': [], 'standard': [], 'ours': []}
+        ratios = {pair: [] for pair in PAIRS}
+        steps = (('floor', floor), ('standard', standard), ('ours', ours))
         for i in range(args.rounds):
             got = {}
-            order = (('floor', floor), ('standard', standard.update))
-            for name, step in (order if i % 2 else order[::-1]):
+            shift = i % len(steps)
+            for name, step in steps[shift:] + steps[:shift]:
                 step()
                 t0 = time.perf_counter()
                 for _ in range(4):
                     step()
                 got[name] = (time.perf_counter() - t0) / 4
                 times[name].append(got[name])
-            ratios.append(got['floor'] / got['standard'])
+            for a, b in PAIRS:
+                ratios[(a, b)].append(got[a] / got[b])
     finally:
+        ours_updater.finalize()
         flags[0] = -1
         proc.join(10)
         if proc.is_alive():
@@ -153,7 +180,6 @@ def main(argv=None):
         del flags, params, grads
         block.close()
         block.unlink()
-    q = statistics.quantiles(ratios, n=20)
     result = {
         'bench': 'two_replica_floor', 'rounds': args.rounds, 'batch': BATCH,
         'model': 'bench/overhead.py make_model()', 'python': platform.python_version(),
@@ -161,11 +187,26 @@ def main(argv=None):
         'cpu_count': os.cpu_count(),
         'floor_ms': 1e3 * statistics.median(times['floor']),
         'standard_ms': 1e3 * statistics.median(times['standard']),
-        'ratio_median': statistics.median(ratios), 'ratio_q05': q[0], 'ratio_q95': q[-1]}
-    line = (f"floor {result['floor_ms']:.3f} ms, StandardUpdater {result['standard_ms']:.3f} "
-            f"ms per update; floor / standard: median {result['ratio_median']:.3f} "
-            f"(5-95%: {result['ratio_q05']:.3f}-{result['ratio_q95']:.3f}), "
-            f"{args.rounds} rounds")
+        'ours_ms': 1e3 * statistics.median(times['ours']),
+        'ours_loading': ours_updater.loading_modes, 'ratios': {}}
+    for (a, b), values in ratios.items():
+        q = statistics.quantiles(values, n=20)
+        low, high = _common.median_interval(values)
+        result['ratios'][f'{a}/{b}'] = {'median': statistics.median(values), 'q05': q[0],
+                                        'q95': q[-1], 'ci95': [low, high]}
+    # the floor's own line, as before
+    floor_std = result['ratios']['floor/standard']
+    result.update(ratio_median=floor_std['median'], ratio_q05=floor_std['q05'],
+                  ratio_q95=floor_std['q95'])
+    lines = [f"floor {result['floor_ms']:.3f} ms, ours {result['ours_ms']:.3f} ms, "
+             f"StandardUpdater {result['standard_ms']:.3f} ms per update (medians), "
+             f"{args.rounds} rounds", '',
+             '| ratio | median | 95% interval of the median | 5-95% of the rounds |',
+             '|---|---:|---:|---:|']
+    for key, r in result['ratios'].items():
+        lines.append(f"| {key} | {r['median']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} "
+                     f"| {r['q05']:.3f}-{r['q95']:.3f} |")
+    line = '\n'.join(lines)
     print(line)
     if args.out:
         out = Path(args.out)
@@ -173,10 +214,11 @@ def main(argv=None):
         (out / 'two_replica_floor.json').write_text(json.dumps(result, indent=1) + '\n')
         (out / 'two_replica_floor.md').write_text(
             f'`python bench/two_replica_floor.py --rounds {args.rounds} --out {args.out}`\n\n'
-            f'Two processes in lockstep, nothing of ours (see the bench\'s docstring), '
-            f'beside StandardUpdater, on bench/overhead.py\'s MLP, batch {BATCH} per '
-            f'replica; Python {result["python"]}, numpy {result["numpy"]}, Chainer '
-            f'{result["chainer"]}, {result["cpu_count"]} cores.\n\n{line}.\n')
+            f'Two processes in lockstep, nothing of ours (the floor, see the bench\'s '
+            f'docstring), beside StandardUpdater and ours with two replicas, on '
+            f'bench/overhead.py\'s MLP, batch {BATCH} per replica, taking turns; Python '
+            f'{result["python"]}, numpy {result["numpy"]}, Chainer {result["chainer"]}, '
+            f'{result["cpu_count"]} cores.\n\n{line}\n')
     return 0
 
 

@@ -578,12 +578,20 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
 
 def test_two_replica_floor_runs_both_processes_in_lockstep(tmp_path):
     """``bench/two_replica_floor.py``: the worker's gradients reach the master every round
-    (a dead or stuck worker is an error, not a hang), and the report is written."""
+    (a dead or stuck worker is an error, not a hang), ours runs its turns beside it, and
+    the report gives every ratio."""
     cmd = [sys.executable, str(ROOT / 'bench' / 'two_replica_floor.py'), '--rounds', '20',
            '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'two_replica_floor.json').read_text())
     assert result['rounds'] == 20 and result['floor_ms'] > 0 and result['standard_ms'] > 0
+    assert result['ours_ms'] > 0 and result['ours_loading'] == ['inline', 'inline']
     assert result['ratio_q05'] <= result['ratio_median'] <= result['ratio_q95']
-    assert 'floor / standard: median' in (tmp_path / 'two_replica_floor.md').read_text()
+    assert list(result['ratios']) == ['floor/standard', 'ours/standard', 'ours/floor']
+    for r in result['ratios'].values():
+        assert r['q05'] <= r['median'] <= r['q95']
+        assert r['ci95'][0] <= r['median'] <= r['ci95'][1]
+    table = (tmp_path / 'two_replica_floor.md').read_text()
+    assert '| ours/floor |' in table and '| floor/standard |' in table
+
