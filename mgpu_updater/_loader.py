@@ -218,6 +218,9 @@ class Prefetcher(Loader):
         self._free: 'queue.SimpleQueue[None]' = queue.SimpleQueue()
         for _ in range(depth):
             self._free.put(None)
+        # places freed by a consumer holding the gate, handed back when it lets go
+        # (release) or finds nothing loaded (get): see get
+        self._owed = 0
         # states captured before each batch loaded or being loaded and not yet handed
         # out, oldest first; empty only while the thread is not inside a load
         self._pending: Deque[Dict[str, numpy.ndarray]] = collections.deque()
@@ -309,7 +312,14 @@ class Prefetcher(Loader):
     def release(self) -> None:
         if self._holding:
             self._holding = False
+            self._pay()
             self._gate.release()
+
+    def _pay(self) -> None:
+        """Hand back the places freed while the gate was held (see :meth:`get`)."""
+        owed, self._owed = self._owed, 0
+        for _ in range(owed):
+            self._free.put(None)
 
     def _put(self, entry: tuple) -> None:
         """Wait for a free place (checking the stop every 0.1 s), then hand ``entry`` on."""
@@ -334,6 +344,7 @@ class Prefetcher(Loader):
         if opened and self._parked and self.load_here:   # the thread stays put: load here
             return self._load_here()
         if opened:
+            self._pay()   # a thread waiting for a place to put its batch gets one
             # Nothing loaded: a thread inside a load goes on by itself (opening the gate
             # would let it start one more: loading ahead, which a gated loader does not);
             # one at the gate, or on its way there, must be let through. Read under the
@@ -351,7 +362,15 @@ class Prefetcher(Loader):
                     raise RuntimeError('the prefetch thread stopped unexpectedly') from None
         if opened:   # the gate is held again: a gated loader loads no further ahead
             self.hold()
-        self._free.put(None)
+        if self._holding:
+            # The place this batch held goes back when the gate is let go: handed back
+            # now, it would wake a thread waiting to put a batch loaded ahead (the queue
+            # full after a long wait) in the middle of the window, to take the GIL from it
+            # and park at the gate again. A worker's window ran 0.3 ms (35%) slower on a
+            # launch-bound model (bench/overhead.py's MLP, 2 replicas, 2-core VM).
+            self._owed += 1
+        else:
+            self._free.put(None)
         if kind == 'error':
             self._exhausted = True
             raise payload

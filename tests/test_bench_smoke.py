@@ -595,3 +595,19 @@ def test_two_replica_floor_runs_both_processes_in_lockstep(tmp_path):
     table = (tmp_path / 'two_replica_floor.md').read_text()
     assert '| ours/floor |' in table and '| floor/standard |' in table
 
+
+def test_gated_loader_bench_times_each_way_of_handing_places_back(tmp_path):
+    """``bench/gated_loader.py``: the three loaders take turns and every ratio is
+    reported (its figures are the committed run's, not asserted)."""
+    cmd = [sys.executable, str(ROOT / 'bench' / 'gated_loader.py'), '--rounds', '30',
+           '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'gated_loader.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.gated_loader/1' and result['bind'] is None
+    assert set(result['ms']) == {'deferred', 'immediate', 'inline'}
+    assert all(v > 0 for v in result['ms'].values())
+    for key in ('immediate/deferred', 'inline/deferred'):
+        r = result['ratios'][key]
+        assert r['ci95'][0] <= r['median'] <= r['ci95'][1]
+    assert '| immediate |' in (tmp_path / 'gated_loader.md').read_text()

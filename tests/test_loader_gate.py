@@ -89,6 +89,59 @@ def test_a_gated_loader_starts_held_and_loads_only_when_released():
         loader.close()
 
 
+def _labels(batch):
+    return batch.arrays[1].tolist()
+
+
+def _expected(data, j, b=2):
+    return [int(data.base[i][1]) for i in range(b * j, b * j + b)]
+
+
+def test_a_batch_taken_under_a_held_gate_wakes_the_thread_only_when_it_is_let_go():
+    """After a wait the queue is full and the thread waits, a batch loaded ahead in hand,
+    for a place. A batch taken while the gate is held frees one, but it is handed back
+    when the gate is let go: handed back at once, it woke the thread in the middle of the
+    window to take the GIL from it (a window 0.2 ms slower, of 0.8 ms, with its threads
+    on no core of their own) and park at the gate again."""
+    data = _Counting()
+    loader = _loader(data)
+    try:
+        _settle(data)
+        loader.release()
+        assert _settle(data) == 2 + 2 * 2   # two batches queued, one waiting for a place
+        loader.hold()
+        assert _labels(loader.get()) == _expected(data, 0)
+        time.sleep(0.3)
+        assert loader._items.qsize() == 1   # the waiting batch is not put: still asleep
+        loader.release()
+        assert _settle(data) == 2 + 3 * 2   # now it puts that batch and loads the next
+        loader.hold()
+        assert [_labels(loader.get()) for _ in range(4)] == [
+            _expected(data, j) for j in (1, 2, 3, 4)]
+    finally:
+        loader.close()
+
+
+def test_a_held_gate_hands_out_every_batch_loaded_ahead_then_loads_in_place():
+    """A window of more micro-batches than are queued: the batch the thread waits to put
+    is handed a place and taken (no wait on a place owed until release), then the caller
+    loads the rest itself, in order."""
+    data = _Counting()
+    loader = _loader(data)
+    try:
+        _settle(data)
+        loader.release()
+        _settle(data)
+        loader.hold()
+        got = [_labels(loader.get()) for _ in range(6)]
+        assert got == [_expected(data, j) for j in range(6)]
+        here = threading.get_ident()
+        assert data.threads[8:12] == [here] * 4   # batches 4 and 5: read by the caller
+        assert loader._holding
+    finally:
+        loader.close()
+
+
 def test_a_get_that_finds_nothing_loaded_loads_it_itself_and_holds_again(monkeypatch):
     """The thread parked at the held gate, a get with nothing loaded reads the iterator in
     the caller's thread (no hand-off to the thread and back), in order, gate still held."""
