@@ -363,11 +363,12 @@ class Prefetcher(Loader):
         if opened:   # the gate is held again: a gated loader loads no further ahead
             self.hold()
         if self._holding:
-            # The place this batch held goes back when the gate is let go: handed back
-            # now, it would wake a thread waiting to put a batch loaded ahead (the queue
-            # full after a long wait) in the middle of the window, to take the GIL from it
-            # and park at the gate again. A worker's window ran 0.3 ms (35%) slower on a
-            # launch-bound model (bench/overhead.py's MLP, 2 replicas, 2-core VM).
+            # The place this batch held goes back when the gate is let go (release, or a
+            # get that finds nothing loaded): handed back now, it would wake the thread,
+            # which after a wait holds a batch loaded ahead for a place, in the middle of
+            # the window, to take the GIL from it and park at the gate again. That cost a
+            # window of a launch-bound model 0.2 ms of 0.8 with threads unbound (as a GPU
+            # worker's), 0.04 ms with the process on one core (bench/gated_loader.py).
             self._owed += 1
         else:
             self._free.put(None)
