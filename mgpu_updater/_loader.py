@@ -118,10 +118,6 @@ class Loader:
             arrays = stager.stage(call_converter(self.converter, batch, None))
         return Batch(sample_count(batch), arrays, epoch)
 
-    def _load(self, stager: Any = None) -> Optional[Batch]:
-        read = self._read()
-        return None if read is None else self._convert(read, stager)
-
     def get(self) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted. (What
         :meth:`_load` does, in one call: it runs for every micro-batch.)"""
@@ -341,8 +337,11 @@ class Prefetcher(Loader):
         if self._exhausted:
             return None
         opened = self._holding and self._items.empty()
-        if opened and self._parked and self.load_here:   # the thread stays put: load here
-            return self._load_here()
+        if opened and self._parked and self.load_here:
+            # The thread stays put: load the batch here, in the consumer's thread, as the
+            # synchronous loader does (this runs for every micro-batch loaded inline); an
+            # error is raised as it came.
+            return Loader.get(self)
         if opened:
             self._pay()   # a thread waiting for a place to put its batch gets one
             # Nothing loaded: a thread inside a load goes on by itself (opening the gate
@@ -383,13 +382,6 @@ class Prefetcher(Loader):
         if isinstance(payload.arrays, Staged):   # on a side stream: order it, don't block
             payload = payload._replace(arrays=payload.arrays.wait())
         return payload
-
-    def _load_here(self) -> Optional[Batch]:
-        """Load the next batch in the consumer's thread, the gate held and the thread
-        parked at it (see ``_parked``), as the synchronous loader does (its
-        :meth:`Loader.get`: this runs for every micro-batch loaded inline); an error is
-        raised as it came."""
-        return Loader.get(self)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         with self._lock:
