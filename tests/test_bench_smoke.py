@@ -554,7 +554,8 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
     StandardUpdater and the hand loop in turns, each ratio with its interval and verdict,
     and every method's update split into the same phases."""
     _run_bench('overhead.py', '--rounds', '3', '--phase-rounds', '2', '--block', '2',
-               '--warmup', '0', '--trial-updates', '2', '--out', str(tmp_path), timeout=300)
+               '--warmup', '0', '--trial-updates', '2', '--warm-rounds', '3', '--warm-block', '4',
+               '--warm-untimed', '2', '--out', str(tmp_path), timeout=300)
     from bench import overhead
     result = json.loads((tmp_path / 'overhead.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.overhead/1'
@@ -565,6 +566,12 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
         ratio = result['ratios'][key]
         assert len(ratio['ratios']) == 3 and all(r > 0 for r in ratio['ratios'])
         assert ratio['verdict'] == overhead.verdict(overhead.GOALS[key], *ratio['ci95'])
+    warm = result['warm']   # ours_n2 and standard alone, in long turns
+    assert (warm['block'], warm['untimed'], warm['rounds']) == (4, 2, 3)
+    assert len(warm['ratio']['ratios']) == 3 and all(r > 0 for r in warm['ratio']['ratios'])
+    assert warm['ratio']['verdict'] == overhead.verdict(overhead.GOALS['ours_n2/standard'],
+                                                        *warm['ratio']['ci95'])
+    assert set(warm['ms']) == {'standard', 'ours_n2'}
     for name, phases in result['phases'].items():
         assert set(phases) == set(overhead.PHASES) | {'window, own', 'own', 'total'}
         assert phases['total'] > 0 and phases['forward'] > 0 and phases['backward'] > 0
@@ -573,6 +580,8 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
     assert result['loading']['ours_n2'] == ['trial', 'trial'] or all(
         m in ('inline', 'ahead', 'trial') for m in result['loading']['ours_n2'])
     assert '| ours_k1/standard |' in (tmp_path / 'overhead.md').read_text()
+    assert '| ours_n2/standard, warm (turns of 4, 2 untimed; 3 rounds) |' in \
+        (tmp_path / 'overhead.md').read_text()
     assert str(ROOT) not in (tmp_path / 'overhead.json').read_text()
 
 
