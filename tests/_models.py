@@ -187,3 +187,28 @@ class SleepsInWorker(chainer.Chain):
                 self.calls == self.at or (self.every and self.calls > self.at)):
             _sleep_in_forward(self.seconds)
         return self.inner(x, t)
+
+
+class SometimesExtra(chainer.Chain):
+    """An MLP with a second head that only samples whose first feature is above
+    ``threshold`` use, called only for a batch that holds such a sample: a parameter that
+    a micro-batch, a replica or a whole update may leave without a gradient (``grad is
+    None``, as a branch or a mixture of experts leaves one). Each sample's output depends
+    on that sample alone, so one large batch and its micro-batches train alike."""
+
+    def __init__(self, threshold, n_in=5, n_hidden=8, n_out=3):
+        super().__init__()
+        self.threshold = threshold
+        with self.init_scope():
+            self.l1 = L.Linear(n_in, n_hidden)
+            self.l2 = L.Linear(n_hidden, n_out)
+            self.extra = L.Linear(n_hidden, n_out)
+
+    def forward(self, x):
+        h = F.relu(self.l1(x))
+        y = self.l2(h)
+        x0 = getattr(x, 'array', x)[:, 0]
+        mask = (x0 > self.threshold).astype(x0.dtype)
+        if mask.any():
+            y = y + mask[:, None] * self.extra(h)
+        return y
