@@ -620,3 +620,26 @@ def test_gated_loader_bench_times_each_way_of_handing_places_back(tmp_path):
         r = result['ratios'][key]
         assert r['ci95'][0] <= r['median'] <= r['ci95'][1]
     assert '| immediate |' in (tmp_path / 'gated_loader.md').read_text()
+
+
+def test_cold_window_bench_times_every_gap_against_none(tmp_path):
+    """``bench/cold_window.py``: every gap's windows are timed, each against the window
+    after none, in turns (its figures are the committed run's, not asserted)."""
+    _run_bench('cold_window.py', '--rounds', '5', '--warmup', '1', '--out', str(tmp_path),
+               timeout=120)
+    from bench import cold_window
+    result = json.loads((tmp_path / 'cold_window.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.cold_window/1' and result['rounds'] == 5
+    names = [cold_window.label(kind, ms) for kind, ms in cold_window.GAPS]
+    assert list(result['ms']) == names and all(v > 0 for v in result['ms'].values())
+    assert list(result['ratios']) == names[1:]
+    for r in result['ratios'].values():
+        assert r['ci95'][0] <= r['median'] <= r['ci95'][1]
+    assert '| sleep 2 ms |' in (tmp_path / 'cold_window.md').read_text()
+
+
+def test_cold_window_bench_refuses_too_few_rounds():
+    proc = subprocess.run([sys.executable, str(ROOT / 'bench' / 'cold_window.py'),
+                           '--rounds', '1'], cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and '--rounds must be >= 2, got 1' in proc.stderr
