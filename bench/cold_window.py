@@ -12,15 +12,20 @@ window comes one of these gaps:
 - ``none``: the window straight after the last one's loading;
 - ``spin X``: X ms of a Python loop that polls a word in memory and yields the CPU
   (``os.sched_yield``) between looks, as a rank waiting at the board does;
+- ``python X``: X ms of other Python (pickling and unpickling a small dict, copying a
+  small array), as the master's own protocol between its windows;
 - ``sleep X``: ``time.sleep`` for X ms, as a rank that waits longer does.
 
-The gaps take turns, one window each, the order rotating by round; each round gives every
-gap's window time over ``none``'s, and the table the median with its 95% bootstrap
-interval. The process is on one core (``--core``, default the last), as a bound replica.
+The gaps take turns, one window each, in an order shuffled anew each round (a rotation
+would keep each gap's window after the same other gap's, and a window after a sleep is
+itself still slower); each round gives every gap's window time over ``none``'s, and the
+table the median with its 95% bootstrap interval. The process is on one core (``--core``, default the last), as a bound replica.
 Writes ``cold_window.md`` and ``.json`` into ``--out``.
 """
 import argparse
 import os
+import pickle
+import random
 import statistics
 import sys
 import time
@@ -34,11 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import _common, overhead  # noqa: E402
 
 import chainer  # noqa: E402
+import numpy  # noqa: E402
 
 SCHEMA = 'mgpu_updater.bench.cold_window/1'
 BATCH = 16
-GAPS = (('none', 0.0), ('spin', 0.05), ('spin', 0.3), ('spin', 2.0), ('sleep', 0.3),
-        ('sleep', 2.0))
+GAPS = (('none', 0.0), ('spin', 0.05), ('spin', 0.3), ('python', 0.3), ('spin', 2.0),
+        ('sleep', 0.3), ('sleep', 2.0))
+# what 'python' pickles: about a window result's size and shape
+_RESULT = {'count': 16, 'loss_sum': 1.25, 'sums': {'main/loss': 0.1, 'main/accuracy': 0.5},
+           'weights': {'main/loss': 16.0, 'main/accuracy': 16.0},
+           'times': {'data': 1e-4, 'compute': 5e-4}, 'epochs': [(0, 0.1, 0.09, False)]}
 
 
 def label(kind, ms):
@@ -50,6 +60,15 @@ def spin(seconds, word):
     clock, end = time.perf_counter, time.perf_counter() + seconds
     while not word[0] and clock() < end:
         os.sched_yield()
+
+
+def python_work(seconds, small):
+    """Other Python for ``seconds``: pickle a window-result-like dict and back, copy a
+    small array."""
+    clock, end = time.perf_counter, time.perf_counter() + seconds
+    while clock() < end:
+        pickle.loads(pickle.dumps(_RESULT, protocol=pickle.HIGHEST_PROTOCOL))
+        small[1][...] = small[0]
 
 
 def main(argv=None):
@@ -67,14 +86,18 @@ def main(argv=None):
     model = overhead.make_model()
     it = overhead._iterator(overhead.make_dataset(4096), BATCH, 1)
     word = memoryview(bytearray(8)).cast('q')
+    small = (numpy.ones(4096, numpy.float32), numpy.zeros(4096, numpy.float32))
     names = [label(kind, ms) for kind, ms in GAPS]
     times = {name: [] for name in names}
+    order, shuffle = list(GAPS), random.Random(0).shuffle
     for i in range(args.warmup + args.rounds):
-        shift = i % len(GAPS)
-        for kind, ms in GAPS[shift:] + GAPS[:shift]:
+        shuffle(order)
+        for kind, ms in order:
             x, t = chainer.dataset.concat_examples(it.next())
             if kind == 'spin':
                 spin(ms / 1e3, word)
+            elif kind == 'python':
+                python_work(ms / 1e3, small)
             elif kind == 'sleep':
                 time.sleep(ms / 1e3)
             start = time.perf_counter()
@@ -95,7 +118,7 @@ def main(argv=None):
         result['ratios'][name] = summary
     lines = [f'`python bench/cold_window.py{" --out " + args.out if args.out else ""}`', '',
              f'One process on one core: the forward and backward of bench/overhead.py\'s MLP '
-             f'(batch {BATCH}) after each gap, the gaps taking turns, {args.rounds} rounds; '
+             f'(batch {BATCH}) after each gap, the gaps taking turns in a shuffled order, {args.rounds} rounds; '
              f'{result["cpu"]} ({result["cores"]} cores), Python '
              f'{result["versions"]["python"]}, numpy {result["versions"]["numpy"]}, Chainer '
              f'{result["versions"]["chainer"]}.', '',
