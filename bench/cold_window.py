@@ -1,4 +1,4 @@
-"""A window after a wait: what spinning or sleeping before it costs its forward and backward.
+"""A window after a wait: what spinning, other Python or a sleep before it costs the window.
 
     python bench/cold_window.py [--rounds 2000] [--out DIR]
 
@@ -19,8 +19,9 @@ window comes one of these gaps:
 The gaps take turns, one window each, in an order shuffled anew each round (a rotation
 would keep each gap's window after the same other gap's, and a window after a sleep is
 itself still slower); each round gives every gap's window time over ``none``'s, and the
-table the median with its 95% bootstrap interval. The process is on one core (``--core``, default the last), as a bound replica.
-Writes ``cold_window.md`` and ``.json`` into ``--out``.
+table the median with its 95% bootstrap interval. The process is on one core (``--core``,
+default the last), as a bound replica. Writes ``cold_window.md`` and ``.json`` into
+``--out``.
 """
 import argparse
 import os
@@ -118,7 +119,8 @@ def main(argv=None):
         result['ratios'][name] = summary
     lines = [f'`python bench/cold_window.py{" --out " + args.out if args.out else ""}`', '',
              f'One process on one core: the forward and backward of bench/overhead.py\'s MLP '
-             f'(batch {BATCH}) after each gap, the gaps taking turns in a shuffled order, {args.rounds} rounds; '
+             f'(batch {BATCH}) after each gap, the gaps taking turns in a shuffled order, '
+             f'{args.rounds} rounds; '
              f'{result["cpu"]} ({result["cores"]} cores), Python '
              f'{result["versions"]["python"]}, numpy {result["versions"]["numpy"]}, Chainer '
              f'{result["versions"]["chainer"]}.', '',
