@@ -82,6 +82,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error(f'--rounds must be >= 2, got {args.rounds}')
+    cores = _common.cpu_count()   # the machine's, before this process takes one
     core = max(os.sched_getaffinity(0)) if args.core is None else args.core
     os.sched_setaffinity(0, {core})
     model = overhead.make_model()
@@ -108,7 +109,7 @@ def main(argv=None):
             if i >= args.warmup:
                 times[label(kind, ms)].append(seconds)
     result = {'schema': SCHEMA, 'rounds': args.rounds, 'batch': BATCH,
-              'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
+              'cpu': _common.cpu_model(), 'cores': cores, 'core': core,
               'versions': {k: v for k, v in _common.versions().items()
                            if k in ('python', 'numpy', 'chainer')},
               'ms': {name: 1e3 * statistics.median(v) for name, v in times.items()},
@@ -118,7 +119,7 @@ def main(argv=None):
         del summary['ratios']
         result['ratios'][name] = summary
     lines = [f'`python bench/cold_window.py{" --out " + args.out if args.out else ""}`', '',
-             f'One process on one core: the forward and backward of bench/overhead.py\'s MLP '
+             f'One process on core {core}: the forward and backward of bench/overhead.py\'s MLP '
              f'(batch {BATCH}) after each gap, the gaps taking turns in a shuffled order, '
              f'{args.rounds} rounds; '
              f'{result["cpu"]} ({result["cores"]} cores), Python '

@@ -630,6 +630,8 @@ def test_cold_window_bench_times_every_gap_against_none(tmp_path):
     from bench import cold_window
     result = json.loads((tmp_path / 'cold_window.json').read_text())
     assert result['schema'] == 'mgpu_updater.bench.cold_window/1' and result['rounds'] == 5
+    assert result['core'] in os.sched_getaffinity(0)   # it ran on one of the cores it had
+    assert result['cores'] == len(os.sched_getaffinity(0))   # ... and says how many
     names = [cold_window.label(kind, ms) for kind, ms in cold_window.GAPS]
     assert list(result['ms']) == names and all(v > 0 for v in result['ms'].values())
     assert list(result['ratios']) == names[1:]
