@@ -340,10 +340,10 @@ def markdown(result):
         key, a, b = WARM
         w = result['warm']
         r = w['ratio']
-        lines.append('| {} (turns of {}, {} untimed; {} rounds) | {:.3f} | {:.3f} | {} | <= {} | '
-                     '{} |'.format(key, w['block'], w['untimed'], w['rounds'], w['ms'][a],
-                                   w['ms'][b], _common.ratio_cell(r), GOALS['ours_n2/standard'],
-                                   r['verdict']))
+        lines.append('| {} (turns of {}, {} untimed; {} rounds) | {:.3f} | {:.3f} | {} '
+                     '| <= {} | {} |'.format(key, w['block'], w['untimed'], w['rounds'],
+                                             w['ms'][a], w['ms'][b], _common.ratio_cell(r),
+                                             GOALS['ours_n2/standard'], r['verdict']))
     for key, a, b in SCALE:
         lines.append('| {} | {:.3f} | {:.3f} | {} | - | (for scale) |'.format(
             key, result['ms'][a], result['ms'][b], _common.ratio_cell(result['ratios'][key])))

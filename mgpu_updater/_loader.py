@@ -119,8 +119,9 @@ class Loader:
         return Batch(sample_count(batch), arrays, epoch)
 
     def get(self) -> Optional[Batch]:
-        """The next micro-batch, or ``None`` once the iterator is exhausted. (What
-        :meth:`_load` does, in one call: it runs for every micro-batch.)"""
+        """The next micro-batch, or ``None`` once the iterator is exhausted: what
+        :meth:`_read` and :meth:`_convert` do, in one call (it runs for every micro-batch
+        loaded inline)."""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
