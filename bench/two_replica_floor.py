@@ -1,6 +1,6 @@
 """The floor for two CPU replicas: the least any two-process updater can cost here.
 
-    python bench/two_replica_floor.py [--rounds 300] [--out DIR]
+    python bench/two_replica_floor.py [--rounds 300] [--block 5] [--untimed 1] [--out DIR]
 
 ``bench/overhead.py`` sets ours with two replicas beside StandardUpdater on its
 launch-bound MLP (batch 16, forward plus backward well under a millisecond). This bench
@@ -11,18 +11,28 @@ the master raises a flag, both run forward and backward on their own batch, the 
 copies its gradients into shared memory and raises its flag, the master adds them, halves
 (the mean of two replicas), and its optimizer steps. Flags are spun on (the worker sleeps
 between looks only after :data:`SPIN` seconds without a round: between its turns). No
-pipe, no checks, no reporting, no loading ahead: a floor, not an updater.
+pipe, no checks, no reporting, no loading ahead: a floor, not an updater. Between its
+turns the worker sleeps between looks as ours' waiters do (longer the longer it has waited,
+at most 1 ms): a worker that looked every 0.2 ms (this bench at first) took
+enough of the two cores in the others' turns to read ours at 1.65-1.74 of StandardUpdater
+in turns of 60 updates, where ``bench/overhead.py`` reads it alone at 1.35-1.39.
 
 StandardUpdater and ours (``ParallelAccumulatingUpdater`` with two ``'@numpy'`` replicas,
 its defaults, each replica with StandardUpdater's batch, as ``bench/overhead.py``'s
 ``ours_n2``) run in the same process, the three taking turns round by round (the order
-rotating), 4 timed updates each after one untimed, each update inside a reporter scope as
-under a Trainer; ours first warmed up until ``prefetch='auto'`` has decided. Per round the ratios floor / standard, ours / standard and ours / floor;
-for each, its median with the 5-95% quantiles of the rounds and a 95% bootstrap interval of
-the median. Writes ``two_replica_floor.md`` and ``.json`` into ``--out``.
+rotating), turns of ``--block`` updates each (default 5), the first ``--untimed`` of a turn
+(default 1) not timed, each update inside a reporter scope as under a Trainer; ours first
+warmed up until ``prefetch='auto'`` has decided. Per round the ratios floor / standard,
+ours / standard and ours / floor; for each, its median with the 5-95% quantiles of the
+rounds and a 95% bootstrap interval of the median. Writes ``two_replica_floor.md`` and
+``.json`` into ``--out`` (with turns other than 5 updates, ``two_replica_floor_blockN.*``).
+
+In short turns a process whose turn it is not sleeps, and the first updates after that
+compute slower (``bench/cold_window.py``): the worker of ours and the floor's alike. Long
+turns (``--block 60 --untimed 10 --rounds 60``, as ``bench/overhead.py``'s warm row) give
+the floor as training sees it, where the workers never wait long.
 """
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -46,7 +56,9 @@ from bench import _common, overhead  # noqa: E402
 
 BATCH = 16
 HEADER = 16   # two int64 flags: the master's round, the worker's round (-1: stop)
-SPIN = 2e-3   # seconds the worker spins for a round before it sleeps between looks
+SPIN = 2e-3   # seconds the worker spins for a round before it sleeps between looks:
+BACKOFF = 0.05        # this share of the time it has waited so far,
+LONGEST_SLEEP = 1e-3  # at most this long (mgpu_updater._local.board's waiters)
 
 
 def _params(model):
@@ -87,10 +99,11 @@ def worker(name, n):
             while flags[0] < r:
                 if flags[0] < 0:
                     return
-                if time.perf_counter() - since < SPIN:
+                waited = time.perf_counter() - since
+                if waited < SPIN:
                     os.sched_yield()
-                else:   # the others' turn: leave the cores to them
-                    time.sleep(2e-4)
+                else:   # the others' turn: leave the cores to them, as ours' board does
+                    time.sleep(min(BACKOFF * waited, LONGEST_SLEEP))
             x, t = chainer.dataset.concat_examples(it.next())
             model.cleargrads()
             model(x, t).backward()
@@ -108,8 +121,16 @@ PAIRS = (('floor', 'standard'), ('ours', 'standard'), ('ours', 'floor'))
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--rounds', type=int, default=300)
+    parser.add_argument('--block', type=int, default=5,
+                        help='updates per turn of a method (default 5)')
+    parser.add_argument('--untimed', type=int, default=1,
+                        help='updates at the start of each turn that are not timed (default 1)')
     parser.add_argument('--out', default=None, help='folder for the .md and .json')
     args = parser.parse_args(argv)
+    if args.rounds < 2 or not 0 <= args.untimed < args.block:
+        parser.error(f'--rounds must be >= 2 and --untimed >= 0 and below --block; got '
+                     f'--rounds {args.rounds} --block {args.block} --untimed {args.untimed}')
+    timed = args.block - args.untimed
 
     model = overhead.make_model()
     n = sum(p.size for p in _params(model))
@@ -163,11 +184,12 @@ def main(argv=None):
             got = {}
             shift = i % len(steps)
             for name, step in steps[shift:] + steps[:shift]:
-                step()
-                t0 = time.perf_counter()
-                for _ in range(4):
+                for _ in range(args.untimed):
                     step()
-                got[name] = (time.perf_counter() - t0) / 4
+                t0 = time.perf_counter()
+                for _ in range(timed):
+                    step()
+                got[name] = (time.perf_counter() - t0) / timed
                 times[name].append(got[name])
             for a, b in PAIRS:
                 ratios[(a, b)].append(got[a] / got[b])
@@ -182,6 +204,7 @@ def main(argv=None):
         block.unlink()
     result = {
         'bench': 'two_replica_floor', 'rounds': args.rounds, 'batch': BATCH,
+        'block': args.block, 'untimed': args.untimed,
         'model': 'bench/overhead.py make_model()', 'python': platform.python_version(),
         'numpy': numpy.__version__, 'chainer': chainer.__version__,
         'cpu_count': os.cpu_count(),
@@ -200,25 +223,24 @@ def main(argv=None):
                   ratio_q95=floor_std['q95'])
     lines = [f"floor {result['floor_ms']:.3f} ms, ours {result['ours_ms']:.3f} ms, "
              f"StandardUpdater {result['standard_ms']:.3f} ms per update (medians), "
-             f"{args.rounds} rounds", '',
+             f"{args.rounds} rounds, turns of {args.block} updates "
+             f"({args.untimed} untimed)", '',
              '| ratio | median | 95% interval of the median | 5-95% of the rounds |',
              '|---|---:|---:|---:|']
     for key, r in result['ratios'].items():
         lines.append(f"| {key} | {r['median']:.3f} | {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f} "
                      f"| {r['q05']:.3f}-{r['q95']:.3f} |")
     line = '\n'.join(lines)
-    print(line)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / 'two_replica_floor.json').write_text(json.dumps(result, indent=1) + '\n')
-        (out / 'two_replica_floor.md').write_text(
-            f'`python bench/two_replica_floor.py --rounds {args.rounds} --out {args.out}`\n\n'
-            f'Two processes in lockstep, nothing of ours (the floor, see the bench\'s '
-            f'docstring), beside StandardUpdater and ours with two replicas, on '
-            f'bench/overhead.py\'s MLP, batch {BATCH} per replica, taking turns; Python '
-            f'{result["python"]}, numpy {result["numpy"]}, Chainer {result["chainer"]}, '
-            f'{result["cpu_count"]} cores.\n\n{line}\n')
+    # the default turns keep the old name; other turns (long ones: warm workers) their own
+    stem = 'two_replica_floor' if args.block == 5 else f'two_replica_floor_block{args.block}'
+    _common.save_results(args.out, stem, result, (
+        f'`python bench/two_replica_floor.py --rounds {args.rounds} --block {args.block} '
+        f'--untimed {args.untimed} --out {args.out}`\n\n'
+        f'Two processes in lockstep, nothing of ours (the floor, see the bench\'s '
+        f'docstring), beside StandardUpdater and ours with two replicas, on '
+        f'bench/overhead.py\'s MLP, batch {BATCH} per replica, taking turns; Python '
+        f'{result["python"]}, numpy {result["numpy"]}, Chainer {result["chainer"]}, '
+        f'{result["cpu_count"]} cores.\n\n{line}\n'))
     return 0
 
 

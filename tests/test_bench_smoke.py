@@ -590,19 +590,29 @@ def test_two_replica_floor_runs_both_processes_in_lockstep(tmp_path):
     (a dead or stuck worker is an error, not a hang), ours runs its turns beside it, and
     the report gives every ratio."""
     cmd = [sys.executable, str(ROOT / 'bench' / 'two_replica_floor.py'), '--rounds', '20',
-           '--out', str(tmp_path)]
+           '--block', '4', '--untimed', '2', '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / 'two_replica_floor.json').read_text())
+    result = json.loads((tmp_path / 'two_replica_floor_block4.json').read_text())
     assert result['rounds'] == 20 and result['floor_ms'] > 0 and result['standard_ms'] > 0
+    assert (result['block'], result['untimed']) == (4, 2)
     assert result['ours_ms'] > 0 and result['ours_loading'] == ['inline', 'inline']
     assert result['ratio_q05'] <= result['ratio_median'] <= result['ratio_q95']
     assert list(result['ratios']) == ['floor/standard', 'ours/standard', 'ours/floor']
     for r in result['ratios'].values():
         assert r['q05'] <= r['median'] <= r['q95']
         assert r['ci95'][0] <= r['median'] <= r['ci95'][1]
-    table = (tmp_path / 'two_replica_floor.md').read_text()
+    table = (tmp_path / 'two_replica_floor_block4.md').read_text()
     assert '| ours/floor |' in table and '| floor/standard |' in table
+    assert 'turns of 4 updates (2 untimed)' in table and '--block 4 --untimed 2' in table
+
+
+def test_two_replica_floor_refuses_turns_with_nothing_timed():
+    proc = subprocess.run([sys.executable, str(ROOT / 'bench' / 'two_replica_floor.py'),
+                           '--block', '3', '--untimed', '3'],
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert '--untimed' in proc.stderr and '--block 3 --untimed 3' in proc.stderr
 
 
 def test_gated_loader_bench_times_each_way_of_handing_places_back(tmp_path):
