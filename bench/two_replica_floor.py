@@ -9,13 +9,13 @@ of ours: a worker process and the master share one block of shared memory; the m
 parameters are views of it (so the worker sees every step without a copy); each update
 the master raises a flag, both run forward and backward on their own batch, the worker
 copies its gradients into shared memory and raises its flag, the master adds them, halves
-(the mean of two replicas), and its optimizer steps. Flags are spun on (the worker sleeps
-between looks only after :data:`SPIN` seconds without a round: between its turns). No
-pipe, no checks, no reporting, no loading ahead: a floor, not an updater. Between its
-turns the worker sleeps between looks as ours' waiters do (longer the longer it has waited,
-at most 1 ms): a worker that looked every 0.2 ms (this bench at first) took
-enough of the two cores in the others' turns to read ours at 1.65-1.74 of StandardUpdater
-in turns of 60 updates, where ``bench/overhead.py`` reads it alone at 1.35-1.39.
+(the mean of two replicas), and its optimizer steps. No pipe, no checks, no reporting,
+no loading ahead: a floor, not an updater. Flags are spun on; after :data:`SPIN` seconds
+without a round (the others' turns) the worker sleeps between looks as ours' waiters do,
+longer the longer it has waited, at most 1 ms. (A worker that looked every 0.2 ms, this
+bench at first, took enough of the two cores in the others' turns to read ours at
+1.65-1.74 of StandardUpdater in turns of 60 updates, where ``bench/overhead.py`` reads it
+alone at 1.29-1.39.)
 
 StandardUpdater and ours (``ParallelAccumulatingUpdater`` with two ``'@numpy'`` replicas,
 its defaults, each replica with StandardUpdater's batch, as ``bench/overhead.py``'s
