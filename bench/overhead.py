@@ -10,8 +10,12 @@ it is lost in the noise.
 
 Every method runs in this process (ours' two-replica run has its one worker besides),
 one BLAS thread each, the methods taking turns ``--block`` updates at a time (the first of
-each turn untimed, the others averaged), the order rotating by round, so that a slow
-stretch of the machine weighs on all of them alike. Each round gives the ratio of ours'
+each turn untimed, the others averaged), in an order shuffled anew each round, so that a
+slow stretch of the machine weighs on all of them alike and no method always follows the
+same other one (up to ``overhead/1`` the order rotated: each method's turn then followed
+the same method's nearly every round, and what a turn leaves behind, a worker still
+spinning or a busy core, fell on the same baseline each time; ``bench/cold_window.py``
+found that such a fixed order misread its gaps). Each round gives the ratio of ours'
 time per update to its baseline's in the same round; the table gives each ratio's median
 with a 95% bootstrap interval over the rounds:
 
@@ -45,6 +49,7 @@ Prints a Markdown table; with ``--out`` writes ``overhead.json`` and ``overhead.
 """
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -63,7 +68,7 @@ import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 import numpy  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.overhead/1'
+SCHEMA = 'mgpu_updater.bench.overhead/2'   # /2: the order shuffled each round
 FEATURES, HIDDEN, CLASSES = 64, 64, 10
 GOALS = {'ours_k1/standard': 1.03, 'ours_k4/hand_k4': 1.03, 'ours_n2/standard': 1.25}
 
@@ -241,17 +246,19 @@ def instrument(methods, phases):
     return backward
 
 
-def rounds(methods, order, n_rounds, block, warmup, phases=None, turns=None, untimed=1):
-    """Turns of ``block`` updates, the order rotating by round: per method, per round,
-    the mean seconds of its timed updates, all but the first ``untimed`` of each turn
-    (and, with ``phases``, of each phase). ``turns``: name -> a function told True when
-    that method's turn starts, False when it ends."""
+def rounds(methods, order, n_rounds, block, warmup, phases=None, turns=None, untimed=1,
+           seed=0):
+    """Turns of ``block`` updates, in an order shuffled anew each round (``seed``): per
+    method, per round, the mean seconds of its timed updates, all but the first
+    ``untimed`` of each turn (and, with ``phases``, of each phase). ``turns``: name -> a
+    function told True when that method's turn starts, False when it ends."""
     turns = turns or {}
     times = {name: [] for name in order}
     split = {name: {} for name in order}
+    shuffled, shuffle = list(order), random.Random(seed).shuffle
     for i in range(warmup + n_rounds):
-        shift = i % len(order)
-        for name in order[shift:] + order[:shift]:
+        shuffle(shuffled)
+        for name in shuffled:
             step = methods[name][0]
             if name in turns:
                 turns[name](True)
@@ -320,7 +327,7 @@ def markdown(result):
     lines = ['# The updater\'s own cost on a launch-bound model', '',
              '`{}`'.format(result['command']), '',
              'A {}-{}-{} MLP, batch {}, data in memory, one BLAS thread; turns of {} '
-             'updates (the first untimed), the order rotating by round; {} rounds. Ratio = '
+             'updates (the first untimed), the order shuffled each round; {} rounds. Ratio = '
              'ours\' time per update / its baseline\'s in the same round: median (95% '
              'interval). Machine: {} ({} cores), Python {}, numpy {}, Chainer {}; load '
              'average {} at start, {} at the end.'.format(

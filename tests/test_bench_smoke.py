@@ -558,7 +558,7 @@ def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
                '--warm-untimed', '2', '--out', str(tmp_path), timeout=300)
     from bench import overhead
     result = json.loads((tmp_path / 'overhead.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.overhead/1'
+    assert result['schema'] == 'mgpu_updater.bench.overhead/2'
     assert set(result['ms']) == {'standard', 'standard_busy', 'hand_k4', 'ours_k1', 'ours_k4',
                                  'ours_n2'}
     assert set(result['ratios']) == {key for key, _, _ in overhead.PAIRS + overhead.SCALE}
