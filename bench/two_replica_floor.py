@@ -53,12 +53,12 @@ import chainer  # noqa: E402
 import numpy  # noqa: E402
 
 from bench import _common, overhead  # noqa: E402
+# how the worker sleeps between looks once it has spun: as ours' waiters at the board
+from mgpu_updater._local.board import BACKOFF, LONGEST_SLEEP  # noqa: E402
 
 BATCH = 16
 HEADER = 16   # two int64 flags: the master's round, the worker's round (-1: stop)
-SPIN = 2e-3   # seconds the worker spins for a round before it sleeps between looks:
-BACKOFF = 0.05        # this share of the time it has waited so far,
-LONGEST_SLEEP = 1e-3  # at most this long (mgpu_updater._local.board's waiters)
+SPIN = 2e-3   # seconds the worker spins for a round before it sleeps between looks
 
 
 def _params(model):
@@ -232,7 +232,8 @@ def main(argv=None):
                      f"| {r['q05']:.3f}-{r['q95']:.3f} |")
     line = '\n'.join(lines)
     # the default turns keep the old name; other turns (long ones: warm workers) their own
-    stem = 'two_replica_floor' if args.block == 5 else f'two_replica_floor_block{args.block}'
+    stem = ('two_replica_floor' if args.block == parser.get_default('block')
+            else f'two_replica_floor_block{args.block}')
     _common.save_results(args.out, stem, result, (
         f'`python bench/two_replica_floor.py --rounds {args.rounds} --block {args.block} '
         f'--untimed {args.untimed} --out {args.out}`\n\n'
