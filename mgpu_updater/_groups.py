@@ -23,7 +23,7 @@ import chainer
 
 from . import _cuda
 from ._flat_buffers import unique_params
-from ._replica import WindowResult, total_loss
+from ._replica import WindowResult, total_loss, writable_in_place
 
 
 class ReduceHandle:
@@ -132,8 +132,16 @@ class ClosedGroup(Group):
 
 
 def ensure_grads(model: chainer.Link) -> None:
-    """Give every parameter a gradient array to receive the reduced one."""
+    """Give every parameter a gradient array that the reduced one can be written into in
+    place: zeros where it has none, and a copy where the one it has cannot take the write
+    (:func:`~mgpu_updater._replica.writable_in_place`: a broadcast, which Chainer's
+    backward leaves to a parameter that is only summed whole). Two parameters that hold
+    one array (``a + b``) keep it: every rank's two sums are the same values."""
     for param in model.params():
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             with chainer.using_device(param.device):
                 param.grad = param.device.xp.zeros_like(param.array)
+        elif not writable_in_place(grad):
+            with chainer.using_device(param.device):
+                param.grad = grad.copy()

@@ -89,6 +89,42 @@ class Scaling(NamedTuple):
         return 1.0
 
 
+def writable_in_place(array: Any) -> bool:
+    """Whether writing ``array`` in place writes each of its elements once: it is not
+    read-only (numpy) and no two of its indices share memory (no zero stride).
+
+    Chainer's backward hands a parameter that is only summed whole (``F.sum(W)``,
+    ``F.mean(W)``) a broadcast of one element as its gradient, read-only in numpy; CuPy
+    has no read-only flag, and there each element's write would land on that one."""
+    return getattr(array.flags, 'writeable', True) and 0 not in array.strides
+
+
+def scale_gradients(params: List[Tuple[str, chainer.Parameter]], factor: float) -> None:
+    """Multiply the gradient of each of ``params`` by ``factor``: every array once.
+
+    Two parameters may hold one gradient array (``F.sum(a + b)``: Add's backward hands
+    ``gy`` to both), which scaling each parameter's gradient in place would scale twice;
+    and a gradient may not be writable in place (:func:`writable_in_place`). So each
+    array is scaled once, in place where it can be, else replaced by its scaled copy for
+    every parameter that held it (one array still: in-place hooks of the optimizer act
+    on it as under StandardUpdater). Call it with the parameters' device current."""
+    done: Dict[int, Tuple[Any, Any]] = {}   # id(array) -> (array, its scaled self)
+    for _, param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        seen = done.get(id(grad))
+        if seen is None:
+            if writable_in_place(grad):
+                grad *= factor
+                seen = (grad, grad)
+            else:
+                seen = (grad, grad * factor)
+            done[id(grad)] = seen
+        if seen[1] is not grad:
+            param.grad = seen[1]
+
+
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:
     """Name the model as the Trainer does for the 'main' optimizer."""
     reporter.add_observer('main', model)
@@ -342,9 +378,7 @@ class Replica:
                 self._check_gradients()
             factor = scaling.window(count)
             if factor != 1.0:
-                for _, param in unique_params(model):   # a tied one once
-                    if param.grad is not None:
-                        param.grad *= factor
+                scale_gradients(unique_params(model), factor)   # a tied one once
         micro_batch_size = (min(chunk, largest) if chunk is not None else largest) \
             if count else None
         loss_sum: Any = 0.0

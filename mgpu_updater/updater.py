@@ -19,7 +19,7 @@ from ._checkpoint import capture_state
 from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
-from ._replica import Replica, WindowResult, combine, with_graph
+from ._replica import Replica, WindowResult, combine, scale_gradients, with_graph
 from ._restarts import RestartLog
 from .errors import NonFiniteGradientError, NonFiniteLossError
 
@@ -469,9 +469,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             return
         if factor != 1.0:
             with chainer.using_device(self._devices[0]):   # on the master's stream
-                for _, param in unique_params(model):   # a tied parameter once
-                    if param.grad is not None:
-                        param.grad *= factor
+                scale_gradients(unique_params(model), factor)   # a tied one once
         # The update rules divide each gradient by its parameter's stamped loss scale. The
         # stamps are written once, and then only where the optimizer scales the loss or
         # the master's backward stamped a scale of its own (Replica.stamped): else they
