@@ -40,6 +40,8 @@ class FlatLayout:
             sizes[dtype] = offset + int(array.size)
         self.groups = groups
         self.sizes = sizes
+        #: the names of every entry
+        self.names = frozenset(e.name for entries in groups.values() for e in entries)
 
     def renamed(self, prefix: str) -> 'FlatLayout':
         """The same layout under other buffer names (a second set for double buffering)."""

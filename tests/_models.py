@@ -212,3 +212,17 @@ class SometimesExtra(chainer.Chain):
         if mask.any():
             y = y + mask[:, None] * self.extra(h)
         return y
+
+
+class SummedPrior(chainer.Chain):
+    """``classifier(seed)`` plus a parameter that the loss only sums whole (``F.sum(c)``):
+    Chainer's backward leaves ``c`` a read-only broadcast as its gradient."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed)
+            self.c = chainer.Parameter(np.zeros(3, np.float32))
+
+    def forward(self, x, t):
+        return self.inner(x, t) + 0.1 * F.sum(self.c)

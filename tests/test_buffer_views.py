@@ -165,10 +165,26 @@ def test_a_worker_writing_its_parameters_fails_loudly():
         updater.finalize()
 
 
-def test_master_gradients_are_the_summed_slot_until_finalize_copies_them():
+def test_master_gradients_are_its_own_arrays_that_the_sums_went_onto():
     model, updater = _models.two_cpu_replicas()
     try:
         _models.run_updates(updater, model, 2)
+        assert updater._group.grads.summed_in_place
+        comm = updater._group.comm
+        for name, p in model.namedparams():
+            for buffer in ('grad/<f4', 'param/<f4'):
+                assert not np.shares_memory(p.grad, comm.buffer(buffer)), (name, buffer)
+    finally:
+        updater.finalize()
+
+
+def test_master_gradients_that_cannot_take_the_sums_are_the_summed_slot_until_finalize():
+    """A read-only gradient (``F.sum(c)``) is packed with the others, and the sums are
+    views of the master's slot, until finalize copies them off."""
+    model, updater = _models.two_cpu_replicas(model=_models.SummedPrior())
+    try:
+        _models.run_updates(updater, model, 2)
+        assert not updater._group.grads.summed_in_place
         slot = updater._group.comm.buffer('grad/<f4')
         grads = {name: p.grad for name, p in model.namedparams()}
         for name, g in grads.items():

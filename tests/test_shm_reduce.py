@@ -65,3 +65,73 @@ def test_reduce_is_bitwise_the_plain_sum_in_rank_order(size, root, dtype):
                     np.testing.assert_array_equal(comm.buffer(name), v)
     finally:
         _finalize(comms)
+
+
+def _reduce_onto(comms, name, targets):
+    for comm in comms:
+        comm.begin_update()
+    for comm in comms[1:]:
+        comm.reduce(name)
+    comms[0].reduce_onto(name, targets)
+    for comm in comms:
+        comm.end_update()
+
+
+@pytest.mark.parametrize('size', [2, 3])
+@pytest.mark.parametrize('dtype', ['<f2', '<f4', '<f8'])
+def test_reduce_onto_arrays_is_bitwise_the_reduce_of_them_packed(size, dtype):
+    """The master's gradients summed where they lie (``reduce_onto``): each array ends as
+    the slot would, had it been packed there and reduced, and the slot is left alone."""
+    pieces = [3, 32768 * 2 + 7, 1, 500]   # one of them across the 256 KiB blocks
+    n = sum(pieces)
+    name = f'grad/{dtype}'
+    comms = _ranks(size, {name: (dtype, n)})
+    try:
+        rng = np.random.RandomState(size)
+        values = [(rng.standard_normal(n) * 10.0 ** rng.randint(-3, 4, n)).astype(dtype)
+                  for _ in range(size)]
+        for comm, v in zip(comms[1:], values[1:]):
+            comm.buffer(name)[...] = v
+        root_slot = comms[0].buffer(name)
+        root_slot[...] = -1
+        bounds = np.cumsum([0] + pieces)
+        arrays = [values[0][lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:])]
+        _reduce_onto(comms, name, list(zip(bounds[:-1].tolist(), arrays)))
+        got = np.concatenate(arrays)
+
+        check = _ranks(size, {name: (dtype, n)})   # the same values through reduce
+        try:
+            for comm, v in zip(check, values):
+                comm.buffer(name)[...] = v
+            _reduce(check, name, 0)
+            expected = check[0].buffer(name).copy()
+        finally:
+            _finalize(check)
+        bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}[np.dtype(dtype).itemsize]
+        np.testing.assert_array_equal(got.view(bits), expected.view(bits))
+        assert (root_slot == -1).all()
+        for comm, v in zip(comms[1:], values[1:]):
+            np.testing.assert_array_equal(comm.buffer(name), v)
+    finally:
+        _finalize(comms)
+
+
+def test_reduce_onto_is_checked_as_a_reduce_and_must_cover_the_buffer():
+    from mgpu_updater.comm.base import CollectiveOrderError
+    spec = {'grad/<f4': ('<f4', 4), 'stat/<f4': ('<f4', 2)}
+    comms = _ranks(2, spec)
+    try:
+        for comm in comms:
+            comm.begin_update()
+        comms[1].reduce('stat/<f4')   # the worker reduced another buffer
+        with pytest.raises(CollectiveOrderError, match="'grad/<f4'"):
+            comms[0].reduce_onto('grad/<f4', [(0, np.zeros(4, np.float32))])
+        for comm in comms:
+            comm.begin_update()
+        comms[1].reduce('grad/<f4')
+        with pytest.raises(ValueError, match='cover 3 of'):
+            comms[0].reduce_onto('grad/<f4', [(0, np.zeros(3, np.float32))])
+        with pytest.raises(RuntimeError, match="root's"):
+            comms[1].reduce_onto('grad/<f4', [(0, np.zeros(4, np.float32))])
+    finally:
+        _finalize(comms)

@@ -214,7 +214,8 @@ class LocalGroup(Group):
                      after: Optional[Callable[[], None]] = None) -> List[WindowResult]:
         """The workers' results of the master's half after its window
         (:func:`.protocol.master_finish`), then ``after()``; with restarts, both redone
-        after a death (:meth:`_recovering`)."""
+        after a death (:meth:`_recovering`). A synchronous update (``parity`` None) sums
+        onto the master's gradient arrays where it can (:meth:`SummedGrads.targets`)."""
         recovery = self.recovery
         unwrap = recovery.records.unwrap if recovery is not None else None
         # with restarts, where a dead rank can leave the reductions unfinished (NCCL),
@@ -223,9 +224,10 @@ class LocalGroup(Group):
         settle = self.comm.wait if recovery is not None and self.comm.rejoins else None
 
         def half() -> List[WindowResult]:
+            onto = self.grads.targets() if parity is None else None
             others = master_finish(self.pool, self.comm, self.layouts, self.model, parity,
                                    self.size, own, self._pack_board, then=then,
-                                   unwrap=unwrap, settle=settle)
+                                   unwrap=unwrap, settle=settle, onto=onto)
             if after is not None:
                 after()
             return others
@@ -301,13 +303,23 @@ class LocalGroup(Group):
 class SummedGrads:
     """How the master's parameters receive the summed gradient of a synchronous update.
 
-    On the CPU (numpy buffers) each ``param.grad`` becomes a view of the master's slot of
-    the ``grad`` buffers, where the reduction left the sum: no copy (0.3-0.4 ms per update
-    for the benchmark's CNN). The slot is written again only by the next update's packing,
-    after that update's window cleared the gradients (``cleargrads``), so the views are
-    never overwritten while they are the gradients; :meth:`detach` copies them off before
-    the buffers are released. Elsewhere (device buffers) the sum is copied into the
-    parameters' own gradient arrays, as before.
+    Where the backend sums onto arrays of the root's own
+    (:attr:`~mgpu_updater.comm.base.Communicator.sums_onto_arrays`, the shared-memory one),
+    the master's gradients are not packed at all: :meth:`targets` hands its gradient
+    arrays to the reductions, which add the workers' slots to them in place (for the
+    launch-bound benchmark model, 30-40 us less of the master's time per update than
+    packing, summing in the slot and taking views). That needs every gradient to be a
+    contiguous numpy array of its own that can be written in place; Chainer's backward
+    can leave two parameters one array (``a + b``) or a read-only broadcast (``F.sum(W)``),
+    and then, for that update, the gradients are packed as elsewhere.
+
+    Otherwise, on the CPU (numpy buffers) each ``param.grad`` becomes a view of the
+    master's slot of the ``grad`` buffers, where the reduction left the sum: no copy
+    (0.3-0.4 ms per update for the benchmark's CNN). The slot is written again only by the
+    next update's packing, after that update's window cleared the gradients
+    (``cleargrads``), so the views are never overwritten while they are the gradients;
+    :meth:`detach` copies them off before the buffers are released. Elsewhere (device
+    buffers) the sum is copied into the parameters' own gradient arrays, as before.
     """
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
@@ -315,8 +327,51 @@ class SummedGrads:
         on_host = comm.device_id is None   # numpy buffers
         self.views = layouts.grad.views(comm.buffer, self.params) if on_host else {}
         self.layouts, self.comm, self.model = layouts, comm, model
+        #: per ``grad`` buffer: its name, dtype and (offset, shape, parameter) entries,
+        #: where the backend sums onto arrays (else empty)
+        self._onto = [(f'{layouts.grad.prefix}/{dtype}', numpy.dtype(dtype),
+                       [(e.offset, e.shape, self.params[e.name]) for e in entries])
+                      for dtype, entries in layouts.grad.groups.items()] \
+            if getattr(comm, 'sums_onto_arrays', False) else []
+        #: whether the latest update's sums went onto the gradient arrays (:meth:`targets`)
+        self.summed_in_place = False
+
+    def targets(self) -> Optional[Dict[str, List[Tuple[int, Any]]]]:
+        """The master's gradient arrays for this update's reductions to sum onto: by
+        ``grad`` buffer name, (offset, array) covering the buffer; None where the backend
+        cannot, or where a gradient is missing, of another dtype or shape, not
+        C-contiguous, not writable, or in memory whose owner another gradient shares:
+        then they are packed and the sum taken from the slot. (This runs every update,
+        on the critical path: plain checks only.)"""
+        self.summed_in_place = False
+        if not self._onto:
+            return None
+        out: Dict[str, List[Tuple[int, Any]]] = {}
+        owners = set()
+        ndarray = numpy.ndarray
+        for name, dtype, entries in self._onto:
+            pairs = []
+            for offset, shape, param in entries:
+                grad = param.grad
+                if type(grad) is not ndarray or grad.shape != shape or (
+                        grad.dtype is not dtype and grad.dtype != dtype):
+                    return None
+                flags = grad.flags
+                if not (flags.c_contiguous and flags.writeable):
+                    return None
+                base = grad.base
+                owner = id(grad) if base is None else id(base)
+                if owner in owners:
+                    return None
+                owners.add(owner)
+                pairs.append((offset, grad))
+            out[name] = pairs
+        self.summed_in_place = True
+        return out
 
     def receive(self) -> None:
+        if self.summed_in_place:   # the sums are the gradient arrays already
+            return
         if self.views:
             for name, view in self.views.items():
                 self.params[name].grad = view

@@ -35,11 +35,13 @@ One update, side by side::
                                                  (on shm the parameters are read in place:
                                                  :class:`ParamViews`; persistents unpacked)
     run its own window                           run its window
-    pack grad, stat                              pack grad, stat
+    pack stat (and grad, unless the sums go      pack grad, stat
+      onto its own gradient arrays, on shm)
                                                  reduce stat/*, grad/*; end_update
     post count, loss; wait for every post   <--  post count, loss (packs announced)
       (elsewhere: wait for every Done)
-    reduce stat/*, grad/*; end_update
+    reduce stat/*, grad/* (on shm grad/* onto
+      its gradient arrays); end_update
     unpack stat (and grad, or keep it pending)
     then(count, loss): the step              <--  its result in its mailbox (board)
     take every result (already there)             (elsewhere: send Done(result))
@@ -73,8 +75,8 @@ worker 35-65 us, both before the worker's window starts.
 """
 from __future__ import annotations
 
-from typing import (Any, Callable, ClassVar, Collection, Dict, List, NamedTuple, Optional,
-                    Protocol, Tuple)
+from typing import (Any, Callable, ClassVar, Collection, Dict, List, Mapping, NamedTuple,
+                    Optional, Protocol, Tuple)
 
 import math
 import pickle
@@ -335,13 +337,19 @@ def after_window(order: Tuple[Collective, ...]) -> Tuple[Collective, ...]:
     return order[len(before_window(order)):]
 
 
-def issue(comm: Any, collectives: Tuple[Collective, ...]) -> None:
-    """Issue ``collectives`` on ``comm``, in order, from this thread."""
+def issue(comm: Any, collectives: Tuple[Collective, ...],
+          onto: Optional[Mapping[str, Any]] = None) -> None:
+    """Issue ``collectives`` on ``comm``, in order, from this thread. ``onto``: on the
+    master, the arrays that the ``reduce`` of a buffer named there sums onto instead of
+    its slot (``comm.reduce_onto``: :attr:`~mgpu_updater.comm.base.Communicator.sums_onto_arrays`)."""
     for verb, name in collectives:
         if verb == 'bcast':
             comm.bcast(name)
         elif verb == 'reduce':
-            comm.reduce(name)
+            if onto is not None and name in onto:
+                comm.reduce_onto(name, onto[name])
+            else:
+                comm.reduce(name)
         elif verb == 'allreduce':
             comm.allreduce(name)
         else:
@@ -357,9 +365,11 @@ def pack_window(comm: Any, layouts: ModelLayouts, model: Any, parity: Optional[i
 
 
 def pack_stats(comm: Any, layouts: ModelLayouts, model: Any, size: int) -> None:
-    """Copy this replica's float persistents, weighted ``1/size``, into ``stat``."""
-    layouts.stat.pack(dict(layouts.index_of(model).persistent_arrays()), comm.buffer,
-                      scale=1.0 / size)
+    """Copy this replica's float persistents, weighted ``1/size``, into ``stat`` (where
+    the model has any)."""
+    if layouts.stat.groups:
+        layouts.stat.pack(dict(layouts.index_of(model).persistent_arrays()), comm.buffer,
+                          scale=1.0 / size)
 
 
 # ------------------------------------------------------------------------------ the master
@@ -412,7 +422,8 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
     comm.begin_update()
     if again is None:
         index = layouts.index_of(model)
-        layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
+        if not layouts.state.names.issubset(in_place):   # else nothing to copy
+            layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
         again = Step(loss_scale, index.persistent_scalars(), parity)
     issue(comm, before_window(order))
     workers.send(again)
@@ -424,7 +435,8 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
                   board: Optional[Board] = None,
                   then: Optional[Callable[[int, float], None]] = None,
                   unwrap: Optional[Callable[[int, Any], WindowResult]] = None,
-                  settle: Optional[Callable[[], None]] = None) -> List[WindowResult]:
+                  settle: Optional[Callable[[], None]] = None,
+                  onto: Optional[Mapping[str, Any]] = None) -> List[WindowResult]:
     """The master's half, after its window: wait until every worker's gradient is packed,
     then issue the reductions and take the averaged statistics, and call ``then(count,
     loss)``, the update's sample count and mean loss. The summed gradient is in the
@@ -441,9 +453,16 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
     reductions are issued, before their sums are unpacked into the model (the waits for
     them, under ``max_worker_restarts`` where a dead rank can leave them unfinished: a
     death found there leaves the master's own statistics and gradient as its window made
-    them, for the update's redo to pack again)."""
+    them, for the update's redo to pack again). ``onto`` (the shared-memory backend, from
+    :meth:`.group.SummedGrads.targets`): the master's own gradient arrays by buffer name,
+    which are not packed: the reductions sum the workers' slots onto them, so that they
+    are the summed gradient when ``then`` is called (a death is found only before the
+    reductions: every worker said its gradient is packed before they are issued)."""
     order = collective_order(layouts, parity)
-    pack_window(comm, layouts, model, parity, size)
+    if onto is None:
+        pack_window(comm, layouts, model, parity, size)
+    else:
+        pack_stats(comm, layouts, model, size)
     by_board = board is not None
     if by_board:
         if own is None:
@@ -457,11 +476,12 @@ def master_finish(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any
         if then is not None:
             posted = [(r.count, r.loss_sum)
                       for r in [own] + [others[k] for k in sorted(others)]]  # type: ignore[list-item]
-    issue(comm, after_window(order))
+    issue(comm, after_window(order), onto)
     comm.end_update()
     if settle is not None:
         settle()
-    layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
+    if layouts.stat.groups:
+        layouts.stat.unpack(comm.buffer, dict(layouts.index_of(model).persistent_arrays()))
     if then is not None:
         then(*posted_total(posted))
     if by_board:

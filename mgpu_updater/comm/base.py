@@ -151,6 +151,11 @@ class Communicator(abc.ABC):
     #: channel, where the machine's memory order allows
     packs_in_shared_memory: bool = False
 
+    #: whether the root can sum the other ranks' buffers onto arrays of its own in place
+    #: of its ``reduce`` (``reduce_onto(name, targets)``, the shared-memory backend): the
+    #: master's gradients are then not packed, and the sums are its gradient arrays
+    sums_onto_arrays: bool = False
+
     # -------------------------------------------------------------- what a group may ask
     # Every backend answers these; the defaults fit a backend that needs none of them.
 

@@ -101,6 +101,8 @@ class ShmCommunicator(Communicator):
         self._broadcast = broadcast
         self._owner = owner
         self._slots: Dict[str, List[numpy.ndarray]] = {}
+        #: reduce_onto's views of the other ranks' slots, by (name, offset, shape)
+        self._sources: Dict[Tuple[str, int, Tuple[int, ...]], List[numpy.ndarray]] = {}
         for key, (dtype, count) in spec.items():
             n = 1 if key in broadcast else size
             whole = _array(segments[key], (n, count), dtype)
@@ -182,6 +184,37 @@ class ShmCommunicator(Communicator):
         sum_slots(slots[root], [src for r, src in enumerate(slots) if r != root])
 
     packs_in_shared_memory = True
+    sums_onto_arrays = True
+
+    def reduce_onto(self, name: str, targets: Sequence[Tuple[int, numpy.ndarray]]) -> None:
+        """The root's (rank 0's) ``reduce`` of ``name``, with its own values in arrays of
+        its own instead of its slot: ``targets`` covers the buffer with (offset,
+        C-contiguous array) pairs, and each array has every other rank's slice at its
+        offset added, in rank order. Each element is summed as ``reduce`` sums it once
+        the arrays are packed into the slot (bitwise the same), without the packing, and
+        the sums stay in the arrays. Recorded and checked as the ``reduce`` it is."""
+        self._issue('reduce', name, 0)
+        if self.rank != 0:
+            raise RuntimeError('reduce_onto is the root\'s (rank 0); every other rank '
+                               'issues reduce')
+        covered = 0
+        for _, array in targets:
+            covered += array.size
+        if covered != self._spec[name][1]:
+            raise ValueError(f'reduce_onto({name!r}): the targets cover {covered} of the '
+                             f'buffer\'s {self._spec[name][1]} elements')
+        sources = self._sources
+        for offset, array in targets:
+            key = (name, offset, array.shape)
+            found = sources.get(key)
+            if found is None:   # the other ranks' slices, shaped as the array: made once
+                found = sources[key] = [slot[offset:offset + array.size].reshape(array.shape)
+                                        for slot in self._slots[name][1:]]
+            if array.nbytes <= _SUM_BLOCK_BYTES:
+                for src in found:
+                    numpy.add(array, src, out=array)
+            else:
+                sum_slots(array.reshape(-1), [src.reshape(-1) for src in found])
 
     def bcast(self, name: str, root: int = 0) -> None:
         self._issue('bcast', name, root)
@@ -301,6 +334,7 @@ class ShmCommunicator(Communicator):
             return
         self._finalized = True
         self._slots = {}
+        self._sources = {}
         for view in self._rows + ([self._ledger_view] if self._ledger_view else []):
             view.release()
         self._rows, self._ledger_view = [], None
