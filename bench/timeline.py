@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.timeline/3'
+SCHEMA = 'mgpu_updater.bench.timeline/4'
 STAMPS = 'MGPU_BENCH_TIMELINE_DIR'   # where each process of ours writes its stamps
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 
@@ -54,6 +54,8 @@ PHASES = (
     ('mgpu_updater._local.protocol', 'take_results', 'gather'),
     ('mgpu_updater._local.pool', 'WorkerPool.send', 'send'),
     ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce', 'reduce'),
+    ('mgpu_updater.comm.shm', 'ShmCommunicator.reduce_onto', 'reduce'),
+    ('mgpu_updater._local.group', 'SummedGrads.targets', 'targets'),
     ('mgpu_updater._local.group', 'SummedGrads.receive', 'receive'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._apply', 'step'),
     ('mgpu_updater.updater', 'ParallelAccumulatingUpdater._report', 'report'),
@@ -209,7 +211,8 @@ def analyse_ours(folder, warmup):
     for column, c in enumerate(COUNTERS, 1):
         out['window ' + c] = [e - s for s, e in _spans(master, 'window', column)[warmup:]]
     first = updates[0][0]
-    for phase in ('begin', 'finish', 'pack', 'gather', 'reduce', 'receive', 'step', 'report'):
+    for phase in ('begin', 'finish', 'targets', 'pack', 'gather', 'reduce', 'receive', 'step',
+                  'report'):
         out['master ' + phase] = [e - s for s, e in _spans(master, phase) if s > first]
     # its wait at the board (the workers' gradients packed)
     out['master meet'] = [e - s for s, e in _spans(master, 'meet') if s > first]
@@ -278,11 +281,14 @@ ROWS = (   # (label, key of ours, key of ChainerMN)
      'wait'),
     ('ours: the master takes the workers\' results (mailboxes at the board)',
      'master gather', None),
-    ('gradient sum (ours: master packs, then sums the slots; ChainerMN: allreduce)',
-     None, 'allreduce'),
-    ('  master packs its gradient', 'master pack', None),
-    ('  master sums the slots (shm reduce)', 'master reduce', None),
-    ('  master takes the sum (param.grad = views)', 'master receive', None),
+    ('gradient sum (ours: the master sums the worker\'s slot onto its gradient arrays; '
+     'ChainerMN: allreduce)', None, 'allreduce'),
+    ('  master finds its gradient arrays (SummedGrads.targets)', 'master targets', None),
+    ('  master packs its gradient (only where they cannot take the sum)', 'master pack',
+     None),
+    ('  master sums (shm reduce_onto, or reduce)', 'master reduce', None),
+    ('  master takes the sum (param.grad = views, only where packed)', 'master receive',
+     None),
     ('optimizer step', 'master step', 'step'),
     ('report', 'master report', None),
     ('parameters out, Step sent (begin)', 'master begin', None),

@@ -404,10 +404,12 @@ def test_timeline_bench_times_every_phase_of_both_processes(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'timeline.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.timeline/3'
+    assert result['schema'] == 'mgpu_updater.bench.timeline/4'
     ours = result['ours']
     assert ours['updates'] == 8 and len(result['repeats']) == 2   # 2 repeats pooled
-    for key in ('update', 'window', 'outside', 'master begin', 'master pack', 'master gather',
+    assert ours['master pack'] is None   # the sums went onto the master's gradient arrays
+    for key in ('update', 'window', 'outside', 'master begin', 'master targets',
+                'master gather',
                 'master reduce', 'master receive', 'master step', 'step latency',
                 'worker start', 'worker window', 'worker idle'):
         assert ours[key] is not None and ours[key] >= 0, key
