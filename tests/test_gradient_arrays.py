@@ -213,3 +213,40 @@ def test_ensure_grads_copies_a_broadcast_keeping_its_values_and_fills_none():
     np.testing.assert_array_equal(link.p.grad, [2.5, 2.5, 2.5])
     assert link.q.grad is own
     np.testing.assert_array_equal(link.r.grad, [0.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize('config', ['one', 'two'])
+def test_parameters_holding_one_gradient_array_keep_one_summed_array(config):
+    """StandardUpdater steps ``a`` and ``b`` of ``a + b`` on one array, so an optimizer
+    hook that writes it in place (WeightDecay) acts on it for both: so do ours, the summed
+    gradient being one array for both (on two CPU replicas, one view of the master's
+    slot, copied once at finalize). With ``accumulate_steps`` > 1 Chainer's own
+    accumulation gives each its own array, as in a hand-written loop."""
+    def optimizer(model):
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(model)
+        opt.add_hook(chainer.optimizer_hooks.WeightDecay(0.1))
+        return opt
+
+    ref = SharedGradient()
+    updater = StandardUpdater(_iterator(*_data(), BATCH), optimizer(ref), loss_func=ref)
+    for _ in range(2):
+        updater.update()
+    model = SharedGradient()
+    kwargs = dict(CONFIGS[config])
+    if len(kwargs['devices']) == 1:
+        iterators = _iterator(*_data(), BATCH)
+    else:
+        iterators = [_iterator(x, t, BATCH // 2) for x, t in _shards()]
+    updater = ParallelAccumulatingUpdater(iterators, optimizer(model), loss_func=model,
+                                          **kwargs)
+    try:
+        for _ in range(2):
+            updater.update()
+        assert model.a.grad is model.b.grad
+    finally:
+        updater.finalize()
+    assert model.a.grad is model.b.grad   # after finalize too (a copy, once)
+    for name, p in ref.namedparams():
+        np.testing.assert_allclose(getattr(model, name[1:]).array, p.array, rtol=1e-6,
+                                   atol=1e-7, err_msg=name)

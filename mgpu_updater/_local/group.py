@@ -373,18 +373,32 @@ class SummedGrads:
         if self.summed_in_place:   # the sums are the gradient arrays already
             return
         if self.views:
+            # Parameters whose window left them one gradient array (``a + b``) get one
+            # view, the first's (their sums are the same values): one array, as under
+            # StandardUpdater, which in-place optimizer hooks (WeightDecay) then act on
+            # alike. Each entry: id(their array) -> (that array, the view).
+            shared: Dict[int, Tuple[Any, Any]] = {}
             for name, view in self.views.items():
-                self.params[name].grad = view
+                param = self.params[name]
+                grad = param.grad
+                if grad is not None:
+                    view = shared.setdefault(id(grad), (grad, view))[1]
+                param.grad = view
             return
         ensure_grads(self.model)
         self.layouts.grad.unpack(self.comm.buffer, grad_arrays(self.model))
 
     def detach(self) -> None:
-        """Gradients that are still views of the buffers become copies."""
-        for name, view in self.views.items():
-            param = self.params[name]
-            if param.grad is view:
-                param.grad = view.copy()
+        """Gradients that are still views of the buffers become copies (one copy of a
+        view that several parameters hold)."""
+        views = {id(view): view for view in self.views.values()}
+        copies: Dict[int, Any] = {}
+        for param in self.params.values():
+            grad = param.grad
+            if grad is not None and views.get(id(grad)) is grad:
+                if id(grad) not in copies:
+                    copies[id(grad)] = grad.copy()
+                param.grad = copies[id(grad)]
 
 
 class SlotParams:
