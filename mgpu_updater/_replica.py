@@ -95,8 +95,11 @@ def writable_in_place(array: Any) -> bool:
 
     Chainer's backward hands a parameter that is only summed whole (``F.sum(W)``,
     ``F.mean(W)``) a broadcast of one element as its gradient, read-only in numpy; CuPy
-    has no read-only flag, and there each element's write would land on that one."""
-    return getattr(array.flags, 'writeable', True) and 0 not in array.strides
+    has no read-only flag, and there each element's write would land on that one. (Runs
+    for every parameter of every update on a GPU master: the strides first, the flags,
+    a new object per look, only for numpy's arrays.)"""
+    return 0 not in array.strides and (not isinstance(array, numpy.ndarray)
+                                       or array.flags.writeable)
 
 
 def scale_gradients(params: List[Tuple[str, chainer.Parameter]], factor: float) -> None:

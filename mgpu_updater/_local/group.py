@@ -332,7 +332,7 @@ class SummedGrads:
         self._onto = [(f'{layouts.grad.prefix}/{dtype}', numpy.dtype(dtype),
                        [(e.offset, e.shape, self.params[e.name]) for e in entries])
                       for dtype, entries in layouts.grad.groups.items()] \
-            if getattr(comm, 'sums_onto_arrays', False) else []
+            if comm.sums_onto_arrays else []
         #: whether the latest update's sums went onto the gradient arrays (:meth:`targets`)
         self.summed_in_place = False
 
