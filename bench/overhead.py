@@ -235,14 +235,23 @@ def instrument(methods, phases):
         for it in its:
             it.next = phases.wrap(it.next, 'loading')
         if updater is not None:
-            updater._report = phases.wrap(updater._report, 'report')
+            # one device, one whole micro-batch: _update_direct, which reports through
+            # _publish and runs Replica.direct_window; else _report and run_window
+            direct = updater._direct
+            if direct:
+                updater._publish = phases.wrap(updater._publish, 'report')
+            else:
+                updater._report = phases.wrap(updater._report, 'report')
             # the group and the step policy exist after the first update
             group = updater._group
             group.begin = phases.wrap(group.begin, 'begin')
             policy = updater._step
             policy.reduce = phases.wrap(policy.reduce, 'reduce')
             replica = updater._replica
-            replica.run_window = phases.wrap(replica.run_window, 'window')
+            if direct:
+                replica.direct_window = phases.wrap(replica.direct_window, 'window')
+            else:
+                replica.run_window = phases.wrap(replica.run_window, 'window')
     return backward
 
 

@@ -35,6 +35,12 @@ class WindowResult(NamedTuple):
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
 
 
+#: what :meth:`Replica.direct_window` returns: samples, the loss (a float; a 0-dim array
+#: when ``read_values`` is False), the epoch after the batch (None without samples), and
+#: the seconds of loading and of forward and backward
+DirectWindow = Tuple[int, Any, Optional[EpochInfo], float, float]
+
+
 class Scaling(NamedTuple):
     """Every factor a replica's gradient is scaled by: the one home of gradient scaling.
 
@@ -212,7 +218,7 @@ class Replica:
             persistents it started with (:meth:`_check_unchanged`). Alone, with one
             micro-batch per window and no chunks, there is no mean to take: the model
             reports into the caller's reporter as under StandardUpdater
-            (:meth:`_direct`), and only its loss is read.
+            (:meth:`direct_window`), and only its loss is read.
         before_read: called before that read (the master's group's ``settle``: its
             window ran after collectives that a dead peer could leave unfinished, and a
             host read would then wait for good).
@@ -237,7 +243,7 @@ class Replica:
         #: what the model held when the replica started, until the first window that ran
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
         self._started_with = model_signature(model) if one_of_many else None
-        #: one replica, one micro-batch, whole: :meth:`_direct` (no mean to take)
+        #: one replica, one micro-batch, whole: :meth:`direct_window` (no mean to take)
         self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
@@ -272,9 +278,9 @@ class Replica:
         same Variable or array ``loss_func`` returned) adds up over the update instead of
         being averaged, so ``main/loss`` is the summed loss of the update's samples.
         """
-        self.loader.window_started()
         if self.direct:
             return self._direct(loss_scale)
+        self.loader.window_started()
         times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
         while True:
@@ -407,13 +413,25 @@ class Replica:
             loading=self.loader.mode)
 
     def _direct(self, loss_scale: Optional[float]) -> WindowResult:
+        """:meth:`direct_window` as a :class:`WindowResult` (a pipelined master alone)."""
+        size, value, epoch, data, compute = self.direct_window(loss_scale)
+        mode = self.loader.mode
+        if not size:
+            return WindowResult(0, 0.0, {}, {}, {'data': data, 'compute': 0.0}, [],
+                                loading=mode)
+        return WindowResult(size, value * size, {}, {}, {'data': data, 'compute': compute},
+                            [epoch], (), size, loading=mode)
+
+    def direct_window(self, loss_scale: Optional[float]) -> DirectWindow:
         """The window of one replica, one whole micro-batch: StandardUpdater's update up
         to the step, no more. The model reports into the caller's reporter (the Trainer's,
         as under StandardUpdater: the values as reported, Variables included, graphs
-        kept under ``keep_graph_on_report``), so the result carries no values but the
-        loss, read on the host as every window's is (``read_values``). Where the host
-        decides the speed, every call saved here is one StandardUpdater does not make
-        (``bench/overhead.py``)."""
+        kept under ``keep_graph_on_report``), so only the loss is read, on the host as
+        every window's is (``read_values``). Returns ``(samples, loss, epoch, data
+        seconds, compute seconds)``, a plain tuple; no samples once the iterator is
+        exhausted. Where the host decides the speed, every call and object saved here is
+        one StandardUpdater does not make (``bench/overhead.py``)."""
+        self.loader.window_started()
         clock = time.perf_counter
         start = clock()
         try:
@@ -423,8 +441,7 @@ class Replica:
         loaded = clock()
         if batch is None:
             self.model.cleargrads()   # no micro-batch: no gradient
-            return WindowResult(0, 0.0, {}, {}, {'data': loaded - start, 'compute': 0.0},
-                                [], loading=self.loader.mode)
+            return 0, 0.0, None, loaded - start, 0.0
         arrays = batch.arrays
         func = self.loss_func
         if isinstance(arrays, tuple):
@@ -441,7 +458,7 @@ class Replica:
         if loss_scale is not None:
             scale *= loss_scale
         if scale == 1.0 and not self.stamped:
-            loss.backward()   # as above: the leaves' stamps stay None
+            loss.backward()   # as in _attempt: the leaves' stamps stay None
         else:
             self.stamped = True
             loss.backward(loss_scale=scale)
@@ -454,9 +471,7 @@ class Replica:
         else:
             value = (read_on_host([loss_array]) if self.read_values
                      else keep_on_device([loss_array]))[0]
-        return WindowResult(size, value * size, {}, {},
-                            {'data': loaded - start, 'compute': clock() - loaded},
-                            [batch.epoch], (), size, loading=self.loader.mode)
+        return size, value, batch.epoch, loaded - start, clock() - loaded
 
     def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:
         current = window.chunk_size(self.chunking.size)

@@ -289,11 +289,16 @@ def same(a, b):
 
 
 @pytest.mark.parametrize('poison', ['nan', 'inf'])
-def test_nonfinite_loss_raises_on_the_master(poison):
+@pytest.mark.parametrize('accumulate_steps', [1, 2])
+def test_nonfinite_loss_raises_on_the_master(poison, accumulate_steps):
     """One device: the loss of update 2 is poisoned; the parameters stay as they were.
-    (Back-propagating inf makes numpy warn 'invalid value', an error under this suite's
-    filterwarnings; errstate keeps that out of the way.)"""
-    updater = faulty.build(1, faulty.Fault('forward', poison, replica=0, at=3), prefetch=0)
+    With ``accumulate_steps=1`` the update is StandardUpdater's (``_update_direct``), its
+    loss unscaled, and the step takes the short way of ``_apply``, which must look at the
+    loss too. (Back-propagating inf makes numpy warn 'invalid value', an error under this
+    suite's filterwarnings; errstate keeps that out of the way.)"""
+    at = 2 if accumulate_steps == 1 else 3   # update 2's first forward
+    updater = faulty.build(1, faulty.Fault('forward', poison, replica=0, at=at), prefetch=0,
+                           accumulate_steps=accumulate_steps)
     updater.update()
     before = params(updater)
     with numpy.errstate(invalid='ignore'), pytest.raises(NonFiniteLossError, match=rf'^the loss became {poison} at update 2; '
@@ -319,6 +324,24 @@ def test_nonfinite_loss_from_a_worker_raises():
     assert multiprocessing.active_children() == []   # the failed update stopped them
     updater.finalize()
     updater.finalize()
+
+
+def test_nonfinite_loss_skip_on_one_device_at_k1():
+    """One device, one micro-batch per update (the short way of ``_apply``): under
+    ``nonfinite='skip'`` the NaN update warns and leaves the parameters, the next steps."""
+    updater = faulty.build(1, faulty.Fault('forward', 'nan', replica=0, at=2),
+                           accumulate_steps=1, nonfinite='skip', prefetch=0)
+    try:
+        updater.update()
+        before = params(updater)
+        with numpy.errstate(invalid='ignore'), pytest.warns(RuntimeWarning,
+                                                            match='skipping update 2'):
+            updater.update()
+        assert same(before, params(updater))
+        updater.update()
+        assert not same(before, params(updater))
+    finally:
+        updater.finalize()
 
 
 def test_nonfinite_loss_skip():
