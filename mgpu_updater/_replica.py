@@ -15,7 +15,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import is_unregistered_observer_error
+from ._chainer_private import backward_scaled, is_unregistered_observer_error
 from ._chunks import Chunking, split
 from ._flat_buffers import persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
@@ -247,13 +247,6 @@ class Replica:
         self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
-        #: whether a backward of this replica ever stamped a loss scale on the parameters
-        #: (``backward(loss_scale=s)`` writes ``s`` onto every leaf it reaches, which the
-        #: optimizer's update rules divide by, chainer/optimizer.py:259, 291): until then
-        #: every stamp is None, and a scale of exactly 1 (one replica, one micro-batch of
-        #: the nominal size) back-propagates with none, leaving them so; the master then
-        #: need not write them before its step (the updater's ``_apply``)
-        self.stamped = False
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         self.reporter = chainer.Reporter()
@@ -350,12 +343,7 @@ class Replica:
                     scale = scaling.micro_batch(size)
                     if loss_scale is not None:
                         scale *= loss_scale
-                    if scale == 1.0 and not self.stamped:
-                        # the same gradient; leaves stamped None, as they are (see stamped)
-                        loss.backward()
-                    else:
-                        self.stamped = True
-                        loss.backward(loss_scale=scale)
+                    backward_scaled(loss, scale)   # the leaves' stamps stay None
                     loss_array = loss.array
                     terms.append((None, loss_array, size))
                     if keep_graphs:   # the first chunk's graphs only
@@ -457,11 +445,7 @@ class Replica:
         scale = self.scaling.micro_batch(size)
         if loss_scale is not None:
             scale *= loss_scale
-        if scale == 1.0 and not self.stamped:
-            loss.backward()   # as in _attempt: the leaves' stamps stay None
-        else:
-            self.stamped = True
-            loss.backward(loss_scale=scale)
+        backward_scaled(loss, scale)   # the leaves' stamps stay None
         loss_array = loss.array
         del loss
         if not self._gradients_checked:

@@ -496,8 +496,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """One optimizer step on the model's summed gradient, that of ``count`` samples
         whose mean loss is ``loss``, taken under the optimizer's ``loss_scale``."""
         if (loss_scale is None and type(loss) is float and self._stamps_clear
-                and not self._replica.stamped and not self._late.pending
-                and math.isfinite(loss) and self._replica.scaling.update(count) == 1.0):
+                and not self._late.pending and math.isfinite(loss)
+                and self._replica.scaling.update(count) == 1.0):
             # What the rest decides in the most common step, without its calls: a whole
             # update of a finite loss on the host, no loss scale and none stamped (every
             # update where the host decides the speed; bench/overhead.py).
@@ -512,10 +512,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             with chainer.using_device(self._devices[0]):   # on the master's stream
                 scale_gradients(unique_params(model), factor)   # a tied one once
         # The update rules divide each gradient by its parameter's stamped loss scale. The
-        # stamps are written once, and then only where the optimizer scales the loss or
-        # the master's backward stamped a scale of its own (Replica.stamped): else they
-        # are all None already, and writing them walked the model every update.
-        stamped = loss_scale is not None or self._replica.stamped
+        # replicas' backward stamps None (backward_scaled), so the stamps are written once,
+        # and then only where the optimizer scales the loss: writing them walks the model.
+        stamped = loss_scale is not None
         if stamped or not self._stamps_clear:
             chainer_private.set_update_loss_scale(model, loss_scale)
             self._stamps_clear = not stamped

@@ -48,6 +48,7 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/__init__.py', '219'): 'global_config.schedule_func = None',
     ('chainer/__init__.py', '235-236'): 'global_config._will_recompute = False',
     ('chainer/_backprop.py', '262'): 'x_var._loss_scale = loss_scale',
+    ('chainer/variable.py', '1568-1571'): 'self.grad *= loss_scale',
     ('chainer/backends/cuda.py', '77-78'): '_resolution_error = e',
     ('chainer/backends/cuda.py', '133-134'): '_resolution_error = e',
     ('chainer/configuration.py', '66'): "'_local', threading.local()",
@@ -150,6 +151,30 @@ def test_backward_stamps_its_loss_scale_on_the_leaves_it_reached():
     F.sum(model.used(x)).backward(loss_scale=8.0)
     assert [p._loss_scale for p in model.used.params()] == [8.0, 8.0]
     assert [p._loss_scale for p in model.unused.params()] == [None, None]
+
+
+@pytest.mark.parametrize('dtype', [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize('scale', [1.0, 0.5, 1 / 3, 1024.0 / 7])
+def test_backward_scaled_gives_backward_loss_scale_gradients_without_stamps(dtype, scale):
+    """The same gradient bits as ``backward(loss_scale=scale)``, in every float dtype and
+    for factors that do not round alike in them; every leaf reached stamped None."""
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3).astype(dtype)
+    grads = []
+    for scaled in (False, True):
+        with chainer.using_config('dtype', dtype):
+            model = _tiny()
+        model.used.W.array[...] = np.arange(6).reshape(2, 3) / 5
+        loss = F.sum(model.used(x) ** 2) / 3
+        if scaled:
+            private.backward_scaled(loss, scale)
+            assert [p._loss_scale for p in model.used.params()] == [None, None]
+        else:
+            loss.backward(loss_scale=scale)
+        grads.append([p.grad for p in model.used.params()])
+    for ours, chainers in zip(*grads[::-1]):
+        assert ours.dtype == chainers.dtype == dtype
+        np.testing.assert_array_equal(ours, chainers)
+    assert any(g.any() for g in grads[1])
 
 
 def test_set_update_loss_scale_writes_every_parameter_reached_or_not():
