@@ -221,7 +221,7 @@ def main():
             train, 2, args.batchsize // 2,
             iterator_class=chainer.iterators.MultiprocessIterator,
             n_processes=args.loaderjob),
-        optimizer, converter=converter, devices=['@numpy', '@numpy'])
+        optimizer, converter=converter, devices=['@numpy', '@numpy'], report_times=True)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), args.out)
 
     val_interval = (1 if args.test else 100000), 'iteration'

@@ -126,7 +126,7 @@ def main():
                                                  repeat=False, shuffle=False)
     updater = mgpu_updater.ParallelAccumulatingUpdater(  # CHANGED
         mgpu_updater.shard_iterators(train_data, 2, args.batchsize // 2),
-        optimizer, converter=convert, devices=['@numpy', '@numpy'])
+        optimizer, converter=convert, devices=['@numpy', '@numpy'], report_times=True)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), out=args.out)
 
     evaluator = extensions.Evaluator(

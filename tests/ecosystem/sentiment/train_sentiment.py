@@ -207,7 +207,7 @@ def main():
     # Setup updater
     updater = mgpu_updater.ParallelAccumulatingUpdater(  # CHANGED
         mgpu_updater.shard_iterators(train_data, 2, batchsize // 2), optimizer,
-        converter=convert, devices=['@numpy', '@numpy'], loss_reduction='sum')
+        converter=convert, devices=['@numpy', '@numpy'], loss_reduction='sum', report_times=True)
 
     # Setup trainer and run
     trainer = chainer.training.Trainer(updater, (n_epoch, 'epoch'), args.out)

@@ -77,7 +77,7 @@ def main():
     updater = mgpu_updater.ParallelAccumulatingUpdater(  # CHANGED
         mgpu_updater.shard_iterators(train, 2, args.batchsize // 4), optimizer,
         devices=['@numpy', '@numpy'], accumulate_steps=2,
-        loss_func=model.get_loss_func())
+        loss_func=model.get_loss_func(), report_times=True)
 
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), out=args.out)
     trainer.extend(extensions.Evaluator(test_iter, model, device=args.gpu,
