@@ -9,7 +9,8 @@ batch loaded ahead in hand, for a place. This bench plays that worker in one pro
 window holds the gate, takes a batch (``get``) and runs forward and backward of
 ``bench/overhead.py``'s launch-bound MLP (batch 16); between windows the gate is released
 for ``--idle`` milliseconds (the wait for the next Step). Three loaders take turns window
-by window, the order rotating:
+by window, the order shuffled anew each round (a rotation, as here before 2026-12-05, kept
+each loader behind the same other one nearly every round):
 
 - ``deferred``: the package's, which hands the place back when the gate is let go;
 - ``immediate``: the same, handing it back at once in ``get`` (as the package did before):
@@ -25,6 +26,7 @@ Writes ``gated_loader.md`` and ``.json`` into ``--out`` (``gated_loader_bound.*`
 """
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -41,7 +43,7 @@ import chainer  # noqa: E402
 
 from mgpu_updater._loader import Loader, Prefetcher  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.gated_loader/1'
+SCHEMA = 'mgpu_updater.bench.gated_loader/2'   # /2: the order shuffled each round
 LOADERS = ('deferred', 'immediate', 'inline')
 BATCH = 16
 
@@ -92,9 +94,10 @@ def main(argv=None):
     idle = args.idle / 1e3
     times = {kind: [] for kind in LOADERS}
     try:
+        order, shuffle = list(LOADERS), random.Random(0).shuffle
         for i in range(200 + args.rounds):
-            shift = i % len(LOADERS)
-            for kind in LOADERS[shift:] + LOADERS[:shift]:
+            shuffle(order)   # anew each round: no loader always follows the same one
+            for kind in order:
                 time.sleep(idle)
                 seconds = window(*loaders[kind])
                 if i >= 200:

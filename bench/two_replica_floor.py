@@ -20,12 +20,14 @@ alone at 1.29-1.39.)
 StandardUpdater and ours (``ParallelAccumulatingUpdater`` with two ``'@numpy'`` replicas,
 its defaults, each replica with StandardUpdater's batch, as ``bench/overhead.py``'s
 ``ours_n2``) run in the same process, the three taking turns round by round (the order
-rotating), turns of ``--block`` updates each (default 5), the first ``--untimed`` of a turn
-(default 1) not timed, each update inside a reporter scope as under a Trainer; ours first
-warmed up until ``prefetch='auto'`` has decided. Per round the ratios floor / standard,
-ours / standard and ours / floor; for each, its median with the 5-95% quantiles of the
-rounds and a 95% bootstrap interval of the median. Writes ``two_replica_floor.md`` and
-``.json`` into ``--out`` (with turns other than 5 updates, ``two_replica_floor_blockN.*``).
+shuffled anew each round: a rotation, as here before 2026-12-05, kept each method behind
+the same other one nearly every round, ``bench/cold_window.py``), turns of ``--block``
+updates each (default 5), the first ``--untimed`` of a turn (default 1) not timed, each
+update inside a reporter scope as under a Trainer; ours first warmed up until
+``prefetch='auto'`` has decided. Per round the ratios floor / standard, ours / standard
+and ours / floor; for each, its median with the 5-95% quantiles of the rounds and a 95%
+bootstrap interval of the median. Writes ``two_replica_floor.md`` and ``.json`` into
+``--out`` (with turns other than 5 updates, ``two_replica_floor_blockN.*``).
 
 In short turns a process whose turn it is not sleeps, and the first updates after that
 compute slower (``bench/cold_window.py``): the worker of ours and the floor's alike. Long
@@ -35,6 +37,7 @@ the floor as training sees it, where the workers never wait long.
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -179,11 +182,12 @@ def main(argv=None):
             warm += 1
         times = {'floor': [], 'standard': [], 'ours': []}
         ratios = {pair: [] for pair in PAIRS}
-        steps = (('floor', floor), ('standard', standard), ('ours', ours))
+        steps = [('floor', floor), ('standard', standard), ('ours', ours)]
+        shuffle = random.Random(0).shuffle
         for i in range(args.rounds):
             got = {}
-            shift = i % len(steps)
-            for name, step in steps[shift:] + steps[:shift]:
+            shuffle(steps)   # anew each round: no method always follows the same one
+            for name, step in steps:
                 for _ in range(args.untimed):
                     step()
                 t0 = time.perf_counter()
@@ -203,7 +207,8 @@ def main(argv=None):
         block.close()
         block.unlink()
     result = {
-        'bench': 'two_replica_floor', 'rounds': args.rounds, 'batch': BATCH,
+        'bench': 'two_replica_floor', 'order': 'shuffled each round', 'rounds': args.rounds,
+        'batch': BATCH,
         'block': args.block, 'untimed': args.untimed,
         'model': 'bench/overhead.py make_model()', 'python': platform.python_version(),
         'numpy': numpy.__version__, 'chainer': chainer.__version__,
