@@ -57,7 +57,8 @@ class EpochInfo(NamedTuple):
 class Batch(NamedTuple):
     size: int            # samples in this micro-batch
     arrays: Any          # what the converter returned
-    epoch: EpochInfo     # the iterator's bookkeeping right after this batch
+    epoch: Any           # the iterator's bookkeeping right after this batch: an
+    #                      EpochInfo, or the iterator itself (Loader.get's live_epoch)
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
@@ -118,10 +119,15 @@ class Loader:
             arrays = stager.stage(call_converter(self.converter, batch, None))
         return Batch(sample_count(batch), arrays, epoch)
 
-    def get(self) -> Optional[Batch]:
+    def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
         :meth:`_read` and :meth:`_convert` do, in one call (it runs for every micro-batch
-        loaded inline)."""
+        loaded inline). ``live_epoch``: the batch's ``epoch`` is the iterator itself, read
+        when asked as ``StandardUpdater`` reads it, not an :class:`EpochInfo` of it (four
+        reads of its properties, about 5 us a batch on a 2-core VM); for a caller that
+        reads it only until this loader reads the iterator again, which nothing else does
+        meanwhile (the synchronous loader; a gated prefetcher's thread parked at the gate
+        the caller holds: :meth:`Prefetcher.get`)."""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
@@ -134,8 +140,9 @@ class Loader:
                 raise RepeatingIteratorStopped(it) from exc
             self._exhausted = True
             return None
-        epoch = EpochInfo(it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
-                          it.is_new_epoch)
+        epoch = it if live_epoch else EpochInfo(
+            it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
+            it.is_new_epoch)
         return Batch(sample_count(batch),
                      call_converter(self.converter, batch, self.converter_device), epoch)
 
@@ -332,7 +339,9 @@ class Prefetcher(Loader):
             return
         self._loading = False
 
-    def get(self) -> Optional[Batch]:
+    def get(self, live_epoch: bool = False) -> Optional[Batch]:
+        """As :meth:`Loader.get`; ``live_epoch`` only where the batch is read here (a
+        batch the thread read has its :class:`EpochInfo`: the thread may read on)."""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
@@ -341,8 +350,9 @@ class Prefetcher(Loader):
         if opened and self._parked and self.load_here:
             # The thread stays put: load the batch here, in the consumer's thread, as the
             # synchronous loader does (this runs for every micro-batch loaded inline); an
-            # error is raised as it came.
-            return Loader.get(self)
+            # error is raised as it came. The thread stays parked until the consumer lets
+            # go of the gate, which a decided loader's does not do between its gets.
+            return Loader.get(self, live_epoch)
         if opened:
             self._pay()   # a thread waiting for a place to put its batch gets one
             # Nothing loaded: a thread inside a load goes on by itself (opening the gate

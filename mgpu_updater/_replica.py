@@ -36,9 +36,10 @@ class WindowResult(NamedTuple):
 
 
 #: what :meth:`Replica.direct_window` returns: samples, the loss (a float; a 0-dim array
-#: when ``read_values`` is False), the epoch after the batch (None without samples), and
-#: the seconds of loading and of forward and backward
-DirectWindow = Tuple[int, Any, Optional[EpochInfo], float, float]
+#: when ``read_values`` is False), the epoch after the batch (an :class:`EpochInfo`, or
+#: the iterator itself under ``live_epoch``; None without samples), and the seconds of
+#: loading and of forward and backward
+DirectWindow = Tuple[int, Any, Any, float, float]
 
 
 class Scaling(NamedTuple):
@@ -410,20 +411,22 @@ class Replica:
         return WindowResult(size, value * size, {}, {}, {'data': data, 'compute': compute},
                             [epoch], (), size, loading=mode)
 
-    def direct_window(self, loss_scale: Optional[float]) -> DirectWindow:
+    def direct_window(self, loss_scale: Optional[float],
+                      live_epoch: bool = False) -> DirectWindow:
         """The window of one replica, one whole micro-batch: StandardUpdater's update up
         to the step, no more. The model reports into the caller's reporter (the Trainer's,
         as under StandardUpdater: the values as reported, Variables included, graphs
         kept under ``keep_graph_on_report``), so only the loss is read, on the host as
         every window's is (``read_values``). Returns ``(samples, loss, epoch, data
         seconds, compute seconds)``, a plain tuple; no samples once the iterator is
-        exhausted. Where the host decides the speed, every call and object saved here is
+        exhausted. ``live_epoch``: as for :meth:`Loader.get` (the caller's stepping now,
+        with no window of this replica before the next). Where the host decides the speed, every call and object saved here is
         one StandardUpdater does not make (``bench/overhead.py``)."""
         self.loader.window_started()
         clock = time.perf_counter
         start = clock()
         try:
-            batch = self.loader.get()
+            batch = self.loader.get(live_epoch)
         except RepeatingIteratorStopped as exc:
             raise RuntimeError(f'{self.name}: {exc}') from exc
         loaded = clock()

@@ -148,6 +148,36 @@ def test_interrupted_gets_stay_keyboard_interrupts_and_close_promptly():
     assert report['slow_closes'] == 0, report
 
 
+@pytest.mark.parametrize('prefetch', [0, 2, 'auto'])
+def test_one_device_epoch_bookkeeping_is_standard_updaters_after_every_update(prefetch):
+    """One device, one micro-batch per update: after every update the updater's epoch,
+    epoch_detail, previous_epoch_detail and is_new_epoch, and its optimizer's epoch, are
+    StandardUpdater's on the same data, with epochs that end inside a batch; loading
+    inline (where the updater reads them from the iterator when asked, as
+    StandardUpdater does) and ahead (where the iterator has moved on), and through
+    'auto''s trial, which switches between the two, and past it."""
+    def iterator():
+        return chainer.iterators.SerialIterator(dataset(10, seed=1), 3, shuffle=False)
+    reference_model, model = classifier(seed=1), classifier(seed=1)
+    reference = chainer.training.updaters.StandardUpdater(
+        iterator(), setup_optimizer('sgd', reference_model))
+    updater = ParallelAccumulatingUpdater(iterator(), setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=prefetch)
+
+    def bookkeeping(u):
+        return (u.epoch, u.epoch_detail, u.previous_epoch_detail, u.is_new_epoch,
+                u.get_optimizer('main').epoch)
+    try:
+        assert bookkeeping(updater) == bookkeeping(reference)
+        for i in range(300 if prefetch == 'auto' else 40):
+            reference.update()
+            updater.update()
+            assert bookkeeping(updater) == bookkeeping(reference), i
+        assert updater.loading_modes != ['trial']
+    finally:
+        updater.finalize()
+
+
 def test_works_with_multiprocess_iterator():
     train = dataset(40, seed=3)
     model = classifier(seed=3)
