@@ -625,7 +625,7 @@ def test_gated_loader_bench_times_each_way_of_handing_places_back(tmp_path):
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'gated_loader.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.gated_loader/1' and result['bind'] is None
+    assert result['schema'] == 'mgpu_updater.bench.gated_loader/2' and result['bind'] is None
     assert set(result['ms']) == {'deferred', 'immediate', 'inline'}
     assert all(v > 0 for v in result['ms'].values())
     for key in ('immediate/deferred', 'inline/deferred'):
