@@ -617,6 +617,36 @@ def test_two_replica_floor_refuses_turns_with_nothing_timed():
     assert '--untimed' in proc.stderr and '--block 3 --untimed 3' in proc.stderr
 
 
+def test_ab_overhead_compares_two_checkouts_on_the_same_batches(tmp_path):
+    """``bench/ab_overhead.py``: this checkout against another (here, itself, imported a
+    second time under another name): both updaters step on the same batches, so they end
+    with the same weights, and every ratio is reported (its figures are not asserted)."""
+    cmd = [sys.executable, str(ROOT / 'bench' / 'ab_overhead.py'), '--baseline', str(ROOT),
+           '--ks', '1,2', '--rounds', '4', '--warmup', '2', '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'ab_overhead.json').read_text())
+    assert result['schema'] == 'mgpu_updater.bench.ab_overhead/1'
+    assert [row['k'] for row in result['results']] == [1, 2]
+    for row in result['results']:
+        assert row['same_weights'] is True
+        assert set(row['ms']) == {'reference', 'baseline', 'this'}
+        for r in row['ratios'].values():
+            assert len(r['ratios']) == 4 and r['ci95'][0] <= r['median'] <= r['ci95'][1]
+    assert [row['reference'] for row in result['results']] == ['StandardUpdater',
+                                                              'hand-written loop']
+    table = (tmp_path / 'ab_overhead.md').read_text()
+    assert '| 1 | StandardUpdater |' in table and '| 2 | hand-written loop |' in table
+
+
+def test_ab_overhead_refuses_a_baseline_that_is_no_checkout(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / 'bench' / 'ab_overhead.py'),
+                           '--baseline', str(tmp_path)], cwd=str(ROOT), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert '--baseline' in proc.stderr and 'no mgpu_updater/__init__.py' in proc.stderr
+
+
 def test_gated_loader_bench_times_each_way_of_handing_places_back(tmp_path):
     """``bench/gated_loader.py``: the three loaders take turns and every ratio is
     reported (its figures are the committed run's, not asserted)."""

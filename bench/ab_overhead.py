@@ -1,0 +1,210 @@
+"""This package against an earlier checkout of it, in one process: what a change costs.
+
+    python bench/ab_overhead.py --baseline DIR [--ks 1,4] [--rounds 1500] [--out DIR]
+
+``DIR`` is a checkout of this repository, for instance one made with ``git worktree add
+/tmp/before <commit>``. Its ``mgpu_updater`` is imported under another name, beside this
+checkout's. Run-to-run drift on a VM is as large as most changes to the updater's own
+code (``bench/overhead.py`` reads the same package 1-2% apart from one run to the next),
+so a change is measured here against the code before it, both in one process, taking
+turns.
+
+The model and turns are ``bench/overhead.py``'s: a 64-64-10 MLP, batch 16, data in memory,
+one BLAS thread, where the host decides the speed. For each ``k`` (``accumulate_steps``)
+there are three methods: the reference (``StandardUpdater`` at k=1, the hand-written loop
+otherwise), the baseline's updater and this checkout's, one ``'@numpy'`` replica each.
+They take turns of 3 updates (the first untimed), in an order shuffled each round. Per
+round come this / the baseline and each / the reference; the table gives each ratio's
+median with its 95% bootstrap interval.
+
+Only one replica is compared: with several, the workers import the package by its own
+name. Both updaters read the same batches; ``same_weights`` says whether they ended with
+the same weights, bitwise. A change meant to keep the numbers must keep it True; where
+it is False the two did different work, and the times compare that work too.
+
+Writes ``ab_overhead.json`` and ``ab_overhead.md`` into ``--out``.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+for _name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
+    os.environ.setdefault(_name, '1')   # one BLAS thread, as bench/overhead.py
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import chainer  # noqa: E402
+import numpy  # noqa: E402
+
+from bench import _common, overhead  # noqa: E402
+
+SCHEMA = 'mgpu_updater.bench.ab_overhead/1'
+BASELINE_MODULE = 'mgpu_updater_baseline'
+
+
+def load_baseline(root):
+    """The ``mgpu_updater`` of the checkout at ``root``, as :data:`BASELINE_MODULE`."""
+    package = Path(root).resolve() / 'mgpu_updater'
+    if not (package / '__init__.py').is_file():
+        raise SystemExit(f'--baseline {root!r}: no mgpu_updater/__init__.py there; give a '
+                         'checkout of this repository (git worktree add DIR COMMIT)')
+    spec = importlib.util.spec_from_file_location(
+        BASELINE_MODULE, str(package / '__init__.py'),
+        submodule_search_locations=[str(package)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[BASELINE_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def describe(root):
+    """The checkout's commit, and whether its tree has changes."""
+    def git(*args):
+        try:
+            return subprocess.run(['git', '-C', str(root), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ''
+    return {'commit': git('rev-parse', '--short', 'HEAD') or None,
+            'changed': bool(git('status', '--porcelain', '--', 'mgpu_updater'))}
+
+
+def build(k, batch, baseline):
+    """name -> (step, model, optimizer, iterators, updater) for one ``k``."""
+    import mgpu_updater
+    dataset = overhead.make_dataset(max(4096, 64 * batch))
+
+    def converter(b, device=None):
+        return chainer.dataset.concat_examples(b, device)
+    methods = {}
+    model = overhead.make_model()
+    it = overhead._iterator(dataset, batch, 1)
+    if k == 1:
+        std = chainer.training.updaters.StandardUpdater(it, _common.make_optimizer(model))
+        methods['reference'] = (overhead._observed(std, model), model, None, [it], None)
+    else:
+        step, optimizer = overhead._hand(model, it, k, converter)
+        methods['reference'] = (step, model, optimizer, [it], None)
+    for name, package in (('baseline', baseline), ('this', mgpu_updater)):
+        model = overhead.make_model()
+        it = overhead._iterator(dataset, batch, 1)
+        updater = package.ParallelAccumulatingUpdater(
+            it, _common.make_optimizer(model), devices=['@numpy'], accumulate_steps=k)
+        methods[name] = (overhead._observed(updater, model), model, None, [it], updater)
+    return methods
+
+
+def same_weights(a, b):
+    pa, pb = dict(a.namedparams()), dict(b.namedparams())
+    return pa.keys() == pb.keys() and all(
+        numpy.array_equal(pa[n].array, pb[n].array) for n in pa)
+
+
+def run_k(k, args, baseline):
+    methods = build(k, args.batch, baseline)
+    try:
+        # warm up, then past prefetch='auto''s trial (about 125 windows) in both updaters
+        for _ in range(args.warmup):
+            for step, *_ in methods.values():
+                step()
+        # (the two updaters step alike throughout: they end on the same batches)
+        pair = [methods[name] for name in ('baseline', 'this')]
+        for _ in range(300):
+            if all('trial' not in m[4].loading_modes for m in pair):
+                break
+            for m in pair:
+                m[0]()
+        times, _ = overhead.rounds(methods, list(methods), args.rounds, 3, 0)
+        ratios = {
+            'this/baseline': [a / b for a, b in zip(times['this'], times['baseline'])],
+            'baseline/reference': [a / b for a, b in
+                                   zip(times['baseline'], times['reference'])],
+            'this/reference': [a / b for a, b in zip(times['this'], times['reference'])],
+        }
+        return {
+            'k': k,
+            'reference': 'StandardUpdater' if k == 1 else 'hand-written loop',
+            'ms': {name: 1e3 * statistics.median(t) for name, t in times.items()},
+            'ratios': {name: _common.ratio_summary(r) for name, r in ratios.items()},
+            'same_weights': same_weights(methods['baseline'][1], methods['this'][1]),
+            'loading': {name: list(methods[name][4].loading_modes)
+                        for name in ('baseline', 'this')},
+        }
+    finally:
+        for name in ('baseline', 'this'):
+            methods[name][4].finalize()
+
+
+def markdown(result):
+    lines = [f"`python bench/ab_overhead.py --baseline <checkout of "
+             f"{result['baseline']['commit']}> --ks {','.join(map(str, result['ks']))} "
+             f"--rounds {result['rounds']}`", '',
+             f"This checkout ({result['this']['commit']}"
+             f"{', with changes' if result['this']['changed'] else ''}) against "
+             f"{result['baseline']['commit']}"
+             f"{' with changes' if result['baseline']['changed'] else ''}, one `'@numpy'` "
+             f"replica each, beside the reference, on bench/overhead.py's MLP (batch "
+             f"{result['batch']}); turns of 3 updates (the first untimed), the order "
+             f"shuffled each round, {result['rounds']} rounds. Ratio: median (95% "
+             f"interval) of the rounds' ratios of time per update. Machine: "
+             f"{result['machine']['cpu']} ({result['machine']['cores']} cores), Python "
+             f"{result['versions']['python']}, numpy {result['versions']['numpy']}, "
+             f"Chainer {result['versions']['chainer']}.", '',
+             '| k | reference | reference ms | baseline ms | this ms | this / baseline '
+             '| baseline / reference | this / reference | same weights |',
+             '|---:|---|---:|---:|---:|---|---|---|---|']
+    for row in result['results']:
+        ms, r = row['ms'], row['ratios']
+        lines.append(
+            f"| {row['k']} | {row['reference']} | {ms['reference']:.3f} | "
+            f"{ms['baseline']:.3f} | {ms['this']:.3f} | "
+            f"{_common.ratio_cell(r['this/baseline'])} | "
+            f"{_common.ratio_cell(r['baseline/reference'])} | "
+            f"{_common.ratio_cell(r['this/reference'])} | "
+            f"{'yes' if row['same_weights'] else 'no'} |")
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--baseline', required=True,
+                        help='a checkout of this repository to compare against')
+    parser.add_argument('--ks', default='1,4')
+    parser.add_argument('--rounds', type=int, default=1500)
+    parser.add_argument('--warmup', type=int, default=50)
+    parser.add_argument('--batch', type=int, default=16)
+    parser.add_argument('--out', default=None)
+    args = parser.parse_args(argv)
+    try:
+        ks = [int(k) for k in args.ks.split(',')]
+    except ValueError:
+        parser.error(f'--ks must be integers separated by commas, like 1,4; got {args.ks!r}')
+    if any(k < 1 for k in ks) or args.rounds < 2:
+        parser.error(f'--ks must be >= 1 and --rounds >= 2; got --ks {args.ks} '
+                     f'--rounds {args.rounds}')
+    baseline = load_baseline(args.baseline)
+    result = {
+        'schema': SCHEMA, 'rounds': args.rounds, 'batch': args.batch, 'ks': ks,
+        'this': describe(ROOT), 'baseline': describe(args.baseline),
+        'machine': {'cpu': _common.cpu_model(), 'cores': len(os.sched_getaffinity(0))},
+        'versions': {'python': '.'.join(map(str, sys.version_info[:3])),
+                     'numpy': numpy.__version__, 'chainer': chainer.__version__},
+        'results': [run_k(k, args, baseline) for k in ks],
+    }
+    table = markdown(result)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / 'ab_overhead.json').write_text(json.dumps(result, indent=1))
+        (out / 'ab_overhead.md').write_text(table)
+
+
+if __name__ == '__main__':
+    main()
