@@ -420,8 +420,9 @@ class Replica:
         every window's is (``read_values``). Returns ``(samples, loss, epoch, data
         seconds, compute seconds)``, a plain tuple; no samples once the iterator is
         exhausted. ``live_epoch``: as for :meth:`Loader.get` (the caller's stepping now,
-        with no window of this replica before the next). Where the host decides the speed, every call and object saved here is
-        one StandardUpdater does not make (``bench/overhead.py``)."""
+        with no window of this replica before the next). Where the host decides the
+        speed, every call and object saved here is one StandardUpdater does not make
+        (``bench/overhead.py``)."""
         self.loader.window_started()
         clock = time.perf_counter
         start = clock()
