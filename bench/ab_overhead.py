@@ -1,6 +1,7 @@
 """This package against an earlier checkout of it, in one process: what a change costs.
 
     python bench/ab_overhead.py --baseline DIR [--ks 1,4] [--rounds 1500] [--out DIR]
+    python bench/ab_overhead.py --baseline DIR --replicas 2 [--ks 1] [--rounds 100]
 
 ``DIR`` is a checkout of this repository, for instance one made with ``git worktree add
 /tmp/before <commit>``. Its ``mgpu_updater`` is imported under another name, beside this
@@ -17,8 +18,14 @@ They take turns of 3 updates (the first untimed), in an order shuffled each roun
 round come this / the baseline and each / the reference; the table gives each ratio's
 median with its 95% bootstrap interval.
 
-Only one replica is compared: with several, the workers import the package by its own
-name. Both updaters read the same batches; ``same_weights`` says whether they ended with
+With ``--replicas 2`` each updater has two ``'@numpy'`` replicas, each with the
+reference's batch, so that a change to the protocol between the master and its worker is
+measured too (the workers import the baseline under its other name: this script, which
+spawn imports again in each worker, imports it there first). Two replicas take turns of
+``--block`` 60 updates, the first 10 untimed, as ``bench/overhead.py``'s warm row: a worker
+in training is never idle for long.
+
+Both updaters read the same batches; ``same_weights`` says whether they ended with
 the same weights, bitwise. A change meant to keep the numbers must keep it True; where
 it is False the two did different work, and the times compare that work too.
 
@@ -44,8 +51,11 @@ import numpy  # noqa: E402
 
 from bench import _common, overhead  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.ab_overhead/1'
+SCHEMA = 'mgpu_updater.bench.ab_overhead/2'
 BASELINE_MODULE = 'mgpu_updater_baseline'
+#: the baseline's checkout, for the workers: spawn imports this script in each as
+#: ``__mp_main__`` before it unpickles anything of the baseline's
+BASELINE_ENV = 'MGPU_UPDATER_AB_BASELINE'
 
 
 def load_baseline(root):
@@ -54,6 +64,13 @@ def load_baseline(root):
     if not (package / '__init__.py').is_file():
         raise SystemExit(f'--baseline {root!r}: no mgpu_updater/__init__.py there; give a '
                          'checkout of this repository (git worktree add DIR COMMIT)')
+    # Which cores this process's threads run on is one state per process: two copies of
+    # it would each share out the cores, and the second updater's workers would inherit
+    # the master's share of the first (two replicas on one core). Both use this
+    # checkout's where the module is the same.
+    threads = importlib.import_module('mgpu_updater._threads')
+    if (package / '_threads.py').read_bytes() == Path(threads.__file__).read_bytes():
+        sys.modules[BASELINE_MODULE + '._threads'] = threads
     spec = importlib.util.spec_from_file_location(
         BASELINE_MODULE, str(package / '__init__.py'),
         submodule_search_locations=[str(package)])
@@ -61,6 +78,10 @@ def load_baseline(root):
     sys.modules[BASELINE_MODULE] = module
     spec.loader.exec_module(module)
     return module
+
+
+if __name__ == '__mp_main__' and os.environ.get(BASELINE_ENV):   # a worker of the baseline's
+    load_baseline(os.environ[BASELINE_ENV])
 
 
 def describe(root):
@@ -75,10 +96,10 @@ def describe(root):
             'changed': bool(git('status', '--porcelain', '--', 'mgpu_updater'))}
 
 
-def build(k, batch, baseline):
+def build(k, batch, baseline, replicas=1):
     """name -> (step, model, optimizer, iterators, updater) for one ``k``."""
     import mgpu_updater
-    dataset = overhead.make_dataset(max(4096, 64 * batch))
+    dataset = overhead.make_dataset(max(4096, 64 * batch * replicas))
 
     def converter(b, device=None):
         return chainer.dataset.concat_examples(b, device)
@@ -93,10 +114,11 @@ def build(k, batch, baseline):
         methods['reference'] = (step, model, optimizer, [it], None)
     for name, package in (('baseline', baseline), ('this', mgpu_updater)):
         model = overhead.make_model()
-        it = overhead._iterator(dataset, batch, 1)
+        its = [overhead._iterator(dataset, batch, 1 + r) for r in range(replicas)]
         updater = package.ParallelAccumulatingUpdater(
-            it, _common.make_optimizer(model), devices=['@numpy'], accumulate_steps=k)
-        methods[name] = (overhead._observed(updater, model), model, None, [it], updater)
+            its if replicas > 1 else its[0], _common.make_optimizer(model),
+            devices=['@numpy'] * replicas, accumulate_steps=k)
+        methods[name] = (overhead._observed(updater, model), model, None, its, updater)
     return methods
 
 
@@ -107,7 +129,7 @@ def same_weights(a, b):
 
 
 def run_k(k, args, baseline):
-    methods = build(k, args.batch, baseline)
+    methods = build(k, args.batch, baseline, args.replicas)
     try:
         # warm up, then past prefetch='auto''s trial (about 125 windows) in both updaters
         for _ in range(args.warmup):
@@ -120,7 +142,8 @@ def run_k(k, args, baseline):
                 break
             for m in pair:
                 m[0]()
-        times, _ = overhead.rounds(methods, list(methods), args.rounds, 3, 0)
+        times, _ = overhead.rounds(methods, list(methods), args.rounds, args.block, 0,
+                                   untimed=args.untimed)
         ratios = {
             'this/baseline': [a / b for a, b in zip(times['this'], times['baseline'])],
             'baseline/reference': [a / b for a, b in
@@ -143,14 +166,16 @@ def run_k(k, args, baseline):
 
 def markdown(result):
     lines = [f"`python bench/ab_overhead.py --baseline <checkout of "
-             f"{result['baseline']['commit']}> --ks {','.join(map(str, result['ks']))} "
-             f"--rounds {result['rounds']}`", '',
+             f"{result['baseline']['commit']}> --replicas {result['replicas']} "
+             f"--ks {','.join(map(str, result['ks']))} --rounds {result['rounds']} "
+             f"--block {result['block']} --untimed {result['untimed']}`", '',
              f"This checkout ({result['this']['commit']}"
              f"{', with changes' if result['this']['changed'] else ''}) against "
              f"{result['baseline']['commit']}"
-             f"{' with changes' if result['baseline']['changed'] else ''}, one `'@numpy'` "
-             f"replica each, beside the reference, on bench/overhead.py's MLP (batch "
-             f"{result['batch']}); turns of 3 updates (the first untimed), the order "
+             f"{' with changes' if result['baseline']['changed'] else ''}, "
+             f"{result['replicas']} `'@numpy'` replica(s) each, beside the reference, on "
+             f"bench/overhead.py's MLP (batch {result['batch']} per replica); turns of "
+             f"{result['block']} updates (the first {result['untimed']} untimed), the order "
              f"shuffled each round, {result['rounds']} rounds. Ratio: median (95% "
              f"interval) of the rounds' ratios of time per update. Machine: "
              f"{result['machine']['cpu']} ({result['machine']['cores']} cores), Python "
@@ -175,12 +200,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--baseline', required=True,
                         help='a checkout of this repository to compare against')
-    parser.add_argument('--ks', default='1,4')
-    parser.add_argument('--rounds', type=int, default=1500)
+    parser.add_argument('--replicas', type=int, choices=(1, 2), default=1,
+                        help="'@numpy' replicas of each updater (default 1)")
+    parser.add_argument('--ks', default=None, help='default 1,4 (one replica), 1 (two)')
+    parser.add_argument('--rounds', type=int, default=None,
+                        help='default 1500 (one replica), 100 (two)')
+    parser.add_argument('--block', type=int, default=None,
+                        help='updates per turn (default 3 (one replica), 60 (two))')
+    parser.add_argument('--untimed', type=int, default=None,
+                        help='the first updates of a turn, not timed (default 1 (one '
+                             'replica), 10 (two))')
     parser.add_argument('--warmup', type=int, default=50)
     parser.add_argument('--batch', type=int, default=16)
     parser.add_argument('--out', default=None)
     args = parser.parse_args(argv)
+    one = args.replicas == 1
+    for name, alone, several in (('ks', '1,4', '1'), ('rounds', 1500, 100),
+                                 ('block', 3, 60), ('untimed', 1, 10)):
+        if getattr(args, name) is None:
+            setattr(args, name, alone if one else several)
+    if not 0 <= args.untimed < args.block:
+        parser.error(f'--untimed must be >= 0 and below --block; got --block {args.block} '
+                     f'--untimed {args.untimed}')
     try:
         ks = [int(k) for k in args.ks.split(',')]
     except ValueError:
@@ -189,8 +230,15 @@ def main(argv=None):
         parser.error(f'--ks must be >= 1 and --rounds >= 2; got --ks {args.ks} '
                      f'--rounds {args.rounds}')
     baseline = load_baseline(args.baseline)
+    shared = sys.modules.get(BASELINE_MODULE + '._threads')
+    if args.replicas > 1 and shared is not importlib.import_module('mgpu_updater._threads'):
+        parser.error(f'--replicas {args.replicas}: the baseline {args.baseline!r} has '
+                     'another mgpu_updater/_threads.py, and two copies of it would bind '
+                     'both updaters\' workers wrongly; compare one replica')
+    os.environ[BASELINE_ENV] = str(Path(args.baseline).resolve())   # for the workers
     result = {
         'schema': SCHEMA, 'rounds': args.rounds, 'batch': args.batch, 'ks': ks,
+        'replicas': args.replicas, 'block': args.block, 'untimed': args.untimed,
         'this': describe(ROOT), 'baseline': describe(args.baseline),
         'machine': {'cpu': _common.cpu_model(), 'cores': len(os.sched_getaffinity(0))},
         'versions': {'python': '.'.join(map(str, sys.version_info[:3])),

@@ -626,7 +626,8 @@ def test_ab_overhead_compares_two_checkouts_on_the_same_batches(tmp_path):
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'ab_overhead.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.ab_overhead/1'
+    assert result['schema'] == 'mgpu_updater.bench.ab_overhead/2'
+    assert result['replicas'] == 1 and (result['block'], result['untimed']) == (3, 1)
     assert [row['k'] for row in result['results']] == [1, 2]
     for row in result['results']:
         assert row['same_weights'] is True
@@ -637,6 +638,25 @@ def test_ab_overhead_compares_two_checkouts_on_the_same_batches(tmp_path):
                                                               'hand-written loop']
     table = (tmp_path / 'ab_overhead.md').read_text()
     assert '| 1 | StandardUpdater |' in table and '| 2 | hand-written loop |' in table
+
+
+def test_ab_overhead_compares_two_replicas_whose_workers_run_the_baseline(tmp_path):
+    """``--replicas 2``: each updater's worker runs its own package (the baseline's
+    imports it under the other name), bound to a core of its own: both step on the same
+    batches, so they end with the same weights."""
+    cmd = [sys.executable, str(ROOT / 'bench' / 'ab_overhead.py'), '--baseline', str(ROOT),
+           '--replicas', '2', '--rounds', '3', '--block', '5', '--untimed', '1',
+           '--warmup', '2', '--out', str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'ab_overhead.json').read_text())
+    assert (result['replicas'], result['ks'], result['block']) == (2, [1], 5)
+    row, = result['results']
+    assert row['same_weights'] is True
+    assert all(len(modes) == 2 for modes in row['loading'].values())
+    for r in row['ratios'].values():
+        assert len(r['ratios']) == 3
+    assert '--replicas 2' in (tmp_path / 'ab_overhead.md').read_text()
 
 
 def test_ab_overhead_refuses_a_baseline_that_is_no_checkout(tmp_path):
