@@ -109,6 +109,9 @@ class ShmCommunicator(Communicator):
             self._slots[key] = [whole[i] for i in range(n)]
         self._names = sorted(spec)   # a buffer is recorded as its index here
         self._codes = {key: i for i, key in enumerate(self._names)}
+        #: what the ledger records for each (verb, buffer): a code per pair, made once
+        self._records = {(verb, key): (v + 1) * (len(self._names) + 1) + i + 1
+                         for v, verb in enumerate(_VERBS) for key, i in self._codes.items()}
         # one row of int64 per rank, read and written as Python ints (cheaper than numpy's
         # scalars: four or five ledger accesses per collective)
         width = _FIRST + _LEDGER_SLOTS
@@ -223,22 +226,30 @@ class ShmCommunicator(Communicator):
             slots[self.rank][...] = slots[root]
 
     # ------------------------------------------------------------------ the issue order
+    # (These run for every collective of every update, on the critical path where the
+    # host decides the speed: attributes are read directly, not through _row and rank.)
     def begin_update(self) -> None:
-        self._check_open()
-        row = self._row(self.rank)
+        if self._finalized:
+            self._check_open()
+        row = self._rows[self._rank]
         row[_COUNT] = 0
         row[_UPDATE] += 1
 
     def end_update(self) -> None:
         """On rank 0: every other rank issued exactly what rank 0 did in this update."""
-        self._check_open()
-        if self.rank != 0:
+        if self._finalized:
+            self._check_open()
+        if self._rank != 0:
             return
-        mine = self._row(0)
-        for rank in range(1, self.size):
-            theirs = self._row(rank)
-            self._compare_update(rank)
-            if theirs[_COUNT] != mine[_COUNT] or self._window(theirs) != self._window(mine):
+        rows = self._rows
+        mine = rows[0]
+        n = mine[_COUNT]
+        end = _FIRST + min(n, _LEDGER_SLOTS)   # the ring as far as it holds this update
+        for rank in range(1, self._size):
+            theirs = rows[rank]
+            if theirs[_UPDATE] != mine[_UPDATE]:
+                self._compare_update(rank)   # raises, naming both updates
+            if theirs[_COUNT] != n or theirs[_FIRST:end] != mine[_FIRST:end]:
                 raise self._mismatch(rank)
 
     def issued(self, rank: Optional[int] = None, first: Optional[int] = None) -> List[Issued]:
@@ -258,42 +269,40 @@ class ShmCommunicator(Communicator):
     def _issue(self, verb: str, name: str, root: int) -> None:
         """Record this collective; compare with what the control channel guarantees the
         peers recorded already (the root's ``bcast``; every non-root's ``reduce``)."""
-        self._check_open()
-        if name not in self._codes:
-            raise KeyError(f'no buffer named {name!r}; the spec has {self._names}')
-        if not 0 <= root < self.size:
-            raise ValueError(f'root {root} is not a rank in [0, {self.size})')
-        row = self._row(self.rank)
+        if self._finalized:
+            self._check_open()
+        record = self._records.get((verb, name))
+        if record is None:
+            if name not in self._codes:
+                raise KeyError(f'no buffer named {name!r}; the spec has {self._names}')
+            raise ValueError(f'unknown verb {verb!r}; the ledger records {_VERBS}')
+        size, rank = self._size, self._rank
+        if not 0 <= root < size:
+            raise ValueError(f'root {root} is not a rank in [0, {size})')
+        rows = self._rows
+        row = rows[rank]
         i = row[_COUNT]
         slot = _FIRST + i % _LEDGER_SLOTS
-        row[slot] = (_VERBS.index(verb) + 1) * (len(self._names) + 1) + self._codes[name] + 1
+        row[slot] = record
         row[_COUNT] = i + 1
-        if verb == 'bcast' and self.rank != root:
-            peers: Sequence[int] = [root]
-        elif verb == 'reduce' and self.rank == root:
-            peers = [r for r in range(self.size) if r != root]
+        if verb == 'bcast' and rank != root:
+            peers: Sequence[int] = (root,)
+        elif verb == 'reduce' and rank == root:
+            peers = [r for r in range(size) if r != root]
         else:
             return
-        for rank in peers:
-            self._compare_update(rank)
-            theirs = self._row(rank)
+        update = row[_UPDATE]
+        for peer in peers:
+            theirs = rows[peer]
+            if theirs[_UPDATE] != update:
+                self._compare_update(peer)   # raises, naming both updates
             n = theirs[_COUNT]
-            if n <= i or (n - i <= _LEDGER_SLOTS and theirs[slot] != row[slot]):
-                raise self._mismatch(rank)
+            if n <= i or (n - i <= _LEDGER_SLOTS and theirs[slot] != record):
+                raise self._mismatch(peer)
 
     def _row(self, rank: int) -> memoryview:
         self._check_open()
         return self._rows[rank]
-
-    @staticmethod
-    def _window(row: memoryview) -> List[int]:
-        """The row's recorded collectives, oldest first (the latest 64 at most)."""
-        n = row[_COUNT]
-        ring = row[_FIRST:].tolist()
-        if n <= _LEDGER_SLOTS:
-            return ring[:n]
-        start = n % _LEDGER_SLOTS
-        return ring[start:] + ring[:start]
 
     def _compare_update(self, rank: int) -> None:
         mine, theirs = self._row(self.rank), self._row(rank)
