@@ -24,7 +24,8 @@ from mgpu_updater._local import board as board_module
 from mgpu_updater._local import group as group_module
 from mgpu_updater._local import pool as pool_module
 from mgpu_updater._local.board import MAILBOX, Board, spin_for
-from mgpu_updater._local.protocol import Done, deliver, take_results
+from mgpu_updater._local.protocol import (Done, Shipment, deliver, pack_result, take_results,
+                                          unpack_result)
 from mgpu_updater._loader import EpochInfo
 from mgpu_updater._replica import WindowResult
 
@@ -78,6 +79,25 @@ def test_a_result_in_the_mailbox_is_what_the_worker_delivered_and_no_pipe_is_rea
     finally:
         worker.close()
         master.close()
+
+
+def test_a_mailbox_result_is_read_back_with_its_types():
+    """The mailbox carries a result as plain tuples (cheaper to read on the master's
+    critical path); what comes out is the named tuples and value types that went in,
+    not just equal tuples, and anything else (a Shipment under max_worker_restarts)
+    passes as it is."""
+    import numpy
+    result = WindowResult(16, numpy.float64(3.5), {'main/loss': 1.0, 'x': numpy.float32(2)},
+                          {'main/loss': 16.0, 'x': 16.0}, {'data': 1e-5},
+                          [EpochInfo(1, 1.5, 1.25, True), EpochInfo(2, 2.0, None, False)],
+                          ('main/loss',), 8, 'inline')
+    back = unpack_result(pack_result(result))
+    assert back == result and type(back) is WindowResult
+    assert [type(e) for e in back.epochs] == [EpochInfo, EpochInfo]
+    assert type(back.loss_sum) is numpy.float64 and type(back.sums['x']) is numpy.float32
+    shipment = Shipment(result, {'position': 3})
+    again = unpack_result(pack_result(shipment))
+    assert again == shipment and type(again) is Shipment and type(again.result) is WindowResult
 
 
 def test_a_result_too_large_for_the_mailbox_comes_through_the_pipe():

@@ -85,6 +85,7 @@ import weakref
 import numpy
 
 from .._flat_buffers import ModelLayouts
+from .._loader import EpochInfo
 from .._replica import Replica, WindowResult
 from .board import MAILBOX, Board, posted_total
 
@@ -291,11 +292,14 @@ def collective_order(layouts: ModelLayouts, parity: Optional[int] = None,
     ``grad0``/``grad1``). ``across_hosts``: the MPI group's form, every rank ends with the
     sums (``allreduce``) and no parameters travel (they stay equal by construction).
     """
-    memo = _ORDERS.setdefault(layouts, {})
+    memo = _ORDERS.get(layouts)   # (setdefault would make a weak reference every call)
+    if memo is None:
+        memo = _ORDERS.setdefault(layouts, {})
     key = (parity, across_hosts)
-    if key not in memo:
-        memo[key] = _declare(layouts, parity, across_hosts)
-    return memo[key]
+    order = memo.get(key)
+    if order is None:
+        order = memo[key] = _declare(layouts, parity, across_hosts)
+    return order
 
 
 #: Every update asks for its order, before and after its window, on every rank (50 us
@@ -400,7 +404,7 @@ def take_results(workers: Workers, board: Board,
         if data is None:
             by_pipe.append(rank)
         else:
-            out[rank] = pickle.loads(data)
+            out[rank] = unpack_result(data)
     if by_pipe:
         out.update(workers.gather(Done.KIND, ranks=by_pipe))
     if unwrap is not None:
@@ -582,7 +586,7 @@ def deliver(board: Board, result: Any, done: Callable[[Any], None],
     Done through the pipe), which the mailbox then announces. The master takes it with
     :func:`take_results`. ``ahead``: before the post, as the result of the round posted
     next (the Done, where it goes by the pipe, sent before the mailbox says so)."""
-    data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    data = pack_result(result)
     if ahead:
         if len(data) > MAILBOX:
             done(result)
@@ -590,3 +594,31 @@ def deliver(board: Board, result: Any, done: Callable[[Any], None],
         return
     if not board.post_result(data):
         done(result)
+
+
+def pack_result(result: Any) -> bytes:
+    """What a worker puts in its mailbox (:func:`deliver`): a :class:`WindowResult` as a
+    plain tuple, its epochs (:class:`EpochInfo`) as tuples, pickled; anything else (a
+    :class:`Shipment`) pickled as it is. :func:`unpack_result` reads it. It is unpickled
+    on the master's critical path, with its caches cold after the step, where looking up
+    the named tuples' classes and calling their constructors took about 4 of its 10 us
+    (two warm replicas of ``bench/overhead.py``'s MLP)."""
+    if type(result) is WindowResult:
+        fields = list(result)
+        fields[_EPOCHS] = [tuple(e) if type(e) is EpochInfo else e for e in result.epochs]
+        result = tuple(fields)
+    return pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_result(data: bytes) -> Any:
+    """What :func:`pack_result` packed, as it was."""
+    value = pickle.loads(data)
+    if type(value) is not tuple:
+        return value
+    fields = list(value)
+    fields[_EPOCHS] = [EpochInfo._make(e) if type(e) is tuple else e
+                       for e in fields[_EPOCHS]]
+    return WindowResult._make(fields)
+
+
+_EPOCHS = WindowResult._fields.index('epochs')
