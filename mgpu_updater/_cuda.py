@@ -124,8 +124,11 @@ def using_device(device_id: Optional[int]) -> ContextManager[Any]:
     """CUDA device ``device_id`` current inside the ``with`` block (CuPy's ``Device``);
     nothing for ``None`` (buffers on the host)."""
     if device_id is None:
-        return contextlib.nullcontext()
+        return _ON_HOST
     return import_cupy().cuda.Device(device_id)
+
+
+_ON_HOST = contextlib.nullcontext()   # reusable, and used twice in every update of CPU replicas
 
 
 def wait_event(event: Any, *, timeout: Optional[float] = None,

@@ -198,6 +198,8 @@ class ModelIndex:
 
     def persistent_scalars(self) -> Dict[str, Any]:
         """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
+        if not self.persistents:   # (the master's every update, for the Step)
+            return {}
         types = chainer.get_array_types()
         return {key: value for key, value in self.named_persistents()
                 if not isinstance(value, types)}

@@ -423,22 +423,24 @@ class SlotParams:
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
         self.params, self.views = slot_views(comm, layouts, model)
+        self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
+        self._every = frozenset(self.views)
 
     def bind(self) -> FrozenSet[str]:
         """The parameters whose arrays are their slices now (binding any that were
-        replaced, after copying their values in)."""
-        bound = []
-        for name, view in self.views.items():
-            param = self.params[name]
+        replaced, after copying their values in). (Every update: where all are bound
+        already, as after every step of the usual optimizers, it makes no new object.)"""
+        unbound = None
+        for name, param, view in self._pairs:
             array = param.array
             if array is not view:
                 if not (isinstance(array, numpy.ndarray) and array.dtype == view.dtype
                         and array.shape == view.shape):
+                    unbound = (unbound or []) + [name]
                     continue
                 view[...] = array
                 param.array = view
-            bound.append(name)
-        return frozenset(bound)
+        return self._every if unbound is None else self._every.difference(unbound)
 
     def detach(self) -> None:
         """Parameters that are still views of the slot become copies."""
