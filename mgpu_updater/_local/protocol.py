@@ -258,17 +258,31 @@ class Decoder:
 
 
 _PLAIN = (str, bytes, int, bool, type(None))
+#: immutable values that one object pickles alike every time (a float's bits included)
+_ATOMS = frozenset(_PLAIN + (float,))
 
 
 def same_pickle(a: Any, b: Any) -> bool:
     """Whether ``a`` and ``b`` would unpickle as the same values: the same types all the
     way down (tuples, named tuples and dicts of plain values: str, bytes, int, bool,
-    float, None) and equal values, zeros of the same sign. Anything else (an array, a NaN)
-    counts as different, so that it is pickled anew."""
-    if type(a) is not type(b):
+    float, None) and equal values, zeros of the same sign. Anything else (an array, two
+    NaN objects) counts as different, so that it is pickled anew. (Every update's Step is
+    compared with the last before the workers start: one object, or two empty dicts,
+    answer at once.)"""
+    kind = type(a)
+    if kind is not type(b):
         return False
+    if a is b and kind in _ATOMS:
+        return True
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(map(same_pickle, a, b))
+        if len(a) != len(b):
+            return False
+        for x, y in zip(a, b):
+            if not (x is y and type(x) in _ATOMS) and not same_pickle(x, y):
+                return False
+        return True
+    if kind is dict and not a and not b:
+        return True
     if isinstance(a, dict):
         return len(a) == len(b) and all(same_pickle(ka, kb) and same_pickle(a[ka], b[kb])
                                         for ka, kb in zip(a, b))
