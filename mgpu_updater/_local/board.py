@@ -88,6 +88,7 @@ class Board:
         self._header = size * _WORDS                # the header word's index
         self._mail = (self._header + 1) * 8        # the first mailbox's first byte
         self._round = 0    # this rank's posts so far
+        self._round_words = tuple(r * _WORDS + _ROUND for r in range(size))
         #: seconds a waiter spins before it sleeps (:func:`spin_for`, set by the master)
         self.spin = self._ints[self._header + _SPIN_WORD] * 1e-9
 
@@ -140,7 +141,7 @@ class Board:
 
     def wait(self, check: Callable[[], None]) -> None:
         """Wait until every rank has posted this rank's latest round (see :meth:`meet`)."""
-        self._wait_for([r * _WORDS + _ROUND for r in range(self.size)], check)
+        self._wait_for(self._round_words, check)
 
     def post_result(self, data: Optional[bytes], ahead: bool = False) -> bool:
         """After this rank's post: put ``data`` (its pickled window result) in its mailbox
@@ -163,7 +164,7 @@ class Board:
         :meth:`post_result`; ``check`` as in :meth:`meet`); its bytes, or None where it
         goes through the pipe."""
         at = rank * _WORDS
-        self._wait_for([at + _RESULT], check)
+        self._wait_for((at + _RESULT,), check)
         length = self._ints[at + _LENGTH]
         if length < 0:
             return None
@@ -173,7 +174,10 @@ class Board:
     def _wait_for(self, words: Sequence[int], check: Callable[[], None]) -> None:
         """Wait until every one of ``words`` holds this rank's latest round."""
         ints, target, spin = self._ints, self._round, self.spin
-        if all(ints[i] >= target for i in words):
+        for i in words:   # (every update, several times: a loop, not a generator)
+            if ints[i] < target:
+                break
+        else:
             return
         start = time.perf_counter()
         next_check = start + CHECK_EVERY
