@@ -631,15 +631,23 @@ def combine(results: List[WindowResult]) -> Dict[str, Any]:
         summed_keys, weights_of = r.summed, r.weights
         return {key: value if key in summed_keys else value / weights_of[key]
                 for key, value in r.sums.items() if weights_of[key] > 0}
-    sums: Dict[str, Any] = {}
-    weights: Dict[str, float] = {}
-    summed = {key for r in results for key in r.summed}
-    for r in results:
+    first = results[0]
+    sums: Dict[str, Any] = {key: 0.0 + value for key, value in first.sums.items()}
+    weights: Dict[str, float] = {key: 0.0 + first.weights[key] for key in sums}
+    summed = set(first.summed)
+    for r in results[1:]:   # (each update of several replicas, on the master)
+        if r.summed:
+            summed.update(r.summed)
+        their_weights = r.weights
         for key, value in r.sums.items():
-            sums[key] = sums.get(key, 0.0) + value
-            weights[key] = weights.get(key, 0.0) + r.weights[key]
-    return {key: sums[key] if key in summed else sums[key] / weights[key]
-            for key in sums if weights[key] > 0}
+            if key in sums:   # (not +=: that would write into an array in place)
+                sums[key] = sums[key] + value
+                weights[key] = weights[key] + their_weights[key]
+            else:
+                sums[key] = 0.0 + value
+                weights[key] = 0.0 + their_weights[key]
+    return {key: value if key in summed else value / weights[key]
+            for key, value in sums.items() if weights[key] > 0}
 
 
 class AggregatedOverUpdate(chainer.FunctionNode):

@@ -250,3 +250,33 @@ def test_bad_reduction_is_refused_at_construction(name, value, shown):
                                          r"pass 'mean' .*'sum'"):
         ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model), devices=['@numpy'],
                                     **{name: value})
+
+
+def test_combine_weights_every_key_by_the_samples_that_reported_it():
+    """The master's combining of the replicas' reported values: each key's sums over
+    every replica that reported it, divided by the samples that did (a key one replica
+    did not report, a key with no samples), and summed where a replica marked it so,
+    added up in rank order as a plain sum would (bitwise)."""
+    import itertools
+    from mgpu_updater._replica import WindowResult, combine
+
+    def result(sums, weights, summed=()):
+        return WindowResult(8, 0.0, sums, weights, {}, [], tuple(summed))
+
+    results = [
+        result({'main/loss': 0.1, 'main/acc': 0.7, 'only0': 3.0, 'never': 0.0},
+               {'main/loss': 8.0, 'main/acc': 8.0, 'only0': 2.0, 'never': 0.0},
+               summed=('main/loss',)),
+        result({'main/loss': 0.2, 'main/acc': 0.3, 'only1': 5.0},
+               {'main/loss': 8.0, 'main/acc': 4.0, 'only1': 4.0}),
+        result({'main/loss': 1e-17, 'main/acc': 0.1},
+               {'main/loss': 8.0, 'main/acc': 8.0}, summed=('main/loss',)),
+    ]
+    out = combine(results)
+    assert out == {'main/loss': (0.0 + 0.1 + 0.2) + 1e-17,
+                   'main/acc': ((0.0 + 0.7) + 0.3 + 0.1) / (8.0 + 4.0 + 8.0),
+                   'only0': 3.0 / 2.0, 'only1': 5.0 / 4.0}
+    for order in itertools.permutations(results[1:]):
+        assert set(combine([results[0], *order])) == set(out)
+    assert combine(results[:1]) == {'main/loss': 0.1, 'main/acc': 0.7 / 8.0,
+                                    'only0': 3.0 / 2.0}
