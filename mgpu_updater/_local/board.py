@@ -240,4 +240,7 @@ def spin_for(ranks_on_host: int, cores: int) -> float:
 def posted_total(posted: List[Tuple[int, float]]) -> Tuple[int, float]:
     """The update's sample count and mean loss from every rank's post, in rank order
     (what every rank computes alike, as :func:`mgpu_updater._replica.mean_loss`)."""
-    return sum(c for c, _ in posted), mean_loss(posted)
+    count = 0
+    for samples, _ in posted:
+        count += samples
+    return count, mean_loss(posted)
