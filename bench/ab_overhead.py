@@ -29,7 +29,8 @@ Both updaters read the same batches; ``same_weights`` says whether they ended wi
 the same weights, bitwise. A change meant to keep the numbers must keep it True; where
 it is False the two did different work, and the times compare that work too.
 
-Writes ``ab_overhead.json`` and ``ab_overhead.md`` into ``--out``.
+Writes ``ab_overhead.json`` and ``ab_overhead.md`` into ``--out`` (with two replicas,
+``ab_overhead_2_replicas.json`` and ``.md``, so that one folder keeps both).
 """
 import argparse
 import importlib.util
@@ -250,8 +251,9 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / 'ab_overhead.json').write_text(json.dumps(result, indent=1))
-        (out / 'ab_overhead.md').write_text(table)
+        stem = 'ab_overhead' if args.replicas == 1 else f'ab_overhead_{args.replicas}_replicas'
+        (out / f'{stem}.json').write_text(json.dumps(result, indent=1))
+        (out / f'{stem}.md').write_text(table)
 
 
 if __name__ == '__main__':

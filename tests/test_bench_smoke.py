@@ -649,14 +649,15 @@ def test_ab_overhead_compares_two_replicas_whose_workers_run_the_baseline(tmp_pa
            '--warmup', '2', '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / 'ab_overhead.json').read_text())
+    assert not (tmp_path / 'ab_overhead.json').exists()   # a one-replica run's name
+    result = json.loads((tmp_path / 'ab_overhead_2_replicas.json').read_text())
     assert (result['replicas'], result['ks'], result['block']) == (2, [1], 5)
     row, = result['results']
     assert row['same_weights'] is True
     assert all(len(modes) == 2 for modes in row['loading'].values())
     for r in row['ratios'].values():
         assert len(r['ratios']) == 3
-    assert '--replicas 2' in (tmp_path / 'ab_overhead.md').read_text()
+    assert '--replicas 2' in (tmp_path / 'ab_overhead_2_replicas.md').read_text()
 
 
 def test_ab_overhead_refuses_a_baseline_that_is_no_checkout(tmp_path):
