@@ -8,7 +8,7 @@ speed drifts by 20-50% from one stretch to the next its rounds spread by 30% and
 ``timeline.py`` alternates blocks of 20 updates and still reads the same forward/backward
 from 50 to 90 ms between neighbouring blocks. Here every method's processes start once and
 stay alive, and the methods take turns a few updates at a time (``--block``, below), the
-order rotating each round, so that a slow stretch weighs on all of them alike, as
+order shuffled each round (seeded), so that a slow stretch weighs on all of them alike, as
 ``paired.py`` does for one replica:
 
 - **ours**: ``ParallelAccumulatingUpdater`` on two ``'@numpy'`` replicas, ``k``
@@ -83,6 +83,7 @@ Prints a Markdown table; with ``--out`` writes ``paired_replicas.json`` and
 """
 import argparse
 import os
+import random
 import signal
 import socket
 import statistics
@@ -95,7 +96,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/6'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/7'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -431,9 +432,10 @@ def measure(k, args, ranks):
     for name in list(ours) + ['limit', 'limit_same']:
         times['window:' + name], times['outside:' + name] = [], []
     try:
+        order, shuffle = list(methods), random.Random(0).shuffle
         for i in range(args.warmup + rounds):
-            shift = i % len(methods)   # each method first and last in turn
-            for name, turn in methods[shift:] + methods[:shift]:
+            shuffle(order)   # (rotated until paired_replicas/7: each after the same other)
+            for name, turn in order:
                 seconds = turn()
                 if i >= args.warmup:
                     for key, value in (seconds.items() if isinstance(seconds, dict)
@@ -473,7 +475,7 @@ def markdown(result):
              '`{}`'.format(result['command']), '',
              'Model `{}`, micro-batch {} per replica, two CPU replicas (one BLAS thread each, '
              'the same malloc thresholds); every process alive throughout, the methods '
-             'taking turns {} update(s) at a time ({}), the order rotating each '
+             'taking turns {} update(s) at a time ({}), the order shuffled each '
              'round. Ratio = the '
              'first\'s time / the second\'s in the same round (above 1: the first is '
              'slower), its median with a 95% bootstrap interval over the rounds; the limit '

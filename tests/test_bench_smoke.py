@@ -245,7 +245,7 @@ def test_paired_bench_writes_one_row_per_k(tmp_path):
     _run_bench('paired.py', '--model', 'tiny', '--ks', '1,2', '--pairs', '3', '--warmup', '1',
                '--out', str(tmp_path), timeout=120)
     result = json.loads((tmp_path / 'paired.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired/4'
+    assert result['schema'] == 'mgpu_updater.bench.paired/5'
     assert [r['k'] for r in result['rows']] == [1, 2]
     assert 'standard' in result['rows'][0] and 'standard' not in result['rows'][1]
     for ratio in result['rows'] + [result['rows'][0]['standard']]:
@@ -454,7 +454,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, bl
                '--rounds', '3', '--warmup', '1', '--block', str(block), '--out', str(tmp_path),
                *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/6'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/7'
     assert result['block'] == block
     assert result['first_kwargs'] == ({'prefetch': 2} if compare else {})
     assert [r['k'] for r in result['rows']] == [1, 2]
