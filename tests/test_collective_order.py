@@ -179,6 +179,20 @@ def test_shm_an_extra_trailing_collective_is_caught_when_rank_0_ends_the_update(
         _one_update(root, other, ORDER, ORDER + [('reduce', 'stat/<f4')])
 
 
+def test_shm_the_same_count_of_other_collectives_is_caught_when_rank_0_ends_the_update(
+        two_ranks):
+    """A difference no verb compares (the root's bcast against a worker's reduce at one
+    position, the counts equal) is found by end_update's comparison of the update's
+    ring, also once the ring has wrapped."""
+    root, other = two_ranks
+    for n in (1, 70):
+        with pytest.raises(CollectiveOrderError, match=r"collective #%d is \('bcast', "
+                           r"'param/<f4'\) on rank 0 but \('reduce', 'grad/<f4'\) on rank 1"
+                           % (n - 1)):
+            _one_update(root, other, [('bcast', 'param/<f4')] * n,
+                        [('bcast', 'param/<f4')] * (n - 1) + [('reduce', 'grad/<f4')])
+
+
 def test_shm_a_rank_that_skipped_begin_update_is_named(two_ranks):
     root, other = two_ranks
     _one_update(root, other, ORDER, ORDER)
