@@ -6,8 +6,8 @@ Chainer's ``StandardUpdater``) in one process.
 On a machine whose speed drifts (a VM: the same code read 443 and 546 samples/s in two
 fresh processes of one ``scaling.py`` run), separate runs cannot resolve a few percent.
 Here they run in one process, alternating update by update (the order shuffled each
-round, seeded), so the drift weighs on all alike; each round gives ratio = ours' time / the loop's
-time (above 1: ours is slower). Ours runs on one CPU replica (``'@numpy'``) with
+round, seeded), so the drift weighs on all alike; each round gives ratio = ours' time /
+the loop's time (above 1: ours is slower). Ours runs on one CPU replica (``'@numpy'``) with
 ``accumulate_steps=k`` and micro-batches of b; the loop is ``bench._case``'s (k
 micro-batches of b, one optimizer step). At k=1 ``StandardUpdater`` (batches of b, as a
 Chainer script has it) is a third, the order shuffled among the three, and its ratio is
@@ -60,6 +60,7 @@ from mgpu_updater import ParallelAccumulatingUpdater  # noqa: E402
 
 SCHEMA = 'mgpu_updater.bench.paired/5'
 ORDER_SEED = 0   # every method's iterator shuffles with this seed: the same batches
+TURN_SEED = 0    # the order of the methods' turns, shuffled anew each round
 GOAL = 1.02   # issue 15: one replica within 2%
 
 
@@ -158,7 +159,7 @@ def measure(k, args):
     times = {name: [] for name, _ in methods}
     forwards = {name: [] for name, _ in methods}
     try:
-        order, shuffle = list(methods), random.Random(ORDER_SEED).shuffle
+        order, shuffle = list(methods), random.Random(TURN_SEED).shuffle
         for i in range(args.warmup + pairs):
             shuffle(order)   # (rotated until paired/5: each method after the same other)
             for name, step in order:
@@ -197,8 +198,9 @@ def markdown(result):
              'k=1', '',
              '`{}`'.format(result['command']), '',
              'Model `{}`, micro-batch {}, one process, updates alternating (the order '
-             'shuffled each round), every method reading the same samples in the same order; ratio = '
-             'ours\' time / the other\'s time in the same round (above 1: ours is slower); '
+             'shuffled each round), every method reading the same samples in the same '
+             'order; ratio = ours\' time / the other\'s time in the same round (above 1: '
+             'ours is slower); '
              '"weights apart": the largest difference between ours\' and its weights at the '
              'end (0: the same work, bitwise); the ratio\'s median with a 95% bootstrap '
              'interval; issue 15\'s goal holds where the interval is at or below {}. '
