@@ -57,6 +57,7 @@ class LateCheck:
         self._value: Any = None     # pinned host view (GPU) or a copy (CPU), 0-dim
         self._event: Any = None     # after the copy (GPU)
         self._pinned: Any = None    # the pinned memory, reused
+        self._marker: Any = None    # the event, reused: recorded anew at each start
 
     @property
     def pending(self) -> bool:
@@ -68,18 +69,20 @@ class LateCheck:
         if self._update is not None:
             raise RuntimeError(f'the loss of update {self._update} was not checked yet')
         if not isinstance(loss, _cuda_ndarray()):   # on the host already
-            self._value = numpy.array(loss, dtype=numpy.float64)
+            self._value = numpy.array(loss, dtype=numpy.float64).reshape(())
         else:
+            # what runs here runs every update on the host of a lone GPU master: the
+            # pinned memory and the event are made once (the last copy was waited for)
             cupy = _cuda.import_cupy()
             with cupy.cuda.Device(loss.device.id):
                 if self._pinned is None:
                     self._pinned = cupy.cuda.alloc_pinned_memory(8)
+                    self._marker = cupy.cuda.Event(disable_timing=True)
                 host = numpy.ndarray((), loss.dtype, buffer=self._pinned)
                 stream = cupy.cuda.get_current_stream()
                 loss.reshape(()).get(stream=stream, out=host, blocking=False)
-                event = cupy.cuda.Event(disable_timing=True)
-                event.record(stream)
-            self._value, self._event = host, event
+                self._marker.record(stream)
+            self._value, self._event = host, self._marker
         self._update = update
 
     def take(self) -> Optional[Tuple[int, float]]:

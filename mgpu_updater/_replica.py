@@ -35,10 +35,11 @@ class WindowResult(NamedTuple):
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
 
 
-#: what :meth:`Replica.direct_window` returns: samples, the loss (a float; a 0-dim array
-#: when ``read_values`` is False), the epoch after the batch (an :class:`EpochInfo`, or
-#: the iterator itself under ``live_epoch``; None without samples), and the seconds of
-#: loading and of forward and backward
+#: what :meth:`Replica.direct_window` returns: samples, the loss (a float; when
+#: ``read_values`` is False the array the loss Variable holds, one element of its dtype,
+#: where it is: no cast, which on a GPU is a kernel launch an update), the epoch after
+#: the batch (an :class:`EpochInfo`, or the iterator itself under ``live_epoch``; None
+#: without samples), and the seconds of loading and of forward and backward
 DirectWindow = Tuple[int, Any, Any, float, float]
 
 
@@ -408,6 +409,8 @@ class Replica:
         if not size:
             return WindowResult(0, 0.0, {}, {}, {'data': data, 'compute': 0.0}, [],
                                 loading=mode)
+        if not self.read_values:   # summed as every window's values are (float16 overflows)
+            value = keep_on_device([value])[0]
         return WindowResult(size, value * size, {}, {}, {'data': data, 'compute': compute},
                             [epoch], (), size, loading=mode)
 
@@ -454,11 +457,12 @@ class Replica:
         del loss
         if not self._gradients_checked:
             self._check_gradients()
-        if type(loss_array) is numpy.ndarray and self.read_values:
+        if not self.read_values:
+            value = loss_array   # as it is: only the step's late check looks at it
+        elif type(loss_array) is numpy.ndarray:
             value = float(loss_array.item())   # the CPU's case: read_on_host's, inline
         else:
-            value = (read_on_host([loss_array]) if self.read_values
-                     else keep_on_device([loss_array]))[0]
+            value = read_on_host([loss_array])[0]
         return size, value, batch.epoch, loaded - start, clock() - loaded
 
     def _halved(self, window: '_Window', exc: MemoryError) -> Chunking:

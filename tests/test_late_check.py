@@ -45,17 +45,21 @@ def late(monkeypatch):
     monkeypatch.setattr(_late_check, 'defers', lambda device: True)
 
 
-def nan_at_update_2(n_replicas, **kwargs):
-    # accumulate_steps=2: the third forward is update 2's first micro-batch
+def nan_at_update_2(n_replicas, accumulate_steps=2, **kwargs):
+    # update 2's first micro-batch: the third forward at accumulate_steps=2, the second at 1
     replica = 1 if n_replicas > 1 else 0
-    return faulty.build(n_replicas, faulty.Fault('forward', 'nan', replica=replica, at=3),
-                        prefetch=0, **kwargs)
+    at = accumulate_steps + 1
+    return faulty.build(n_replicas, faulty.Fault('forward', 'nan', replica=replica, at=at),
+                        prefetch=0, accumulate_steps=accumulate_steps, **kwargs)
 
 
-def test_the_next_update_raises_naming_the_update_whose_step_was_applied(late):
-    updater = nan_at_update_2(1)
+@pytest.mark.parametrize('k', [1, 2])
+def test_the_next_update_raises_naming_the_update_whose_step_was_applied(late, k):
+    """At k=1 the update is StandardUpdater's (``_update_direct``); at 2 the window's."""
+    updater = nan_at_update_2(1, accumulate_steps=k)
     try:
         updater.update()
+        assert updater._direct == (k == 1)
         before = params(updater)
         with numpy.errstate(invalid='ignore'):
             updater.update()   # the NaN update returns: its loss is on its way
@@ -97,15 +101,18 @@ def test_with_other_replicas_the_check_stays_before_the_step(late):
 
 
 @pytest.mark.parametrize('pipelined', [False, True])
-def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch, pipelined):
+@pytest.mark.parametrize('k', [1, 2])
+def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch, pipelined, k):
     """Nothing changes for finite losses: the same parameters and reports as the check
     before the step, update by update (pipelined: the step of the update before, its
-    loss then the one on its way)."""
+    loss then the one on its way; k=1: one whole micro-batch, the loss handed to the
+    check as the loss Variable holds it)."""
     runs = {}
     for deferred in (True, False):
         monkeypatch.setattr(_late_check, 'defers', lambda device, d=deferred: d)
         numpy.random.seed(0)   # the model's initial weights
-        updater = faulty.build(1, prefetch=0, own_orders=True, pipelined=pipelined)
+        updater = faulty.build(1, prefetch=0, own_orders=True, pipelined=pipelined,
+                               accumulate_steps=k)
         model = updater.get_optimizer('main').target
         reporter = chainer.Reporter()
         reporter.add_observer('main', model)
@@ -115,7 +122,8 @@ def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch, pip
                 observation = {}
                 with reporter.scope(observation):
                     updater.update()
-                seen.append((float(observation['main/loss']), params(updater)))
+                loss = observation['main/loss']   # k=1: the Variable, as reported
+                seen.append((float(getattr(loss, 'array', loss)), params(updater)))
             assert updater._late.pending == deferred
         finally:
             updater.finalize()
@@ -123,6 +131,26 @@ def test_finite_losses_train_as_when_read_before_the_step(late, monkeypatch, pip
     for (loss_a, params_a), (loss_b, params_b) in zip(runs[True], runs[False]):
         assert loss_a == loss_b
         assert all(numpy.array_equal(params_a[k], params_b[k]) for k in params_a)
+
+
+@pytest.mark.parametrize('pipelined', [False, True])
+def test_a_lone_master_hands_its_loss_to_the_check_as_it_is(late, monkeypatch, pipelined):
+    """At k=1 the loss goes to the check as the loss Variable holds it: on a GPU a cast
+    (``keep_on_device``) is a kernel launched on the host every update, for nothing. The
+    pipelined step still sums it as every window's values are, in float64."""
+    from mgpu_updater import _replica
+    casts = []
+    real = _replica.keep_on_device
+    monkeypatch.setattr(_replica, 'keep_on_device',
+                        lambda values: casts.append(len(values)) or real(values))
+    updater = faulty.build(1, prefetch=0, accumulate_steps=1, pipelined=pipelined)
+    try:
+        for _ in range(3):
+            updater.update()
+        assert updater._late.pending
+    finally:
+        updater.finalize()
+    assert casts == ([1, 1, 1] if pipelined else [])
 
 
 def test_a_snapshot_is_not_taken_over_an_unchecked_nan_step(late):
@@ -231,6 +259,35 @@ def test_the_copy_goes_to_pinned_memory_on_the_stream_and_is_waited_for_when_tak
     with fake.cuda.Device(0):
         check.start(8, fake.zeros((), numpy.float64))
     assert check.take() is None   # finite
+
+
+@pytest.mark.parametrize('dtype,shape', [(numpy.float32, ()), (numpy.float16, (1,)),
+                                         (numpy.float64, ())])
+def test_every_update_reuses_one_pinned_buffer_and_one_event(monkeypatch, dtype, shape):
+    """What runs every update on the host of a lone GPU master makes nothing new: the
+    loss is copied as the loss Variable holds it (its dtype, one element: no cast
+    kernel), into the same pinned memory, with the same event recorded after it; each
+    update's value is the one taken, a NaN named with its update."""
+    fake = _fakecupy.install(monkeypatch)
+    monkeypatch.setattr(chainer.backends.cuda, 'ndarray', fake.FakeArray)
+    check = _late_check.LateCheck()
+    losses = [dtype(1.5), dtype(-2.25), dtype('nan'), dtype(0.125)]
+    found = []
+    with fake.cuda.Device(0):
+        for update, value in enumerate(losses, 1):
+            loss = fake.zeros(shape, dtype)
+            loss[...] = value
+            del fake.log[:]
+            check.start(update, loss)
+            assert [entry[0] for entry in fake.log] == ['d2h', 'record']
+            events = {id(entry[2]) for entry in fake.log if entry[0] == 'record'}
+            if update == 1:
+                first_event = events
+            assert events == first_event
+            found.append(check.take())
+    assert len(fake.pinned) == 1
+    assert found[:2] == [None, None] and found[3] is None
+    assert found[2][0] == 3 and numpy.isnan(found[2][1])
 
 
 def test_a_copy_that_never_finishes_is_an_error_not_a_hang(monkeypatch):
