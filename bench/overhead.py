@@ -393,8 +393,8 @@ def main(argv=None):
     p.add_argument('--trial-updates', type=int, default=150,
                    help="ours' first updates, run alone before the rounds (default 150: "
                         "prefetch='auto' decides within them)")
-    p.add_argument('--warm-rounds', type=int, default=60,
-                   help='rounds of ours_n2 and standard alone in long turns (default 60; '
+    p.add_argument('--warm-rounds', type=int, default=200,
+                   help='rounds of ours_n2 and standard alone in long turns (default 200; '
                         '0: none)')
     p.add_argument('--warm-block', type=int, default=60,
                    help='updates per turn there (default 60)')
