@@ -23,7 +23,12 @@ reference's batch, so that a change to the protocol between the master and its w
 measured too (the workers import the baseline under its other name: this script, which
 spawn imports again in each worker, imports it there first). Two replicas take turns of
 ``--block`` 60 updates, the first 10 untimed, as ``bench/overhead.py``'s warm row: a worker
-in training is never idle for long.
+in training is never idle for long. The two updaters' workers share a core, so a change to
+how an idle worker waits is not measured fairly here: a worker that looked for its next
+Step every millisecond for 0.1 s before blocking read 0.934 of the time in turns of 60,
+and ``bench/overhead.py``, where no second worker computes beside it, read it the same
+as blocking (1.42-1.45 against 1.32-1.50 in turns of 3, 1.231-1.234 against
+1.243-1.258 warm): its looks slowed the baseline's worker during the baseline's turns.
 
 Both updaters read the same batches; ``same_weights`` says whether they ended with
 the same weights, bitwise. A change meant to keep the numbers must keep it True; where
