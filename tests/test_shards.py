@@ -45,11 +45,12 @@ def test_a_shard_indexes_exactly_as_the_sub_dataset_it_is():
     shard = Shard(data, 8, 16, order=order)
     reference = chainer.datasets.SubDataset(data, 8, 16, order=order)
     assert isinstance(shard, chainer.datasets.SubDataset) and len(shard) == len(reference)
-    for i in list(range(-8, 8)) + [np.int64(3), np.int32(-2)]:
+    for i in list(range(-8, 8)) + [np.int64(3), np.int32(-2), np.intp(-8), np.int16(5),
+                                   np.uint8(7), True, False]:
         _same(shard[i], reference[i])
     for index in (slice(1, 6, 2), [0, 7, -1], np.array([5, 2])):
         _same(shard[index], reference[index])
-    for bad in (8, -9, np.int64(100)):
+    for bad in (8, -9, np.int64(100), np.int32(-9), np.uint16(8)):
         with pytest.raises(IndexError):
             reference[bad]
         with pytest.raises(IndexError):
