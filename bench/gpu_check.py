@@ -578,7 +578,7 @@ def bench_child(args: argparse.Namespace) -> int:
         import numpy
         import chainer
         from chainer.datasets import TupleDataset
-        from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+        from mgpu_updater import ParallelAccumulatingUpdater
         make_model, model_source = _model_factory()
         device = '@numpy' if args.dry_run else '@cupy:0'
         sync = _synchronizer(device)
@@ -590,6 +590,7 @@ def bench_child(args: argparse.Namespace) -> int:
                         'timed_seconds': seconds, 'warmup_updates': 3 if args.dry_run else 10,
                         'ours_warmup_until_decided_at_most': 3 if args.dry_run else MAX_WARMUP,
                         'model': model_source, 'optimizer': 'MomentumSGD(lr=0.01)',
+                        'iterator': 'SerialIterator(shuffle=True), every method',
                         'chainer': chainer.__version__}})
     except BaseException as e:
         emit({'error': f'set-up failed: {type(e).__name__}: {e}',
@@ -610,9 +611,11 @@ def bench_child(args: argparse.Namespace) -> int:
             from bench._case import _hand_step
             it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
             return _HandUpdater(_hand_step(model, optimizer, it, acc, device))
-        its = shard_iterators(data, 1, args.batch // acc, seed=0, shuffle=True)
-        # the defaults, as users run it (prefetch='auto': timed once its trial decided)
-        return ParallelAccumulatingUpdater(its, optimizer, devices=[device],
+        # the iterator StandardUpdater and the hand loop read, and the defaults, as a
+        # script that changes only its updater line runs it (prefetch='auto': timed once
+        # its trial decided)
+        it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
+        return ParallelAccumulatingUpdater(it, optimizer, devices=[device],
                                            accumulate_steps=acc)
 
     configs = ['standard', 'ours_acc1', 'hand_acc4', 'ours_acc4']

@@ -20,11 +20,15 @@ micro-batches of batch/k:
   ``ours_1_skip`` with ``nonfinite='skip'`` (the loss read before the step, once per
   update).
 
-Every update runs inside a reporter scope, as under a Trainer. Each config warms up for
-10 updates, and ours until ``prefetch='auto'`` has decided (at most 300): the defaults
-are timed as they train, not during their trial (``warmup`` in the JSON: the updates and
-the loading modes). Then it profiles (cProfile,
-host time; on Python 3.12 every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
+Every method reads the same kind of iterator, ``SerialIterator(dataset, batch/k,
+shuffle=True)``, as a script that changes only its updater line does (up to
+``gpu_overhead/1`` ours read ``shard_iterators(dataset, n=1, ...)``, whose shard adds
+its own lookup per sample: 7-11% of loading a batch of 256 on a CPU, charged to the
+updater here). Every update runs inside a reporter scope, as under a Trainer. Each config
+warms up for 10 updates, and ours until ``prefetch='auto'`` has decided (at most 300):
+the defaults are timed as they train, not during their trial (``warmup`` in the JSON: the
+updates and the loading modes). Then it profiles (cProfile, host time; on Python 3.12
+every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
 writes their top functions.
 Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out`` (with
 ``--profile-in-json``, each profile's text goes into the JSON's ``profiles`` instead: fewer
@@ -48,7 +52,7 @@ from bench._case import _hand_step  # noqa: E402
 
 import chainer  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.gpu_overhead/1'
+SCHEMA = 'mgpu_updater.bench.gpu_overhead/2'   # /2: ours reads a SerialIterator too
 MAX_WARMUP = 300   # warm-up updates at most, waiting for prefetch='auto' to decide
 
 
@@ -129,11 +133,9 @@ def main(argv=None):
                     inner()
                     float(model.loss.array)   # one host read of the last loss
         else:
-            from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+            from mgpu_updater import ParallelAccumulatingUpdater
             optimizer = _common.make_optimizer(model)
-            its = shard_iterators(dataset, n=1, batch_size=b,
-                                  iterator_class=chainer.iterators.SerialIterator,
-                                  seed=0, shuffle=True)
+            its = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
             kwargs = {'prefetch': 0} if config.endswith('_prefetch0') else {}
             if config.endswith('_ignore'):
                 kwargs['nonfinite'] = 'ignore'

@@ -340,7 +340,7 @@ def test_gpu_overhead_bench_dry_run_writes_every_config(tmp_path):
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'gpu_overhead.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.gpu_overhead/1'
+    assert result['schema'] == 'mgpu_updater.bench.gpu_overhead/2'
     assert result['device'] == '@numpy' and result['errors'] == []
     expected = ['standard_1'] + [f'{name}_{k}{suffix}' for k in (1, 2)
                                  for name, suffix in (('hand', ''), ('hand', '_read'),
