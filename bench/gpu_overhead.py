@@ -23,13 +23,13 @@ micro-batches of batch/k:
 Every method reads the same kind of iterator, ``SerialIterator(dataset, batch/k,
 shuffle=True)``, as a script that changes only its updater line does (up to
 ``gpu_overhead/1`` ours read ``shard_iterators(dataset, n=1, ...)``, whose shard adds
-its own lookup per sample: 7-11% of loading a batch of 256 on a CPU, charged to the
-updater here). Every update runs inside a reporter scope, as under a Trainer. Each config
-warms up for 10 updates, and ours until ``prefetch='auto'`` has decided (at most 300):
-the defaults are timed as they train, not during their trial (``warmup`` in the JSON: the
-updates and the loading modes). Then it profiles (cProfile, host time; on Python 3.12
-every thread) the configs of ``--profile``, 300 updates each (``--profile-updates``), and
-writes their top functions.
+its own lookup per sample: 5-7% of loading a batch of 256 on a CPU, 11% before
+``2644bcd``, charged to the updater here). Every update runs inside a reporter scope, as
+under a Trainer. Each config warms up for 10 updates, and ours until ``prefetch='auto'``
+has decided (at most 300): the defaults are timed as they train, not during their trial
+(``warmup`` in the JSON: the updates and the loading modes). Then it profiles
+(cProfile, host time; on Python 3.12 every thread) the configs of ``--profile``, 300
+updates each (``--profile-updates``), and writes their top functions.
 Writes gpu_overhead.json, gpu_overhead.md and profile_*.txt into ``--out`` (with
 ``--profile-in-json``, each profile's text goes into the JSON's ``profiles`` instead: fewer
 files).
