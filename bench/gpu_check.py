@@ -607,14 +607,13 @@ def bench_child(args: argparse.Namespace) -> int:
         acc = int(config.split('acc')[-1])
         if args.batch % acc:
             raise ValueError(f'global batch {args.batch} is not divisible by {acc}')
+        # the iterator StandardUpdater reads, for the hand loop and for ours
+        it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
         if config.startswith('hand'):
             from bench._case import _hand_step
-            it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
             return _HandUpdater(_hand_step(model, optimizer, it, acc, device))
-        # the iterator StandardUpdater and the hand loop read, and the defaults, as a
-        # script that changes only its updater line runs it (prefetch='auto': timed once
-        # its trial decided)
-        it = chainer.iterators.SerialIterator(data, args.batch // acc, shuffle=True)
+        # the defaults, as a script that changes only its updater line runs it
+        # (prefetch='auto': timed once its trial decided)
         return ParallelAccumulatingUpdater(it, optimizer, devices=[device],
                                            accumulate_steps=acc)
 

@@ -115,16 +115,15 @@ def main(argv=None):
         reporter = chainer.Reporter()
         reporter.add_observer('main', model)
         reporter.add_observers('main', model.namedlinks(skipself=True))
+        it = chainer.iterators.SerialIterator(dataset, b, shuffle=True)   # every method's
         if name == 'standard':
             model.to_device(device)
             optimizer = _common.make_optimizer(model)
-            it = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
             updater = chainer.training.updaters.StandardUpdater(it, optimizer, device=device)
             run, fin = updater.update, updater.finalize
         elif name == 'hand':
             model.to_device(device)
             optimizer = _common.make_optimizer(model)
-            it = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
             run, fin = _hand_step(model, optimizer, it, k, device), (lambda: None)
             if config.endswith('_read'):
                 inner = run
@@ -135,13 +134,12 @@ def main(argv=None):
         else:
             from mgpu_updater import ParallelAccumulatingUpdater
             optimizer = _common.make_optimizer(model)
-            its = chainer.iterators.SerialIterator(dataset, b, shuffle=True)
             kwargs = {'prefetch': 0} if config.endswith('_prefetch0') else {}
             if config.endswith('_ignore'):
                 kwargs['nonfinite'] = 'ignore'
             elif config.endswith('_skip'):
                 kwargs['nonfinite'] = 'skip'
-            updater = ParallelAccumulatingUpdater(its, optimizer, devices=[device],
+            updater = ParallelAccumulatingUpdater(it, optimizer, devices=[device],
                                                   accumulate_steps=k, **kwargs)
             run, fin = updater.update, updater.finalize
             modes = lambda: updater.loading_modes   # noqa: E731
