@@ -319,10 +319,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _start(self) -> None:
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
             len(self._devices), self._communicator))
-        self._window_threads = _threads.WindowLimit(threads)
+        on_cpu = all(d.xp is numpy for d in self._devices)
+        self._window_threads = _threads.master_window(threads, on_cpu)
         shares = None if self._communicator is not None else _threads.core_shares(
-            self.bind_cores, len(self._devices),
-            on_cpu=all(d.xp is numpy for d in self._devices))
+            self.bind_cores, len(self._devices), on_cpu=on_cpu)
         reuse = _host_memory.decide(self.reuse_host_memory)
         _host_memory.reuse_freed_memory(reuse)
         started = _startup.start(_startup.Settings(

@@ -1,6 +1,7 @@
 """BLAS/OpenMP threads per replica (``blas_threads``): N replicas on C cores get
 ``max(1, C // N)`` each by default, unless the user's environment or the argument says
-otherwise; the master's own threads change only while it computes its window.
+otherwise; the master's own threads change only while it computes its window, and only
+where that window computes on the host.
 
 The core count is faked in the master (``_threads.available_cores``), which decides the
 number for every replica, so the tests mean the same on 2 cores as on 64. Each replica
@@ -220,7 +221,8 @@ def test_bad_values_are_refused_at_construction(value, error, shown):
 
 def test_window_limit_finds_the_libraries_once(monkeypatch):
     """The master's limit builds threadpoolctl's controller (a scan of the loaded libraries,
-    about 1.5 ms) once, not at every update: entering and leaving then costs about 12 us."""
+    about 1.5 ms) once, not at every update: entering and leaving then read and set each
+    library's count (about 7 us in an update)."""
     before = _blas_threads()
     built = []
     real = threadpoolctl.ThreadpoolController
@@ -235,3 +237,44 @@ def test_window_limit_finds_the_libraries_once(monkeypatch):
             pass
     assert len(built) == 1   # (threadpool_info() would build one of its own)
     assert _blas_threads() == before
+
+
+def test_window_limit_sets_only_what_differs_and_restores_only_that(monkeypatch):
+    """Entering sets a library's count only where it differs from the limit; leaving sets
+    back only those, to what they had (the calls counted on threadpoolctl's own
+    controllers of the loaded libraries)."""
+    before = _blas_threads()
+    controller = threadpoolctl.ThreadpoolController()
+    calls = []
+    for library in controller.lib_controllers:
+        real = library.set_num_threads
+
+        def counted(n, real=real, name=library.internal_api):
+            calls.append((name, n))
+            return real(n)
+        monkeypatch.setattr(library, 'set_num_threads', counted)
+    monkeypatch.setattr(threadpoolctl, 'ThreadpoolController', lambda: controller)
+    counts = {lib.internal_api: lib.num_threads for lib in controller.lib_controllers}
+    limit = _threads.WindowLimit(before)
+    with limit:
+        assert _blas_threads() == before
+    assert [(name, n) for name, n in calls if counts[name] == before] == []
+    calls.clear()
+    limit.threads = before + 1
+    with limit:
+        assert _blas_threads() == before + 1
+    assert _blas_threads() == before
+    changed = [name for name, n in counts.items() if n != before + 1]
+    assert calls == [(name, before + 1) for name in changed] + \
+        [(name, counts[name]) for name in changed]
+
+
+@pytest.mark.parametrize('threads', [1, 3, None])
+def test_the_master_window_is_limited_only_on_the_host(threads):
+    """A GPU replica's window runs no host BLAS: the master's limit there is none (it
+    would cost each update its library calls); on the host it is the replicas' number."""
+    assert _threads.master_window(threads, on_cpu=True).threads == threads
+    assert _threads.master_window(threads, on_cpu=False).threads is None
+    before = _blas_threads()
+    with _threads.master_window(before + 1, on_cpu=False):
+        assert _blas_threads() == before
