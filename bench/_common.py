@@ -279,6 +279,25 @@ def blas_info():
     return info
 
 
+def thread_setting():
+    """The BLAS/OpenMP thread pools this process has (library, version, threads; no file
+    paths) and those of :data:`THREAD_VARS` that are set: what a result ran with."""
+    import threadpoolctl
+    return {'threadpools': [{k: pool.get(k) for k in ('internal_api', 'version', 'num_threads')}
+                            for pool in threadpoolctl.threadpool_info()],
+            'variables': {name: os.environ[name] for name in THREAD_VARS
+                          if os.environ.get(name, '').strip()}}
+
+
+def describe_threads(setting):
+    """``thread_setting()`` in words, for a result's Markdown."""
+    pools = ', '.join('{} {} with {} thread{}'.format(
+        p['internal_api'], p['version'], p['num_threads'], '' if p['num_threads'] == 1 else 's')
+        for p in setting['threadpools']) or 'no BLAS/OpenMP pool found'
+    variables = ', '.join('{}={}'.format(k, v) for k, v in setting['variables'].items())
+    return '{} ({})'.format(pools, variables or 'no thread variable set')
+
+
 def versions(mpiexec=None):
     return {
         'python': platform.python_version(),

@@ -11,7 +11,7 @@ so a change is measured here against the code before it, both in one process, ta
 turns.
 
 The model and turns are ``bench/overhead.py``'s: a 64-64-10 MLP, batch 16, data in memory,
-one BLAS thread, where the host decides the speed. For each ``k`` (``accumulate_steps``)
+BLAS as the environment leaves it, where the host decides the speed. For each ``k`` (``accumulate_steps``)
 there are three methods: the reference (``StandardUpdater`` at k=1, the hand-written loop
 otherwise), the baseline's updater and this checkout's, one ``'@numpy'`` replica each.
 They take turns of 3 updates (the first untimed), in an order shuffled each round. Per
@@ -46,9 +46,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-for _name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
-    os.environ.setdefault(_name, '1')   # one BLAS thread, as bench/overhead.py
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -57,7 +54,7 @@ import numpy  # noqa: E402
 
 from bench import _common, overhead  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.ab_overhead/2'
+SCHEMA = 'mgpu_updater.bench.ab_overhead/3'   # /3: BLAS as it comes ('threads')
 BASELINE_MODULE = 'mgpu_updater_baseline'
 #: the baseline's checkout, for the workers: spawn imports this script in each as
 #: ``__mp_main__`` before it unpickles anything of the baseline's
@@ -186,7 +183,8 @@ def markdown(result):
              f"interval) of the rounds' ratios of time per update. Machine: "
              f"{result['machine']['cpu']} ({result['machine']['cores']} cores), Python "
              f"{result['versions']['python']}, numpy {result['versions']['numpy']}, "
-             f"Chainer {result['versions']['chainer']}.", '',
+             f"Chainer {result['versions']['chainer']}; BLAS "
+             f"{_common.describe_threads(result['threads'])}.", '',
              '| k | reference | reference ms | baseline ms | this ms | this / baseline '
              '| baseline / reference | this / reference | same weights |',
              '|---:|---|---:|---:|---:|---|---|---|---|']
@@ -249,6 +247,7 @@ def main(argv=None):
         'machine': {'cpu': _common.cpu_model(), 'cores': len(os.sched_getaffinity(0))},
         'versions': {'python': '.'.join(map(str, sys.version_info[:3])),
                      'numpy': numpy.__version__, 'chainer': chainer.__version__},
+        'threads': _common.thread_setting(),
         'results': [run_k(k, args, baseline) for k in ks],
     }
     table = markdown(result)

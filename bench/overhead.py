@@ -9,7 +9,7 @@ itself does per update shows; on the example's CNN (35-45 ms an update on a 2-co
 it is lost in the noise.
 
 Every method runs in this process (ours' two-replica run has its one worker besides),
-one BLAS thread each, the methods taking turns ``--block`` updates at a time (the first of
+the methods taking turns ``--block`` updates at a time (the first of
 each turn untimed, the others averaged), in an order shuffled anew each round, so that a
 slow stretch of the machine weighs on all of them alike and no method always follows the
 same other one (up to ``overhead/1`` the order rotated: each method's turn then followed
@@ -38,6 +38,13 @@ with a 95% bootstrap interval over the rounds:
   computing at once cost each other on this machine (caches, memory, the hypervisor),
   which no protocol removes.
 
+The BLAS libraries run as the environment leaves them, as a user's script runs (no
+thread variable: OpenBLAS with a thread per core), and the result records their threads.
+So ours' defaults are timed whole: with two replicas, ``blas_threads='auto'`` limits the
+worker to its share of the cores for its life and the master during its own window, at
+a cost each update. Up to ``overhead/2`` every method ran with one BLAS thread, set
+before numpy loaded, which left that limit untimed (it then had nothing to change).
+
 Then a second pass splits each method's update into phases, timed by wrapping the same
 functions in every method (``iterator.next`` and the converter: loading; the model's
 forward; ``Variable.backward``; the optimizer's step) and, for ours, its own phases (the
@@ -48,16 +55,11 @@ about a microsecond a call; the first pass has none.)
 Prints a Markdown table; with ``--out`` writes ``overhead.json`` and ``overhead.md``.
 """
 import argparse
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-
-# One BLAS thread in this process, before numpy loads (the worker inherits it).
-for _name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS'):
-    os.environ.setdefault(_name, '1')
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -68,7 +70,8 @@ import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 import numpy  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.overhead/2'   # /2: the order shuffled each round
+# /2: the order shuffled each round; /3: BLAS as the environment leaves it ('threads')
+SCHEMA = 'mgpu_updater.bench.overhead/3'
 FEATURES, HIDDEN, CLASSES = 64, 64, 10
 GOALS = {'ours_k1/standard': 1.03, 'ours_k4/hand_k4': 1.03, 'ours_n2/standard': 1.25}
 
@@ -335,12 +338,13 @@ def breakdown(split, times, name):
 def markdown(result):
     lines = ['# The updater\'s own cost on a launch-bound model', '',
              '`{}`'.format(result['command']), '',
-             'A {}-{}-{} MLP, batch {}, data in memory, one BLAS thread; turns of {} '
+             'A {}-{}-{} MLP, batch {}, data in memory, BLAS as it comes: {}; turns of {} '
              'updates (the first untimed), the order shuffled each round; {} rounds. Ratio = '
              'ours\' time per update / its baseline\'s in the same round: median (95% '
              'interval). Machine: {} ({} cores), Python {}, numpy {}, Chainer {}; load '
              'average {} at start, {} at the end.'.format(
-                 FEATURES, HIDDEN, CLASSES, result['batch'], result['block'],
+                 FEATURES, HIDDEN, CLASSES, result['batch'],
+                 _common.describe_threads(result['threads']), result['block'],
                  result['rounds'], result['machine']['cpu'], result['machine']['cores'],
                  result['versions']['python'], result['versions']['numpy'],
                  result['versions']['chainer'], result['machine']['loadavg_start'],
@@ -415,7 +419,7 @@ def main(argv=None):
               'batch': args.batch, 'block': args.block, 'rounds': args.rounds,
               'machine': {'cpu': _common.cpu_model(), 'cores': _common.cpu_count(),
                           'loadavg_start': _common.loadavg()},
-              'versions': _common.versions()}
+              'versions': _common.versions(), 'threads': _common.thread_setting()}
     methods = build(args, phases)
     order = list(methods)
     busy = Busy(args.batch)

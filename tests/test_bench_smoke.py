@@ -551,16 +551,45 @@ def test_paired_replicas_verdicts_need_the_whole_interval():
     assert pr.parse_args([]).rounds is None   # ceil(400 / k) per k
 
 
+def _environment_threads():
+    """The BLAS pools (library, threads) of a fresh process with numpy, and the thread
+    variables set, as this process's environment is now: what a launch-bound bench, which
+    leaves the setting as it finds it, must record. Taken before a bench module is
+    imported here (one that set a variable at import would leak it into the comparison)."""
+    code = ('import json, numpy, threadpoolctl; print(json.dumps([[p["internal_api"], '
+            'p["num_threads"]] for p in threadpoolctl.threadpool_info()]))')
+    fresh = json.loads(subprocess.run([sys.executable, '-c', code], capture_output=True,
+                                      text=True, check=True, timeout=60).stdout)
+    from bench import _common
+    return fresh, {k: os.environ[k] for k in _common.THREAD_VARS
+                   if os.environ.get(k, '').strip()}
+
+
+def _assert_threads_recorded(environment, result, markdown):
+    """The BLAS pools the bench ran with are the environment's (``_environment_threads``),
+    recorded without file paths and said in its Markdown."""
+    from bench import _common
+    fresh, variables = environment
+    pools = result['threads']['threadpools']
+    assert fresh and sorted([p['internal_api'], p['num_threads']] for p in pools
+                            if p['internal_api'] in {api for api, _ in fresh}) == sorted(fresh)
+    assert all('filepath' not in p for p in pools)
+    assert result['threads']['variables'] == variables
+    assert _common.describe_threads(result['threads']) in markdown
+
+
 def test_overhead_bench_times_every_method_and_splits_the_phases(tmp_path):
     """``bench/overhead.py``: ours (one replica at k=1 and 4, two replicas) against
     StandardUpdater and the hand loop in turns, each ratio with its interval and verdict,
     and every method's update split into the same phases."""
+    environment = _environment_threads()
     _run_bench('overhead.py', '--rounds', '3', '--phase-rounds', '2', '--block', '2',
                '--warmup', '0', '--trial-updates', '2', '--warm-rounds', '3', '--warm-block', '4',
                '--warm-untimed', '2', '--out', str(tmp_path), timeout=300)
     from bench import overhead
     result = json.loads((tmp_path / 'overhead.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.overhead/2'
+    assert result['schema'] == 'mgpu_updater.bench.overhead/3'
+    _assert_threads_recorded(environment, result, (tmp_path / 'overhead.md').read_text())
     assert set(result['ms']) == {'standard', 'standard_busy', 'hand_k4', 'ours_k1', 'ours_k4',
                                  'ours_n2'}
     assert set(result['ratios']) == {key for key, _, _ in overhead.PAIRS + overhead.SCALE}
@@ -621,12 +650,14 @@ def test_ab_overhead_compares_two_checkouts_on_the_same_batches(tmp_path):
     """``bench/ab_overhead.py``: this checkout against another (here, itself, imported a
     second time under another name): both updaters step on the same batches, so they end
     with the same weights, and every ratio is reported (its figures are not asserted)."""
+    environment = _environment_threads()
     cmd = [sys.executable, str(ROOT / 'bench' / 'ab_overhead.py'), '--baseline', str(ROOT),
            '--ks', '1,2', '--rounds', '4', '--warmup', '2', '--out', str(tmp_path)]
     proc = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'ab_overhead.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.ab_overhead/2'
+    assert result['schema'] == 'mgpu_updater.bench.ab_overhead/3'
+    _assert_threads_recorded(environment, result, (tmp_path / 'ab_overhead.md').read_text())
     assert result['replicas'] == 1 and (result['block'], result['untimed']) == (3, 1)
     assert [row['k'] for row in result['results']] == [1, 2]
     for row in result['results']:
