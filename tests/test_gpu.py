@@ -220,3 +220,30 @@ def test_a_nan_loss_on_the_gpu_raises_by_the_next_step(gpu):
         assert info.value.iteration == 2 and info.value.applied
     finally:
         updater.finalize()
+
+
+def test_a_gpu_masters_window_leaves_the_host_blas_alone(gpu):
+    """``blas_threads`` limits the master's libraries while it computes a CPU replica's
+    window; a GPU window runs no host BLAS, so there they keep their count (and the update
+    makes no call to change it and back)."""
+    import threadpoolctl
+
+    def blas():
+        return {p['num_threads'] for p in threadpoolctl.threadpool_info()
+                if p['user_api'] == 'blas'}
+    before = blas()
+    model = classifier(seed=3)
+    seen = []
+
+    def loss(x, t):
+        seen.append(blas())
+        return model(x, t)
+    it = chainer.iterators.SerialIterator(dataset(32, seed=3), 8, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@cupy:0'], loss_func=loss,
+                                          blas_threads=max(before) + 1)
+    try:
+        run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+    assert len(seen) == 2 and all(s == before for s in seen), (before, seen)
