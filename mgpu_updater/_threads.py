@@ -99,7 +99,7 @@ class WindowLimit:
     and a full ``info()`` of every library each time (its version, architecture and
     configuration string besides the count). Timed around the master's window of two
     replicas of a 64-64-10 MLP on a 2-core VM, OpenBLAS as it comes (two threads), over
-    2000 updates: entering and leaving took 15-17 us (median) with ``limit``, 7 us with
+    2000 updates: entering and leaving took 14-17 us (median) with ``limit``, 7 us with
     the reads and sets alone, of an update of about 0.85 ms. A library loaded after the
     first use is not limited.
     """
