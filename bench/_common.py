@@ -269,22 +269,25 @@ def blas_info():
     except TypeError:  # older numpy: show_config() has no mode
         info = {'name': 'unknown (numpy < 1.25)'}
     try:
-        import threadpoolctl
+        info['threadpools'] = threadpools(POOL_KEYS + ('filepath',))
     except ImportError:
         info['threadpools'] = 'threadpoolctl not installed'
-    else:
-        info['threadpools'] = [
-            {k: pool.get(k) for k in ('internal_api', 'version', 'num_threads', 'filepath')}
-            for pool in threadpoolctl.threadpool_info()]
     return info
+
+
+POOL_KEYS = ('internal_api', 'version', 'num_threads')
+
+
+def threadpools(keys=POOL_KEYS):
+    """The live BLAS/OpenMP thread pools, each as the ``keys`` of threadpoolctl's info."""
+    import threadpoolctl
+    return [{k: pool.get(k) for k in keys} for pool in threadpoolctl.threadpool_info()]
 
 
 def thread_setting():
     """The BLAS/OpenMP thread pools this process has (library, version, threads; no file
     paths) and those of :data:`THREAD_VARS` that are set: what a result ran with."""
-    import threadpoolctl
-    return {'threadpools': [{k: pool.get(k) for k in ('internal_api', 'version', 'num_threads')}
-                            for pool in threadpoolctl.threadpool_info()],
+    return {'threadpools': threadpools(),
             'variables': {name: os.environ[name] for name in THREAD_VARS
                           if os.environ.get(name, '').strip()}}
 
