@@ -17,6 +17,14 @@ loading inline costs L + C. The goal: a step <= 1.1 x max(L, C) where loading ca
   2-core machine does not have.
 - ``multiprocess``: the ``sleep`` dataset read through a ``MultiprocessIterator`` (2
   processes per replica): the defaults against ``prefetch=0``, which must not be faster.
+- ``host-bound``: the ``python`` dataset and a compute that is Python too (a loop holding
+  the GIL, as a model whose host launches a fast GPU's kernels): nothing can overlap, a
+  step costs L + C at best, so this row has no goal against max(L, C); what it shows is
+  what a loader thread costs there (``defaults / prefetch=0``, which must not be above
+  1: ``prefetch='auto'`` should load inline). Since ``overlap/3``: the loader thread keeps
+  the interpreter's switch interval at most 0.2 ms while it loads
+  (``mgpu_updater/_gil_handoff.py``), which helps the ``python`` row and costs a hand-over
+  of the GIL every 0.2 ms where both threads run Python, as here.
 
 L and C are measured alone in every round (L: the iterator and the converter for one
 batch; C: ``StandardUpdater`` on a batch already in memory), between the updaters' turns.
@@ -44,7 +52,8 @@ import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 import numpy as np  # noqa: E402
 
-SCHEMA = 'mgpu_updater.bench.overlap/2'
+# /3: the host-bound case
+SCHEMA = 'mgpu_updater.bench.overlap/3'
 GOAL = 1.1
 FEATURES, CLASSES = 64, 10
 
@@ -74,28 +83,34 @@ class Dataset(chainer.dataset.DatasetMixin):
 
 class Model(chainer.Chain):
     """'sleep': a small MLP whose forward waits ``seconds`` (device time); 'python': the
-    same MLP after ``products`` BLAS products of ``size`` square matrices (GIL released)."""
+    same MLP after ``products`` BLAS products of ``size`` square matrices (GIL released);
+    'host-bound': after a Python loop of ``loops`` steps (GIL held)."""
 
-    def __init__(self, kind, seconds, size=0, products=0):
+    def __init__(self, kind, seconds, size=0, products=0, loops=0):
         super().__init__()
         with self.init_scope():
             self.l1 = L.Linear(FEATURES, 64)
             self.l2 = L.Linear(64, CLASSES)
-        self.kind, self.seconds, self.products = kind, seconds, products
+        self.kind, self.seconds, self.products, self.loops = kind, seconds, products, loops
         self.a = np.random.RandomState(1).random_sample((size, size)).astype(np.float32)
 
     def forward(self, x):
         if self.kind == 'python':
             for _ in range(self.products):
                 self.a.dot(self.a)
+        elif self.kind == 'host-bound':
+            total = 0
+            for j in range(self.loops):
+                total += j * j
         else:
             time.sleep(self.seconds)
         return self.l2(F.relu(self.l1(x)))
 
 
 def calibrate(load_s, compute_s, batch):
-    """Python-loop length per example, and the BLAS products per forward, that take about
-    ``load_s`` per batch and ``compute_s`` per update here."""
+    """Python-loop length per example, the BLAS products per forward and the Python-loop
+    length per forward that take about ``load_s`` per batch and ``compute_s`` per update
+    here."""
     n = 200000
     start = time.perf_counter()
     total = 0
@@ -110,17 +125,29 @@ def calibrate(load_s, compute_s, batch):
     for _ in range(5):
         a.dot(a)
     per_product = (time.perf_counter() - start) / 5
-    return loops, size, max(1, int(compute_s / per_product))
+    return (loops, size, max(1, int(compute_s / per_product)),
+            max(1, int(compute_s / per_loop)))
+
+
+def _kinds(kind):
+    """The dataset's kind and the model's for the case ``kind``."""
+    if kind == 'host-bound':
+        return 'python', 'host-bound'
+    return ('python', 'python') if kind == 'python' else ('sleep', 'sleep')
+
+
+def _model(kind, args, cal):
+    loops, size, products, compute_loops = cal
+    return L.Classifier(Model(_kinds(kind)[1], args.compute_ms / 1e3, size, products,
+                              compute_loops))
 
 
 def build(kind, n, args, cal, prefetch):
     """An updater over ``n`` replicas for ``kind``; its model and its iterators."""
     from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
     b = args.batch
-    loops, size, products = cal
-    data_kind = 'python' if kind == 'python' else 'sleep'
-    dataset = Dataset(4096, data_kind, args.load_ms / 1e3 / b, loops)
-    model = L.Classifier(Model(data_kind, args.compute_ms / 1e3, size, products))
+    dataset = Dataset(4096, _kinds(kind)[0], args.load_ms / 1e3 / b, cal[0])
+    model = _model(kind, args, cal)
     optimizer = chainer.optimizers.SGD(0.01)
     optimizer.setup(model)
     extra = {}
@@ -135,14 +162,12 @@ def build(kind, n, args, cal, prefetch):
 
 def alone(kind, args, cal):
     """(L, C) as this machine runs them now: one batch loaded; one StandardUpdater step."""
-    loops, size, products = cal
-    data_kind = 'python' if kind == 'python' else 'sleep'
     b = args.batch
-    dataset = Dataset(b, data_kind, args.load_ms / 1e3 / b, loops)
+    dataset = Dataset(b, _kinds(kind)[0], args.load_ms / 1e3 / b, cal[0])
     start = time.perf_counter()
     batch = chainer.dataset.concat_examples([dataset[i] for i in range(b)])
     load = time.perf_counter() - start
-    model = L.Classifier(Model(data_kind, args.compute_ms / 1e3, size, products))
+    model = _model(kind, args, cal)
     optimizer = chainer.optimizers.SGD(0.01)
     optimizer.setup(model)
     start = time.perf_counter()
@@ -177,7 +202,8 @@ def measure(kind, n, args, cal):
             updater.finalize()
     bound = [max(a, b) for a, b in zip(rows['L'], rows['C'])]
     auto = _common.ratio_summary([s / m for s, m in zip(rows['auto'], bound)])
-    auto['verdict'] = ('met' if auto['ci95'][1] <= GOAL else
+    auto['verdict'] = ('-' if kind == 'host-bound' else   # no overlap is possible
+                       'met' if auto['ci95'][1] <= GOAL else
                        'not met' if auto['ci95'][0] > GOAL else 'not resolved')
     return {'kind': kind, 'replicas': n,
             'ms': {key: 1e3 * statistics.median(v) for key, v in rows.items()},
@@ -222,7 +248,7 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=12)
     p.add_argument('--block', type=int, default=4)
     p.add_argument('--trial-updates', type=int, default=130)
-    p.add_argument('--kinds', default='sleep,python,multiprocess')
+    p.add_argument('--kinds', default='sleep,python,multiprocess,host-bound')
     p.add_argument('--replicas', default='1,2')
     p.add_argument('--out')
     args = p.parse_args(argv)
@@ -236,7 +262,8 @@ def main(argv=None):
               'versions': _common.versions(), 'rows': []}
     cal = calibrate(args.load_ms / 1e3, args.compute_ms / 1e3, args.batch)
     result['calibration'] = {'python_loops_per_example': cal[0], 'matrix_size': cal[1],
-                             'products_per_forward': cal[2]}
+                             'products_per_forward': cal[2],
+                             'python_loops_per_forward': cal[3]}
     for kind in args.kinds.split(','):
         for n in (int(x) for x in args.replicas.split(',')):
             result['rows'].append(measure(kind, n, args, cal))

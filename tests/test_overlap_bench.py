@@ -20,13 +20,16 @@ def test_overlap_benchmark_reports_every_case(tmp_path):
         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'overlap.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.overlap/2'
+    assert result['schema'] == 'mgpu_updater.bench.overlap/3'
     cases = [(r['kind'], r['replicas']) for r in result['rows']]
-    assert cases == [(k, n) for k in ('sleep', 'python', 'multiprocess') for n in (1, 2)]
+    assert cases == [(k, n) for k in ('sleep', 'python', 'multiprocess', 'host-bound')
+                     for n in (1, 2)]
     for row in result['rows']:
         assert all(ms > 0 for ms in row['ms'].values())
         assert len(row['auto_over_max']['ratios']) == 2
-        assert row['auto_over_max']['verdict'] in ('met', 'not met', 'not resolved')
+        verdicts = ('-',) if row['kind'] == 'host-bound' else ('met', 'not met',
+                                                               'not resolved')
+        assert row['auto_over_max']['verdict'] in verdicts
         assert len(row['loading_modes']['auto']) == row['replicas']
         assert row['loading_modes']['off'] == ['none'] * row['replicas']
     assert '| sleep | 2 |' in (tmp_path / 'overlap.md').read_text()
