@@ -6,26 +6,22 @@ computes in the main thread. That compute lets go of the GIL whenever it waits: 
 product, a wait for the GPU, a read. When such a wait ends, the main thread asks for the
 GIL back, and CPython hands it over only once the thread that holds it has run for the
 interpreter's switch interval (``sys.getswitchinterval()``, 5 ms unless set): the main
-thread then waits up to 5 ms after every one of its waits while the loader loads. With a
-compute that waits 20 times in an update and a dataset of Python work, a loader running
-ahead saved almost nothing (a step cost about L + C instead of max(L, C):
-``bench/overlap.py``).
+thread then waits up to 5 ms after every one of its waits while the loader loads: with a
+compute that waits 20 times an update, a loader running ahead saved almost nothing.
 
 So while a loader thread of this package is inside a load, the switch interval is at most
 :data:`HANDOFF`; it is set back as soon as no loader thread of the process is loading. A
-thread that stops waiting then gets the GIL within about :data:`HANDOFF`. Measured on a
-2-core Intel Xeon VM with one replica, a dataset of Python work (12 ms a batch) and a
-compute of 20 waits (1 ms each) or of BLAS products (20 ms in all), per update, the loader
-running ahead: 32.0 ms and 32.7 ms with 5 ms, 26.8 and 28.1 with 0.5 ms, 25.0 and 26.4 with
-0.2 ms (34 ms loading inline). Where both threads only run Python, each hand-over costs:
-a loader running ahead of a compute of pure Python took 29.4 ms with 5 ms and 31.4 ms with
-0.2 ms, against 29 ms inline, which ``prefetch='auto'`` keeps there (its trial times
-loading ahead as it runs, with this interval).
+thread that stops waiting then gets the GIL within about :data:`HANDOFF`. On a 2-core
+Intel Xeon VM, one replica, a dataset of Python work (17-18 ms a batch) and a compute of
+BLAS products (20 ms), the loader running ahead: a step took 1.81 times max(L, C) with
+5 ms, 1.26-1.29 times with 0.2 ms (``bench/overlap.py``). Where both threads only run
+Python nothing overlaps and every hand-over costs: there loading ahead is slower than
+inline either way, and ``prefetch='auto'`` loads inline (its trial times loading ahead as
+it runs, with this interval; the bench's host-bound rows).
 
 A user's shorter interval is left as it is, and one the user sets while a load runs is
-kept (set back only where it still is :data:`HANDOFF`). The interval is the process's:
-several loaders (several updaters, or a replica's loader and a worker's) share one count
-of the loads in progress.
+kept (set back only where it still is :data:`HANDOFF`). The interval is the process's: the
+loaders of several updaters in one process share one count of the loads in progress.
 """
 from __future__ import annotations
 
