@@ -9,10 +9,15 @@ interpreter's switch interval (``sys.getswitchinterval()``, 5 ms unless set): th
 thread then waits up to 5 ms after every one of its waits while the loader loads: with a
 compute that waits 20 times an update, a loader running ahead saved almost nothing.
 
-So while a loader thread of this package is inside a load, the switch interval is at most
-:data:`HANDOFF`; it is set back as soon as no loader thread of the process is loading. A
-thread that stops waiting then gets the GIL within about :data:`HANDOFF`. On a 2-core
-Intel Xeon VM, one replica, a dataset of Python work (17-18 ms a batch) and a compute of
+So while a loader thread of this package that loads ahead is inside a load, the switch
+interval is at most :data:`HANDOFF`; it is set back as soon as no such load runs in the
+process. A thread that stops waiting then gets the GIL within about :data:`HANDOFF`. A
+gated loader (loading ``'inline'``) loads only while its consumer waits for something
+else, never beside its compute, so its loads leave the interval alone
+(:func:`handoff_for`): there a thread that polls for its next message would only force
+more hand-overs in the middle of a load it then waits for anyway.
+
+On a 2-core Intel Xeon VM, one replica, a dataset of Python work (17-18 ms a batch) and a compute of
 BLAS products (20 ms), the loader running ahead: a step took 1.81 times max(L, C) with
 5 ms, 1.26-1.29 times with 0.2 ms (``bench/overlap.py``). Where both threads only run
 Python nothing overlaps and every hand-over costs: there loading ahead is slower than
@@ -25,10 +30,11 @@ loaders of several updaters in one process share one count of the loads in progr
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from types import TracebackType
-from typing import Optional, Type
+from typing import Any, Optional, Type
 
 #: seconds: the longest switch interval while a loader thread loads
 HANDOFF = 2e-4
@@ -67,3 +73,10 @@ class Handoff:
 
 #: the one instance (it holds no state of its own)
 HANDOFF_WHILE_LOADING = Handoff()
+_NO_HANDOFF = contextlib.nullcontext()
+
+
+def handoff_for(ahead: bool) -> Any:
+    """What one load of a loader thread runs under: :data:`HANDOFF_WHILE_LOADING` where
+    it loads ``ahead`` (beside its consumer's compute), nothing where it is gated."""
+    return HANDOFF_WHILE_LOADING if ahead else _NO_HANDOFF

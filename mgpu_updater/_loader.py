@@ -26,8 +26,8 @@ see :func:`reads_in_caller_safely`.) An ungated prefetcher (loading ``'ahead'``)
 while its consumer computes: what a dataset that reads files, a ``MultiprocessIterator`` or
 a GPU that computes while the host waits can hide. Under ``prefetch='auto'`` each replica's
 trial (:class:`~mgpu_updater._load_trial.LoadTrial`) switches between the two and keeps the
-faster. While the thread is inside a load, a consumer done waiting gets the GIL back within
-0.2 ms, not the interpreter's 5 ms (:mod:`mgpu_updater._gil_handoff`).
+faster. While an ungated thread is inside a load, a consumer done waiting gets the GIL back
+within 0.2 ms, not the interpreter's 5 ms (:mod:`mgpu_updater._gil_handoff`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from chainer.dataset import convert
 from ._chainer_private import call_converter
 from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
-from ._gil_handoff import HANDOFF_WHILE_LOADING
+from ._gil_handoff import handoff_for
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
@@ -254,11 +254,12 @@ class Prefetcher(Loader):
                 from ._cuda import PinnedStager
                 self.device.use()
                 stager = PinnedStager(self.device.device.id, timeout=60.0)
+            handoff = handoff_for(ahead=not self.gated)
             while True:
                 if read is None:
                     item = None
                 else:
-                    with HANDOFF_WHILE_LOADING:
+                    with handoff:
                         item = self._convert(read, stager)
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
@@ -270,7 +271,9 @@ class Prefetcher(Loader):
                 with self._lock:
                     self._loading = True
                     self._pending.append(capture_state(self.iterator))
-                with HANDOFF_WHILE_LOADING:   # the GIL back soon to a thread done waiting
+                # loading ahead, beside the compute: the GIL back soon to it when it waits
+                handoff = handoff_for(ahead=not self.gated)
+                with handoff:
                     read = self._read()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))

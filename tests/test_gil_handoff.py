@@ -3,8 +3,8 @@
 CPython hands the GIL from a thread that runs Python to one that asks for it only after
 the switch interval (5 ms unless set), so a replica's compute that waits (BLAS, a GPU)
 waited up to 5 ms after each wait for a loader thread running a dataset's Python.
-The contract: inside a load of a loader thread the interval is at most
-``HANDOFF``; outside every load it is the user's again; a user's shorter interval, or one
+The contract: inside a load of a loader thread that loads ahead the interval is at most
+``HANDOFF`` (a gated loader's loads leave it alone); outside every load it is the user's again; a user's shorter interval, or one
 the user sets meanwhile, is left alone; several loads at once (several loaders) share one
 count. How much it buys is ``bench/overlap.py``'s to say, not a test's.
 """
@@ -68,8 +68,28 @@ def test_a_loader_thread_shortens_the_interval_only_while_it_loads():
         first, second = loader.get(), loader.get()
         assert first.size == second.size == 2
     finally:
+        data.go.set()   # (a failed assert above must not leave the thread blocked)
         loader.close()
     assert sys.getswitchinterval() == DEFAULT   # no load in progress: the user's again
+
+
+def test_a_gated_loaders_loads_leave_the_interval_alone():
+    """A gated loader loads only while its consumer waits for something else (a worker,
+    for the master's next message), never beside its compute."""
+    data = _Blocking(stop_at=2)
+    loader = Prefetcher(chainer.iterators.SerialIterator(data, 2, shuffle=False),
+                        chainer.dataset.concat_examples, None, 1, gated=True)
+    try:
+        loader.release()   # the consumer waits: the thread may load its next batch
+        assert data.inside.wait(10), 'the released loader never read its second batch'
+        assert data.seen == DEFAULT
+        data.go.set()
+        loader.hold()
+        assert loader.get().size == loader.get().size == 2
+    finally:
+        data.go.set()   # (a failed assert above must not leave the thread blocked)
+        loader.close()
+    assert sys.getswitchinterval() == DEFAULT
 
 
 def test_the_interval_comes_back_when_a_load_raises():
@@ -116,4 +136,23 @@ def test_loads_in_several_threads_share_one_count():
         first_may_leave.set()
         thread.join(10)
         assert seen['after first'] <= HANDOFF   # the second still loads
+    assert sys.getswitchinterval() == DEFAULT
+
+
+def test_after_training_with_a_loader_thread_the_interval_is_the_users():
+    """A Trainer-less run as a script has it: one replica loading ahead (prefetch=2), a
+    few updates, finalize: no load is left holding the interval down."""
+    from mgpu_updater import ParallelAccumulatingUpdater
+    from _models import classifier
+    model = classifier()
+    optimizer = chainer.optimizers.SGD(0.1)
+    optimizer.setup(model)
+    it = chainer.iterators.SerialIterator(dataset(64, seed=2), 8)
+    updater = ParallelAccumulatingUpdater(it, optimizer, devices=['@numpy'], prefetch=2)
+    try:
+        for _ in range(5):
+            updater.update()
+        assert updater.loading_modes == ['ahead']
+    finally:
+        updater.finalize()
     assert sys.getswitchinterval() == DEFAULT
