@@ -99,10 +99,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             the host waits), while where the window is Python (a small model, a fast GPU)
             a thread takes the GIL from it, and each batch is loaded when needed (a
             worker also loads while it waits for the master). ``loading_modes`` says
-            what each replica does. While the thread loads, the interpreter's switch
-            interval (``sys.setswitchinterval``) is at most 0.2 ms, so that a window
-            that waits (BLAS, the GPU) gets the GIL back from it within that, not after
-            5 ms; it is set back once no load runs (:mod:`mgpu_updater._gil_handoff`).
+            what each replica does. While the thread loads ahead, the interpreter's
+            switch interval (``sys.setswitchinterval``) is at most 0.2 ms, so that a
+            window that waits (BLAS, the GPU) gets the GIL back from it within that, not
+            after 5 ms; it is set back once no such load runs
+            (:mod:`mgpu_updater._gil_handoff`).
         report_times: report ``main/time/{data,compute,comm,update}`` every update
             (default False: the log has StandardUpdater's keys, and each key reported
             costs every update, in the report and in ``LogReport``). ``last_times`` holds
