@@ -17,26 +17,29 @@ else, never beside its compute, so its loads leave the interval alone
 (:func:`handoff_for`): there a thread that polls for its next message would only force
 more hand-overs in the middle of a load it then waits for anyway.
 
-On a 2-core Intel Xeon VM, one replica, a dataset of Python work (17-18 ms a batch) and a compute of
-BLAS products (20 ms), the loader running ahead: a step took 1.81 times max(L, C) with
-5 ms, 1.26-1.29 times with 0.2 ms (``bench/overlap.py``). Where both threads only run
+On a 2-core Intel Xeon VM, one replica, a dataset of Python work (17-21 ms a batch) and a
+compute of BLAS products (20 ms), the loader running ahead: a step took 1.81 times
+max(L, C) with 5 ms, 1.26-1.31 times with 0.2 ms (``bench/overlap.py``, three runs). Where both threads only run
 Python nothing overlaps and every hand-over costs: there loading ahead is slower than
 inline either way, and ``prefetch='auto'`` loads inline (its trial times loading ahead as
 it runs, with this interval; the bench's host-bound rows).
 
 A user's shorter interval is left as it is, and one the user sets while a load runs is
 kept (set back only where it still is :data:`HANDOFF`). The interval is the process's: the
-loaders of several updaters in one process share one count of the loads in progress.
+loaders of several updaters in one process share one count of the loads in progress. A
+process forked meanwhile (a ``MultiprocessIterator``'s, started inside a load) has none
+of them: its count starts at zero and its interval is set back.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from types import TracebackType
 from typing import Any, Optional, Type
 
-#: seconds: the longest switch interval while a loader thread loads
+#: seconds: the longest switch interval while a loader thread loads ahead
 HANDOFF = 2e-4
 
 _lock = threading.Lock()
@@ -70,6 +73,19 @@ class Handoff:
                     sys.setswitchinterval(_restore)
                 _restore = None
 
+
+def _forked() -> None:
+    """In a child of ``fork``: the loads in progress were the parent's threads', which the
+    child does not have (nor the lock, if one of them held it)."""
+    global _lock, _loading, _restore
+    _lock = threading.Lock()
+    if _loading and _restore is not None and sys.getswitchinterval() == _lowered:
+        sys.setswitchinterval(_restore)
+    _loading, _restore = 0, None
+
+
+if hasattr(os, 'register_at_fork'):
+    os.register_at_fork(after_in_child=_forked)
 
 #: the one instance (it holds no state of its own)
 HANDOFF_WHILE_LOADING = Handoff()

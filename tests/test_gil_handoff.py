@@ -10,6 +10,7 @@ count. How much it buys is ``bench/overlap.py``'s to say, not a test's.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -155,4 +156,29 @@ def test_after_training_with_a_loader_thread_the_interval_is_the_users():
         assert updater.loading_modes == ['ahead']
     finally:
         updater.finalize()
+    assert sys.getswitchinterval() == DEFAULT
+
+
+@pytest.mark.skipif(not hasattr(os, 'fork'), reason='no os.fork on this platform')
+def test_a_child_forked_during_a_load_starts_with_none():
+    """A ``MultiprocessIterator`` forks its processes inside the loader's first read: the
+    child has no loader thread, so no load in progress and the user's interval."""
+    read, write = os.pipe()
+    with HANDOFF_WHILE_LOADING:
+        pid = os.fork()
+        if pid == 0:   # the child: report, and leave at once
+            try:
+                with HANDOFF_WHILE_LOADING:   # (the lock is usable in the child)
+                    inside = sys.getswitchinterval()
+                os.write(write, repr((_gil_handoff._loading, sys.getswitchinterval(),
+                                      inside)).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            loading, after, inside = eval(pipe.read())
+        os.waitpid(pid, 0)
+        assert sys.getswitchinterval() <= HANDOFF   # the parent's load goes on
+    assert (loading, after) == (0, DEFAULT)
+    assert inside <= HANDOFF
     assert sys.getswitchinterval() == DEFAULT
