@@ -19,10 +19,10 @@ more hand-overs in the middle of a load it then waits for anyway.
 
 On a 2-core Intel Xeon VM, one replica, a dataset of Python work (17-21 ms a batch) and a
 compute of BLAS products (20 ms), the loader running ahead: a step took 1.81 times
-max(L, C) with 5 ms, 1.26-1.31 times with 0.2 ms (``bench/overlap.py``, three runs). Where both threads only run
-Python nothing overlaps and every hand-over costs: there loading ahead is slower than
-inline either way, and ``prefetch='auto'`` loads inline (its trial times loading ahead as
-it runs, with this interval; the bench's host-bound rows).
+max(L, C) with 5 ms, 1.26-1.31 times with 0.2 ms (``bench/overlap.py``, three runs).
+Where both threads only run Python nothing overlaps and every hand-over costs: there
+loading ahead is slower than inline either way, and ``prefetch='auto'`` loads inline (its
+trial times loading ahead as it runs, with this interval; the bench's host-bound rows).
 
 A user's shorter interval is left as it is, and one the user sets while a load runs is
 kept (set back only where it still is :data:`HANDOFF`). The interval is the process's: the

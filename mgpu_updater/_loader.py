@@ -254,13 +254,9 @@ class Prefetcher(Loader):
                 from ._cuda import PinnedStager
                 self.device.use()
                 stager = PinnedStager(self.device.device.id, timeout=60.0)
-            handoff = handoff_for(ahead=not self.gated)
+            with handoff_for(ahead=not self.gated):
+                item = None if read is None else self._convert(read, stager)
             while True:
-                if read is None:
-                    item = None
-                else:
-                    with handoff:
-                        item = self._convert(read, stager)
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
                     return
@@ -271,10 +267,11 @@ class Prefetcher(Loader):
                 with self._lock:
                     self._loading = True
                     self._pending.append(capture_state(self.iterator))
-                # loading ahead, beside the compute: the GIL back soon to it when it waits
-                handoff = handoff_for(ahead=not self.gated)
-                with handoff:
+                # one load, read and converted (ahead, beside the compute: the GIL back
+                # soon to it when it waits)
+                with handoff_for(ahead=not self.gated):
                     read = self._read()
+                    item = None if read is None else self._convert(read, stager)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))
         finally:

@@ -4,9 +4,10 @@ CPython hands the GIL from a thread that runs Python to one that asks for it onl
 the switch interval (5 ms unless set), so a replica's compute that waits (BLAS, a GPU)
 waited up to 5 ms after each wait for a loader thread running a dataset's Python.
 The contract: inside a load of a loader thread that loads ahead the interval is at most
-``HANDOFF`` (a gated loader's loads leave it alone); outside every load it is the user's again; a user's shorter interval, or one
-the user sets meanwhile, is left alone; several loads at once (several loaders) share one
-count. How much it buys is ``bench/overlap.py``'s to say, not a test's.
+``HANDOFF`` (a gated loader's loads leave it alone); outside every load it is the user's
+again; a user's shorter interval, or one the user sets meanwhile, is left alone; several
+loads at once (several loaders) share one count; a forked child starts with none. How
+much it buys is ``bench/overlap.py``'s to say, not a test's.
 """
 from __future__ import annotations
 
