@@ -20,7 +20,7 @@ def test_overlap_benchmark_reports_every_case(tmp_path):
         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'overlap.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.overlap/3'
+    assert result['schema'] == 'mgpu_updater.bench.overlap/4'
     cases = [(r['kind'], r['replicas']) for r in result['rows']]
     assert cases == [(k, n) for k in ('sleep', 'python', 'multiprocess', 'host-bound')
                      for n in (1, 2)]
@@ -32,5 +32,13 @@ def test_overlap_benchmark_reports_every_case(tmp_path):
         assert row['auto_over_max']['verdict'] in verdicts
         assert len(row['loading_modes']['auto']) == row['replicas']
         assert row['loading_modes']['off'] == ['none'] * row['replicas']
-    assert '| sleep | 2 |' in (tmp_path / 'overlap.md').read_text()
+        if (row['kind'], row['replicas']) == ('python', 1):
+            assert len(row['best_over_max']['ratios']) == 2
+            assert row['ms']['best'] > 0
+        else:
+            assert row['best_over_max'] is None
+    table = (tmp_path / 'overlap.md').read_text()
+    assert '| sleep | 2 |' in table
+    python_1 = next(line for line in table.splitlines() if line.startswith('| python | 1 |'))
+    assert python_1.count('|') == 13 and python_1.rsplit('|', 3)[1].strip() != '-'
     assert str(ROOT) not in (tmp_path / 'overlap.json').read_text()
