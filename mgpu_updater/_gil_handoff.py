@@ -19,7 +19,11 @@ more hand-overs in the middle of a load it then waits for anyway.
 
 On a 2-core Intel Xeon VM, one replica, a dataset of Python work (17-21 ms a batch) and a
 compute of BLAS products (20 ms), the loader running ahead: a step took 1.81 times
-max(L, C) with 5 ms, 1.26-1.31 times with 0.2 ms (``bench/overlap.py``, three runs).
+max(L, C) with 5 ms, 1.26-1.31 times with 0.2 ms (``bench/overlap.py``, three runs); a
+plain thread loading beside that compute at 0.01 ms reached 1.21 (the bench's "a thread's
+best": every wait of the compute still ends with a wake-up). 0.1 and 0.05 ms would close
+part of the gap (1.19, 1.18), but where both threads run Python a loader running ahead
+then costs 7-13% more than at 0.2 ms, until ``prefetch='auto'``'s trial has chosen.
 Where both threads only run Python nothing overlaps and every hand-over costs: there
 loading ahead is slower than inline either way, and ``prefetch='auto'`` loads inline (its
 trial times loading ahead as it runs, with this interval; the bench's host-bound rows).
