@@ -44,6 +44,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -155,14 +156,19 @@ def _model(kind, args, cal):
                               compute_loops))
 
 
+def _optimizer(kind, args, cal):
+    """SGD set up on a new model for ``kind`` (the model is its ``target``)."""
+    optimizer = chainer.optimizers.SGD(0.01)
+    optimizer.setup(_model(kind, args, cal))
+    return optimizer
+
+
 def build(kind, n, args, cal, prefetch):
     """An updater over ``n`` replicas for ``kind``; its model and its iterators."""
     from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
     b = args.batch
     dataset = Dataset(4096, _kinds(kind)[0], args.load_ms / 1e3 / b, cal[0])
-    model = _model(kind, args, cal)
-    optimizer = chainer.optimizers.SGD(0.01)
-    optimizer.setup(model)
+    optimizer = _optimizer(kind, args, cal)
     extra = {}
     if kind == 'multiprocess':
         extra = dict(iterator_class=chainer.iterators.MultiprocessIterator, n_processes=2)
@@ -170,7 +176,7 @@ def build(kind, n, args, cal, prefetch):
     updater = ParallelAccumulatingUpdater(its if n > 1 else its[0], optimizer,
                                           devices=['@numpy'] * n, prefetch=prefetch,
                                           report_times=False)
-    return updater, model
+    return updater, optimizer.target
 
 
 def alone(kind, args, cal):
@@ -180,9 +186,8 @@ def alone(kind, args, cal):
     start = time.perf_counter()
     batch = chainer.dataset.concat_examples([dataset[i] for i in range(b)])
     load = time.perf_counter() - start
-    model = _model(kind, args, cal)
-    optimizer = chainer.optimizers.SGD(0.01)
-    optimizer.setup(model)
+    optimizer = _optimizer(kind, args, cal)
+    model = optimizer.target
     start = time.perf_counter()
     optimizer.update(model, *batch)
     return load, time.perf_counter() - start
@@ -191,13 +196,11 @@ def alone(kind, args, cal):
 def beside_thread(kind, args, cal):
     """C as in :func:`alone`, run while a plain thread loads batches of the ``kind``'s
     dataset without a pause, under a switch interval of :data:`BEST_INTERVAL`."""
-    import threading
     b = args.batch
     dataset = Dataset(b, _kinds(kind)[0], args.load_ms / 1e3 / b, cal[0])
     batch = chainer.dataset.concat_examples([dataset[i] for i in range(b)])
-    model = _model(kind, args, cal)
-    optimizer = chainer.optimizers.SGD(0.01)
-    optimizer.setup(model)
+    optimizer = _optimizer(kind, args, cal)
+    model = optimizer.target
     stop = threading.Event()
 
     def load():
