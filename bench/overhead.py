@@ -30,8 +30,8 @@ with a 95% bootstrap interval over the rounds:
   updates, the first ``--warm-untimed`` not timed), as in training, where a worker is
   never idle for long between updates. In turns of a few updates a worker starts each
   turn cold: it slept through the other methods' turns (a millisecond or more), and its
-  window then takes 0.9-1.1 ms where it takes 0.6 ms in a run of updates
-  (docs/performance.md); so does the lockstep floor's (``bench/two_replica_floor.py``).
+  window then takes 0.9-1.1 ms where it takes 0.6 ms in a run of updates (stamped as
+  ``bench/timeline.py`` stamps); so does the lockstep floor's (``bench/two_replica_floor.py``).
   Both rows are judged against the goal; the warm one is what training sees;
 - ``ours_n2 / standard_busy`` (for scale): against ``StandardUpdater`` while a second
   process runs the same updates on the other core, free-running: what two processes
