@@ -108,3 +108,18 @@ def test_a_long_window_of_the_master_is_no_stall():
         assert [w for w in record if issubclass(w.category, StallWarning)] == []
     finally:
         updater.finalize()
+
+
+def test_a_workers_stack_file_is_closed_when_it_exits(tmp_path):
+    # the worker keeps the file open for faulthandler; left to the collector at exit, it
+    # printed "ResourceWarning: unclosed file" into every run's output under -W always
+    import subprocess
+    import sys
+    path = tmp_path / 'replica1.txt'
+    done = subprocess.run(
+        [sys.executable, '-W', 'always::ResourceWarning', '-c',
+         'from mgpu_updater._local.stall import register_stack_dump; '
+         f'register_stack_dump({str(path)!r})'],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 'ResourceWarning' not in done.stderr, done.stderr

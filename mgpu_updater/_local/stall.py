@@ -101,9 +101,17 @@ def register_stack_dump(path: Optional[str]) -> None:
     """In a worker: dump every thread's stack into ``path`` on :data:`STACK_SIGNAL`."""
     if path is None:
         return
+    import atexit
     import faulthandler
     out = open(path, 'w')   # kept open for the process's life, as faulthandler needs
     faulthandler.register(STACK_SIGNAL, file=out, all_threads=True)
+    atexit.register(_release_stack_dump, out)   # closed at exit, not left to the collector
+
+
+def _release_stack_dump(out: Any) -> None:
+    import faulthandler
+    faulthandler.unregister(STACK_SIGNAL)
+    out.close()
 
 
 class StallWatch:
