@@ -525,6 +525,14 @@ class Replica:
         changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
         parts = [f'{label} {names}' for label, names in (
             ('new', added), ('removed', gone), ('reshaped or retyped', changed)) if names]
+        arrays = {name for name, _ in persistent_arrays(self.model)}
+        if added and set(added) <= arrays and not gone and not changed:
+            raise RuntimeError(
+                f'{self.name}: its model changed during its first update: the persistents '
+                f'{added} were None when the replicas were copied and became arrays in the '
+                'forward, where each replica gives them its own values and no update can '
+                'carry arrays it did not start with. Give them their arrays in __init__ '
+                "(self.add_persistent('buf', numpy.zeros(n, 'f')))")
         raise RuntimeError(
             f'{self.name}: its model changed during its first update '
             f'({"; ".join(parts)}). A link created inside forward (for example in '

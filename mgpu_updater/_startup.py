@@ -21,7 +21,8 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import chainer
 
 from . import _inherit, _loss_binding
-from ._chainer_private import call_converter
+from ._chainer_private import (call_converter, persistent_slots, persistent_value,
+                               set_persistent)
 from ._chunks import Chunking
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -80,7 +81,11 @@ def start(s: Settings) -> Started:
     loader = make_loader(s.iterator, s.converter, master_device, depth, gated, trial=trial,
                          load_here=reads_in_caller_safely(s.iterator))
     try:
-        initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter, master_device)
+        if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
+            # several replicas must start alike; one (stepping now) initialises them in
+            # its first window, as StandardUpdater does
+            initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter,
+                                   master_device)
         own_index = 0 if s.communicator is None else s.communicator.rank
         nominal = s.nominal_samples
         group: Group = SoloGroup(s.model)
@@ -165,28 +170,48 @@ def _local_group(s: Settings) -> LocalGroup:
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
                            iterator: Any, converter: Callable, device: Any) -> None:
     """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
-    with one forward pass on the master, in test mode, without backprop or reports,
-    so the replicas start identical and the running statistics stay untouched."""
+    with one forward pass on the master, in test mode, without backprop or reports, on a
+    batch of the iterator's size taken from the start of its dataset, so that the
+    replicas start identical; the model's persistents are set back after it (running
+    statistics, counters: the pass is no training step)."""
     if all(p.array is not None for p in model.params()):
         return
     dataset = getattr(iterator, 'dataset', None)
+    size = getattr(iterator, 'batch_size', 1) or 1
     if dataset is not None and len(dataset) > 0:
-        batch = [dataset[0]]
+        what = f'the first {min(size, len(dataset))} samples of the dataset'
+        batch = [dataset[i] for i in range(min(size, len(dataset)))]
     else:
+        what = 'the first batch of a copy of the iterator'
         batch = copy.deepcopy(iterator).next()
-    arrays = call_converter(converter, batch, device)
+    saved = [(owner, name, copy.deepcopy(persistent_value(owner, name)))
+             for _, owner, name in persistent_slots(model)
+             if persistent_value(owner, name) is not None]
     func = loss_func if loss_func is not None else model
     reporter = chainer.Reporter()   # what the model reports here is thrown away
     observers(reporter, model)
-    with chainer.using_config('train', False), chainer.no_backprop_mode(), \
-            reporter.scope({}):
-        if isinstance(arrays, tuple):
-            func(*arrays)
-        elif isinstance(arrays, dict):
-            func(**arrays)
-        else:
-            func(arrays)
+    try:
+        arrays = call_converter(converter, batch, device)
+        with chainer.using_config('train', False), chainer.no_backprop_mode(), \
+                reporter.scope({}):
+            if isinstance(arrays, tuple):
+                func(*arrays)
+            elif isinstance(arrays, dict):
+                func(**arrays)
+            else:
+                func(arrays)
+    except Exception as exc:
+        exc.add_note(f'(raised in the forward pass that initialises the lazy parameters '
+                     f'before the replicas are copied: test mode, no backprop, on {what}; '
+                     'give the links their input sizes, L.Linear(784, n), to skip it)')
+        raise
+    for owner, name, value in saved:
+        set_persistent(owner, name, value)
     missing = [name for name, p in model.namedparams() if p.array is None]
     if missing:
-        raise ValueError(f'parameters {missing} are still uninitialised after one forward '
-                         'pass; initialise them explicitly (give in_size) before training')
+        raise ValueError(
+            f'parameters {missing} are still uninitialised after the forward pass that '
+            f'initialises lazy parameters before the replicas are copied (test mode, '
+            f'chainer.config.train False, no backprop, on {what}): a link that only '
+            'training mode or some inputs reach is not called there. Give those links '
+            'their input sizes (L.Linear(784, n), not L.Linear(None, n))')

@@ -226,3 +226,66 @@ class SummedPrior(chainer.Chain):
 
     def forward(self, x, t):
         return self.inner(x, t) + 0.1 * F.sum(self.c)
+
+
+class TrainOnlyHead(chainer.Chain):
+    """``classifier(seed)`` with a lazy auxiliary head only training mode calls."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed)
+            self.aux = L.Linear(None, 2)
+
+    def forward(self, x, t):
+        loss = self.inner(x, t)
+        if chainer.config.train:
+            loss = loss + 0.1 * F.mean(self.aux(x) ** 2)
+        return loss
+
+
+class LazyPairs(chainer.Chain):
+    """A lazy model that compares the batch's even and odd samples: a batch of one
+    sample cannot go through it. It counts its calls in a persistent."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        np.random.seed(seed)
+        with self.init_scope():
+            self.l1 = L.Linear(None, 4)
+        self.add_persistent('calls', 0)
+
+    def forward(self, x, t):
+        self.calls += 1
+        h = self.l1(x)
+        return F.mean((h[0::2] - h[1::2]) ** 2) + 0.0 * F.sum(t.astype(np.float32))
+
+
+class LazyRaisesInTestMode(chainer.Chain):
+    """A lazy model whose forward cannot run in test mode."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, 3)
+
+    def forward(self, x, t):
+        if not chainer.config.train:
+            raise ValueError('this model trains only')
+        return F.softmax_cross_entropy(self.l1(x), t)
+
+
+class BufferInForward(chainer.Chain):
+    """``classifier(seed)`` with a persistent registered as None and made an array in its
+    first forward."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed)
+        self.add_persistent('buf', None)
+
+    def forward(self, x, t):
+        if self.buf is None:
+            self.buf = np.zeros(3, np.float32)
+        return self.inner(x, t)

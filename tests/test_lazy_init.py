@@ -1,0 +1,103 @@
+"""Lazy parameters (``L.Linear(None, n)``): initialised so that the replicas start alike,
+and otherwise as ``StandardUpdater`` initialises them.
+
+One replica has no copies to make: its first window initialises them, as
+``StandardUpdater``'s first update does (a link only training mode calls included).
+Several replicas need them before the copies: one forward pass on the master, in test
+mode, on a batch of the iterator's size from the start of its dataset, the model's
+persistents set back after it. What cannot go that way fails with an error that says so.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _models import (BufferInForward, LazyPairs, LazyRaisesInTestMode, TrainOnlyHead,
+                     dataset, params, setup_optimizer)
+
+B, UPDATES = 4, 2
+
+
+def _shards(n):
+    return [dataset(B * UPDATES, seed=70 + r) for r in range(n)]
+
+
+def _ours(model, devices):
+    optimizer = setup_optimizer('sgd', model)
+    its = [chainer.iterators.SerialIterator(d, B, shuffle=False)
+           for d in _shards(len(devices))]
+    return ParallelAccumulatingUpdater(its, optimizer, devices=devices)
+
+
+def _reference(model, n):
+    """StandardUpdater on the batches the n replicas' micro-batches make together."""
+    optimizer = setup_optimizer('sgd', model)
+    shards = _shards(n)
+    batches = sum([sum((d[i:i + B] for d in shards), []) for i in range(0, B * UPDATES, B)],
+                  [])
+    updater = StandardUpdater(chainer.iterators.SerialIterator(batches, n * B, shuffle=False),
+                              optimizer)
+    for _ in range(UPDATES):
+        updater.update()
+    return params(model)
+
+
+def _run(updater, n=UPDATES):
+    try:
+        for _ in range(n):
+            updater.update()
+    finally:
+        updater.finalize()
+
+
+def test_one_replica_initialises_a_training_only_link_as_standard_updater():
+    model, reference_model = TrainOnlyHead(), TrainOnlyHead()
+    updater = _ours(model, ['@numpy'])
+    np.random.seed(5)   # the lazy weights are drawn at the first forward
+    _run(updater)
+    np.random.seed(5)
+    reference = _reference(reference_model, 1)
+    for name, value in params(model).items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-6, err_msg=name)
+
+
+def test_two_replicas_say_why_a_training_only_link_stays_uninitialised():
+    updater = _ours(TrainOnlyHead(), ['@numpy', '@numpy'])
+    with pytest.raises(ValueError, match=r"\['/aux/W'\] are still uninitialised.*test mode.*"
+                                         r"on the first 4 samples.*input sizes"):
+        _run(updater, 1)
+
+
+def test_two_replicas_initialise_on_a_whole_batch_and_keep_the_persistents():
+    model = LazyPairs()
+    updater = _ours(model, ['@numpy', '@numpy'])
+    _run(updater, 1)
+    assert model.calls == 1   # the master's own call; the initialising pass is set back
+    model, reference_model = LazyPairs(), LazyPairs()
+    updater = _ours(model, ['@numpy', '@numpy'])
+    np.random.seed(5)   # the lazy weights are drawn at the first forward
+    _run(updater)
+    np.random.seed(5)
+    reference = _reference(reference_model, 2)
+    for name, value in params(model).items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-5, err_msg=name)
+
+
+def test_an_error_in_the_initialising_pass_says_where_it_came_from():
+    updater = _ours(LazyRaisesInTestMode(), ['@numpy', '@numpy'])
+    with pytest.raises(ValueError, match='this model trains only') as info:
+        _run(updater, 1)
+    assert any('forward pass that initialises the lazy parameters' in note
+               and 'test mode' in note for note in info.value.__notes__)
+
+
+def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
+    updater = _ours(BufferInForward(), ['@numpy', '@numpy'])
+    with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None when the "
+                                           r"replicas were copied"):
+        _run(updater, 1)
