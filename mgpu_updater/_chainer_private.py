@@ -12,7 +12,7 @@ and that no other module of the package uses these names.
 | `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
 | `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
-| `link._persistent`, `link.__dict__` | _flat_buffers | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
+| `link._persistent`, `link.__dict__` | _flat_buffers, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `order_sampler._random` | _checkpoint | chainer/iterators/order_samplers.py:56, 59 | none (e) |
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
@@ -45,7 +45,7 @@ shims of ``_compat.py`` (a stub ``numpy.distutils``, ``numpy.sctypes``,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import numpy
 
@@ -161,6 +161,12 @@ def persistent_slots(link: chainer.Link) -> List[Tuple[str, chainer.Link, str]]:
     caller that keeps this list reads the current values without walking the links again."""
     return [((f'{path}/{name}' if path != '/' else f'/{name}'), sub, name)
             for path, sub in link.namedlinks() for name in sorted(sub._persistent)]
+
+
+def persistent_names(link: chainer.Link) -> FrozenSet[str]:
+    """The names of the persistent values of ``link`` itself (``link._persistent``, see
+    :func:`named_persistents`)."""
+    return frozenset(link._persistent)
 
 
 def persistent_value(link: chainer.Link, name: str) -> Any:

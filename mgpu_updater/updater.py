@@ -22,6 +22,7 @@ from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, scale_gradients, with_graph
 from ._restarts import RestartLog
+from ._unsent_state import UnsentState
 from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
@@ -258,6 +259,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self.nonfinite == 'raise' and (len(self._devices) > 1 or communicator is not None
                                            or not _late_check.defers(self._devices[0])))
         self._late = _late_check.LateCheck()
+        #: with worker processes: the plain values of the model and loss_func that they
+        #: never receive, watched between updates (_unsent_state); else None
+        self._unsent: Optional[UnsentState] = None
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
@@ -355,6 +359,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # ... with one whole micro-batch per update: StandardUpdater's update (_update_direct)
         self._direct = self._alone and self._replica.direct
         self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
+        if len(self._devices) > 1 and self._communicator is None:
+            self._unsent = UnsentState({'model': self._optimizer.target,
+                                        'loss_func': self.loss_func})
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
@@ -385,6 +392,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._direct:
             self._update_direct(optimizer, loss_scale)
             return
+        unsent = self._unsent
+        if unsent is not None and unsent.due():
+            unsent.at_begin()   # now and then, between updates (_unsent_state)
         t0 = clock()
         if self._alone:
             parity = None
@@ -398,6 +408,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             with self._window_threads:
                 own = self._replica.run_window(loss_scale)
         t2 = clock()
+        if unsent is not None and unsent.watching:
+            unsent.after_window()
+            t2 = clock()
         if self._alone:
             # One device, stepping now: nothing to reduce, and the gradient is the model's
             # already; the step of ImmediateStep and SoloGroup, without their calls.
@@ -638,6 +651,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         in_flight = sys.exc_info()[1] is not None
         found: Optional[tuple] = None
         failed: Optional[BaseException] = None
+        unsent, self._unsent = self._unsent, None
+        if unsent is not None and not in_flight:
+            unsent.finish()   # a check in progress, or a run shorter than their interval
         try:
             found = self._late.take()
         except Exception as exc:  # noqa: BLE001 - the copy never came: release all first

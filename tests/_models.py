@@ -228,6 +228,27 @@ class SummedPrior(chainer.Chain):
         return self.inner(x, t) + 0.1 * F.sum(self.c)
 
 
+class Annealed(chainer.Chain):
+    """``classifier(seed)`` plus a penalty whose weight ``beta`` an extension anneals
+    between updates: a plain attribute (``persistent=False``), which the workers' copies
+    never receive, or a persistent, which every update sends. The forward also sets an
+    attribute once, the same on every replica (``shape``)."""
+
+    def __init__(self, seed=0, persistent=False):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed)
+        if persistent:
+            self.add_persistent('beta', 0.0)
+        else:
+            self.beta = 0.0
+        self.shape = None
+
+    def forward(self, x, t):
+        self.shape = tuple(x.shape[1:])
+        return self.inner(x, t) + self.beta * F.mean(self.inner.predictor.l2.W ** 2)
+
+
 class TrainOnlyHead(chainer.Chain):
     """``classifier(seed)`` with a lazy auxiliary head only training mode calls."""
 

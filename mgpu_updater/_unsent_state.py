@@ -1,0 +1,250 @@
+"""What the workers' copies never receive: plain values of the model and ``loss_func``.
+
+Each worker unpickles the model and the loss function once, when it starts; after that
+every update sends it the parameters and the persistents, and nothing else. A plain value
+that the master's copy holds and that changes during training stays on each worker as it
+was: an attribute an extension anneals (``model.beta = ...``), a mask edited in place, a
+value a ``loss_func`` closure reads (``state['beta']``, an optimizer's ``t``). The replicas
+then compute with different values, where ``StandardUpdater``'s one model would see the
+change; nothing fails, the training is just different.
+
+:class:`UnsentState` makes that loud. It collects every plain value (numbers, strings,
+None, numpy arrays) reachable from the model and ``loss_func`` the way the workers'
+payload pickled them (:func:`mgpu_updater._pickle_path.parts`), leaving out what every
+update sends (parameters, which are Variables, and persistents), Variables (a forward's
+results) and Chainer's own bookkeeping (the private attributes of its classes: a link
+hook's scratch vectors). It takes them after the master's first window, then, now and then,
+at the start of an update, after its window and at the start of the next: what the window
+changed is the forward's, which every replica does to its own copy (a counter of calls),
+and is never named; what changed otherwise since the last look changed between updates,
+and is named in a warning, once per value, with the fix (a persistent of the model, which
+every update sends).
+
+A walk costs milliseconds for a large model (5 ms for ResNet-50 on a 2-core VM); a check
+is three of them, at updates 2 and 3 and then at most every :data:`INTERVAL` seconds and
+at most :data:`COST_SHARE` of the time between checks; the other updates read a clock.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import chainer
+import numpy
+
+from ._chainer_private import named_persistents, persistent_names
+from ._pickle_path import parts
+
+INTERVAL = 2.0        # seconds between two walks, at least
+COST_SHARE = 0.01     # a walk takes at most this share of the time since the last one
+MAX_NODES = 20000     # objects gone into per walk; the rest is not watched
+MAX_DEPTH = 30
+ARRAY_BYTES = 16 << 20   # numpy arrays copied per walk; beyond, compared by id, shape, dtype
+
+_PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+class UnsentState:
+    """The plain values of ``roots`` (name -> object: the master's model, its loss
+    function) that the workers' copies do not receive, watched between updates.
+
+    The updater calls :meth:`after_window` after each of the master's windows where
+    :attr:`watching`, and :meth:`at_begin` at the start of each update where :meth:`due`.
+    A check walks three times: at the start of an update M, after its window, and at the
+    start of update M+1. A value the window M changed is the forward's (a counter of
+    calls, each replica's own): never named. One that changed between window M and
+    update M+1, or since the last check without window M changing it, changed between
+    updates: named. The first check runs at once, at updates 2 and 3; then at most every
+    :data:`INTERVAL` seconds; :meth:`finish`, when the updater is finalized, ends one in
+    progress or looks once more."""
+
+    def __init__(self, roots: Dict[str, Any], clock: Any = time.monotonic) -> None:
+        self.roots = {name: obj for name, obj in roots.items() if obj is not None}
+        self._clock = clock
+        self._last: Optional[Dict[str, Any]] = None      # as the last check left it
+        self._begun: Optional[Dict[str, Any]] = None     # at the start of update M
+        self._windowed: Optional[Dict[str, Any]] = None  # after its window
+        self._cost = 0.0
+        self._next = -math.inf
+        #: paths a window changes (the forward's), never named
+        self.forward: set = set()
+        #: paths already warned about (each is named once)
+        self.named: List[str] = []
+
+    @property
+    def watching(self) -> bool:
+        """Whether the next window's end is walked (the first, or a check's)."""
+        return self._last is None or (self._begun is not None and self._windowed is None)
+
+    def due(self) -> bool:
+        """Whether the start of this update is walked (a clock read at most)."""
+        return self._last is not None and (self._begun is not None
+                                           or self._clock() >= self._next)
+
+    def after_window(self) -> None:
+        if self._last is None:   # the first: what every replica holds from now on
+            self._last, self._cost = self._walk()
+        else:
+            self._windowed, cost = self._walk()
+            self._cost += cost
+
+    def at_begin(self) -> None:
+        if self._begun is None or self._windowed is None:
+            self._begun, self._cost = self._walk()   # (again, if no window ran since)
+            self._windowed = None
+            return
+        self._conclude(stacklevel=4)
+
+    def finish(self) -> None:
+        """The updater is finalized: end the check in progress, or look once more (a value
+        the forward changes is then told apart only if an earlier check saw it)."""
+        if self._last is None:
+            return
+        if self._begun is None or self._windowed is None:
+            self._begun = self._windowed = None
+            now, _ = self._walk()
+            self._report(self._changed(self._last, now), 'during training', stacklevel=4)
+            return
+        self._conclude('during training', stacklevel=4)
+
+    def _conclude(self, when: str = 'between updates', stacklevel: int = 3) -> None:
+        now, cost = self._walk()
+        last, begun, windowed = self._last, self._begun, self._windowed
+        self.forward.update(self._changed(begun, windowed))
+        changed = dict(self._changed(last, begun))
+        changed.update(self._changed(windowed, now))
+        for path in list(changed):
+            if path in self.forward:
+                del changed[path]
+        self._last, self._begun, self._windowed = now, None, None
+        self._next = self._clock() + max(INTERVAL, (self._cost + cost) / COST_SHARE)
+        self._report({p: (last.get(p, v[0]), now.get(p, v[1])) for p, v in changed.items()},
+                     when, stacklevel)
+
+    def _changed(self, before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
+        """path -> (before, after) of the values that differ (both there, not named)."""
+        named = self.named
+        return {path: (before[path], value) for path, value in after.items()
+                if path in before and path not in named and path not in self.forward
+                and not _same(before[path], value)}
+
+    def _report(self, changed: Dict[str, Any], when: str, stacklevel: int) -> None:
+        if changed:
+            self.named.extend(changed)
+            listed = [(path, old, new) for path, (old, new) in changed.items()]
+            warnings.warn(_message(listed, when), RuntimeWarning, stacklevel=stacklevel)
+
+    def _walk(self) -> Tuple[Dict[str, Any], float]:
+        start = time.perf_counter()
+        out: Dict[str, Any] = {}
+        skip = _sent_every_update(self.roots)
+        seen: set = set()
+        budget = [ARRAY_BYTES]
+        stack: List[Tuple[str, Any, int]] = [(name, obj, 0)
+                                            for name, obj in reversed(self.roots.items())]
+        nodes = 0
+        while stack and nodes < MAX_NODES:
+            path, obj, depth = stack.pop()
+            kind = type(obj)
+            if kind in _PLAIN:
+                out[path] = obj
+                continue
+            if id(obj) in skip or isinstance(obj, chainer.Variable):
+                continue
+            if kind is numpy.ndarray:
+                out[path] = _array_value(obj, budget)
+                continue
+            if isinstance(obj, numpy.generic):
+                out[path] = obj.item()
+                continue
+            if id(obj) in seen or depth >= MAX_DEPTH:
+                continue
+            seen.add(id(obj))
+            nodes += 1
+            # a link's persistents are sent every update; Chainer's own bookkeeping is no
+            # value a forward reads from the user
+            skip = (_LINK_INTERNALS | persistent_names(obj)) \
+                if isinstance(obj, chainer.Link) else frozenset()
+            private = _of_chainer(kind)
+            found = []
+            try:
+                for label, part in parts(obj):
+                    if label[1:] in skip or (private and label.startswith('._')):
+                        continue
+                    found.append((path + label, part, depth + 1))
+            except Exception:  # noqa: BLE001 - what cannot be taken apart is not watched
+                continue
+            stack.extend(reversed(found))
+        return out, time.perf_counter() - start
+
+
+#: what Chainer's Link, Chain and ChainList keep of their own (their parameters and
+#: children are walked as what they are; their hooks hold a forward's scratch values)
+_LINK_INTERNALS = frozenset(
+    set(vars(chainer.Chain())) | set(vars(chainer.ChainList())) | {'_local_link_hooks'})
+
+
+def _of_chainer(kind: type) -> bool:
+    """Whether ``kind`` is Chainer's own (its private attributes are its bookkeeping:
+    a link hook's scratch vectors, an optimizer's hook table)."""
+    module = getattr(kind, '__module__', '') or ''
+    return module == 'chainer' or module.startswith('chainer.')
+
+
+def _sent_every_update(roots: Dict[str, Any]) -> set:
+    """ids of what every update sends: the persistents' values of every link reached
+    from a root that is a link (parameters are Variables, left out anyway)."""
+    out = set()
+    for obj in roots.values():
+        if isinstance(obj, chainer.Link):
+            for _, value in named_persistents(obj):
+                if value is not None and type(value) not in _PLAIN:
+                    out.add(id(value))
+    return out
+
+
+def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
+    if array.nbytes <= budget[0]:
+        budget[0] -= array.nbytes
+        return array.copy()
+    return ('array', id(array), array.shape, array.dtype.str)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if type(a) is numpy.ndarray:
+        return a.shape == b.shape and a.dtype == b.dtype and bool(
+            numpy.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
+    if type(a) is float and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an odd __eq__: count it as the same
+        return True
+
+
+def _short(value: Any) -> str:
+    if type(value) is numpy.ndarray:
+        return f'an array {value.shape} {value.dtype}'
+    if type(value) is tuple and value and value[0] == 'array':
+        return f'an array {value[2]}'
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + '...'
+
+
+def _message(changed: List[Tuple[str, Any, Any]], when: str) -> str:
+    listed = '; '.join(f'{path}: {_short(old)} -> {_short(new)}'
+                       for path, old, new in changed[:5])
+    more = f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''
+    return (f'values held by the master\'s model or loss_func changed {when}, and the '
+            f'worker processes do not receive them: {listed}{more}. Each worker unpickled '
+            'the model and loss_func once, at its start; every update sends it only the '
+            'parameters and the persistents, so its replica still holds what it started '
+            'with (or what its own forward made of it). If the forward or the loss reads '
+            'such a value (a coefficient an extension anneals, a mask), the replicas now '
+            'compute with different values: keep it in a persistent of a link of the model '
+            '(self.add_persistent(\'beta\', 0.0) in __init__, then model.beta = ...), '
+            'which every update sends to every replica. (Named once per value.)')

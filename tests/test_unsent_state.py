@@ -1,0 +1,170 @@
+"""Plain values of the model and loss_func that the workers never receive: named, not silent.
+
+Each worker unpickles the model and ``loss_func`` once; every update sends it only the
+parameters and the persistents. A plain value the master's copy holds and that changes
+during training (an annealed coefficient, a mask, a closure's dict) would leave the
+replicas computing with different values. ``_unsent_state`` warns, naming the value and
+the fix; what every update sends, and what a first forward sets alike on every replica,
+is not named.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer import training
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater import _unsent_state
+from mgpu_updater._unsent_state import UnsentState
+
+from _models import Annealed, dataset, params, setup_optimizer
+
+
+def _caught(call):
+    """The message of the one RuntimeWarning ``call()`` gives ('' for none)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        call()
+    named = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(named) <= 1
+    return named[0] if named else ''
+
+
+def _update(watch, forward=lambda: None):
+    """One update as the updater drives the watch; the warning's message, or ''."""
+    def run():
+        if watch.due():
+            watch.at_begin()
+        forward()
+        if watch.watching:
+            watch.after_window()
+    return _caught(run)
+
+
+def _calls(model):
+    def forward():
+        model.calls += 1   # a forward's own count, as each replica keeps one
+    return forward
+
+
+def test_a_plain_attribute_changed_between_updates_is_named_once_with_the_fix():
+    model = Annealed()
+    model.calls = 0
+    watch = UnsentState({'model': model})
+    forward = _calls(model)
+    assert _update(watch, forward) == ''    # the first window: what every replica holds
+    model.beta = 0.5                        # an extension, between updates 1 and 2
+    assert _update(watch, forward) == ''    # update 2: the check begins
+    message = _update(watch, forward)       # update 3: it ends, naming what changed
+    assert 'changed between updates' in message and 'model.beta: 0.0 -> 0.5' in message
+    assert "add_persistent('beta'" in message
+    assert 'model.calls' not in message     # the forward's: each replica counts its own
+    assert watch.forward == {'model.calls'}
+    model.beta = 0.25                       # named once
+    assert _caught(watch.finish) == ''
+    assert watch.named == ['model.beta']
+
+
+def test_a_change_between_the_windows_of_a_check_is_named_too():
+    model = Annealed()
+    watch = UnsentState({'model': model})
+    _update(watch)
+    _update(watch)                          # update 2: the check begins
+    model.beta = 1.0                        # between updates 2 and 3
+    assert 'model.beta: 0.0 -> 1.0' in _update(watch)
+
+
+def test_what_every_update_sends_is_not_named():
+    model = Annealed(persistent=True)
+    link = model.inner.predictor
+    link.add_persistent('mean', np.zeros(3, np.float32))
+    watch = UnsentState({'model': model})
+    _update(watch)
+    model.beta = 2.0                        # a persistent scalar
+    link.mean[...] = 1.0                    # a persistent array, in place
+    link.l1.W.array[...] = 3.0              # a parameter
+    model.shape = model.shape               # the same value
+    assert _update(watch) == '' and _update(watch) == ''
+    assert _caught(watch.finish) == ''
+
+
+def test_an_array_edited_in_place_and_a_closure_value_are_named_by_path():
+    model = Annealed()
+    model.mask = np.ones(4, np.float32)
+    state = {'beta': 1.0}
+
+    def loss_func(x, t):
+        return model(x, t) * state['beta']
+
+    watch = UnsentState({'model': model, 'loss_func': loss_func})
+    _update(watch)
+    model.mask[0] = 0.0
+    state['beta'] = 2.0
+    message = _caught(watch.finish)         # a run of one update: named when finalized
+    assert 'changed during training' in message
+    assert 'model.mask: an array (4,) float32 -> an array (4,) float32' in message
+    assert "loss_func.state['beta']: 1.0 -> 2.0" in message
+
+
+def test_after_the_first_check_the_next_is_due_after_the_interval():
+    now = [100.0]
+    watch = UnsentState({'model': Annealed()}, clock=lambda: now[0])
+    assert not watch.due()                  # nothing before the first window
+    for _ in range(3):                      # the first window, then the first check
+        _update(watch)
+    assert not watch.due()
+    now[0] += _unsent_state.INTERVAL - 0.01
+    assert not watch.due()
+    now[0] += 0.02
+    assert watch.due()
+
+
+def _train(devices, persistent, extension=True):
+    model = Annealed(seed=0, persistent=persistent)
+    optimizer = setup_optimizer('sgd', model)
+    shards = [dataset(16, seed=3 + r) for r in range(2)]
+    if devices is None:   # each batch: the two replicas' micro-batches of the update
+        batches = [shards[0][i:i + 4] + shards[1][i:i + 4] for i in range(0, 16, 4)]
+        updater = StandardUpdater(
+            chainer.iterators.SerialIterator(sum(batches, []), 8, shuffle=False), optimizer)
+    else:
+        its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in shards]
+        updater = ParallelAccumulatingUpdater(its, optimizer, devices=devices)
+    trainer = training.Trainer(updater, (4, 'iteration'), out='unused')
+    if extension:
+        trainer.extend(lambda t: setattr(model, 'beta', 0.5 * t.updater.iteration),
+                       trigger=(1, 'iteration'))
+    trainer.run()
+    return params(model)
+
+
+def test_two_replicas_name_an_attribute_an_extension_anneals():
+    with pytest.warns(RuntimeWarning, match=r"between updates, and the worker processes do not receive them: model\.beta"):
+        _train(['@numpy', '@numpy'], persistent=False)
+
+
+def test_two_replicas_train_a_persistent_an_extension_anneals_as_standard_updater():
+    # warnings are errors here: a warning fails the test
+    ours = _train(['@numpy', '@numpy'], persistent=True)
+    reference = _train(None, persistent=True)
+    for name in reference:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+def test_one_replica_has_no_workers_to_watch():
+    model = Annealed()
+    optimizer = setup_optimizer('sgd', model)
+    updater = ParallelAccumulatingUpdater(
+        chainer.iterators.SerialIterator(dataset(16, seed=3), 4), optimizer,
+        devices=['@numpy'])
+    updater.update()
+    assert updater._unsent is None
+    model.beta = 1.0
+    updater.update()
+    updater.finalize()
