@@ -37,7 +37,7 @@ import numpy
 from ._chainer_private import named_persistents, persistent_names
 from ._pickle_path import parts
 
-INTERVAL = 2.0        # seconds between two walks, at least
+INTERVAL = 10.0       # seconds between two checks, at least (a change stays: found later)
 COST_SHARE = 0.01     # a walk takes at most this share of the time since the last one
 MAX_NODES = 20000     # objects gone into per walk; the rest is not watched
 MAX_DEPTH = 30
