@@ -168,3 +168,17 @@ def test_one_replica_has_no_workers_to_watch():
     model.beta = 1.0
     updater.update()
     updater.finalize()
+
+
+def test_a_dataset_or_a_long_list_a_closure_holds_is_not_gone_through():
+    model = Annealed()
+    samples = [(np.zeros(3, np.float32), 1) for _ in range(_unsent_state.MAX_ITEMS + 1)]
+    data = chainer.datasets.TupleDataset(np.zeros((50, 4), np.float32),
+                                         np.zeros(50, np.int32))
+
+    def loss_func(x, t):
+        return model(x, t) + 0 * len(samples) + 0 * len(data)
+
+    snapshot, _ = UnsentState({'model': model, 'loss_func': loss_func})._walk()
+    assert snapshot['loss_func.samples'] == ('list', _unsent_state.MAX_ITEMS + 1)
+    assert not [path for path in snapshot if path.startswith('loss_func.data')]
