@@ -144,7 +144,9 @@ def _train(devices, persistent, extension=True):
 
 
 def test_two_replicas_name_an_attribute_an_extension_anneals():
-    with pytest.warns(RuntimeWarning, match=r"between updates, and the worker processes do not receive them: model\.beta"):
+    with pytest.warns(RuntimeWarning,
+                      match=r"between updates, and the worker processes do not receive "
+                            r"them: model\.beta"):
         _train(['@numpy', '@numpy'], persistent=False)
 
 
