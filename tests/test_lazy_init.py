@@ -55,15 +55,19 @@ def _run(updater, n=UPDATES):
         updater.finalize()
 
 
-def test_one_replica_initialises_a_training_only_link_as_standard_updater():
-    model, reference_model = TrainOnlyHead(), TrainOnlyHead()
-    updater = _ours(model, ['@numpy'])
+def _trains_as_standard_updater(make, devices, rtol):
+    model, reference_model = make(), make()
+    updater = _ours(model, devices)
     np.random.seed(5)   # the lazy weights are drawn at the first forward
     _run(updater)
     np.random.seed(5)
-    reference = _reference(reference_model, 1)
+    reference = _reference(reference_model, len(devices))
     for name, value in params(model).items():
-        np.testing.assert_allclose(value, reference[name], rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(value, reference[name], rtol=rtol, err_msg=name)
+
+
+def test_one_replica_initialises_a_training_only_link_as_standard_updater():
+    _trains_as_standard_updater(TrainOnlyHead, ['@numpy'], rtol=1e-6)
 
 
 def test_two_replicas_say_why_a_training_only_link_stays_uninitialised():
@@ -78,14 +82,7 @@ def test_two_replicas_initialise_on_a_whole_batch_and_keep_the_persistents():
     updater = _ours(model, ['@numpy', '@numpy'])
     _run(updater, 1)
     assert model.calls == 1   # the master's own call; the initialising pass is set back
-    model, reference_model = LazyPairs(), LazyPairs()
-    updater = _ours(model, ['@numpy', '@numpy'])
-    np.random.seed(5)   # the lazy weights are drawn at the first forward
-    _run(updater)
-    np.random.seed(5)
-    reference = _reference(reference_model, 2)
-    for name, value in params(model).items():
-        np.testing.assert_allclose(value, reference[name], rtol=1e-5, err_msg=name)
+    _trains_as_standard_updater(LazyPairs, ['@numpy', '@numpy'], rtol=1e-5)
 
 
 def test_an_error_in_the_initialising_pass_says_where_it_came_from():
