@@ -1,25 +1,27 @@
-"""What the workers' copies never receive: plain values of the model and ``loss_func``.
+"""What the workers' copies never receive: plain values of the model, ``loss_func`` and
+the converter.
 
-Each worker unpickles the model and the loss function once, when it starts; after that
-every update sends it the parameters and the persistents, and nothing else. A plain value
-that the master's copy holds and that changes during training stays on each worker as it
-was: an attribute an extension anneals (``model.beta = ...``), a mask edited in place, a
-value a ``loss_func`` closure reads (``state['beta']``, an optimizer's ``t``). The replicas
-then compute with different values, where ``StandardUpdater``'s one model would see the
-change; nothing fails, the training is just different.
+Each worker unpickles the model, the loss function and the converter once, when it starts;
+after that every update sends it the parameters and the persistents, and nothing else. A
+plain value that the master's copy holds and that changes during training stays on each
+worker as it was: an attribute an extension anneals (``model.beta = ...``), a mask edited in
+place, a value a ``loss_func`` closure reads (``state['beta']``, an optimizer's ``t``), a
+converter's setting that a curriculum raises. The replicas then compute with different
+values, where ``StandardUpdater``'s one model would see the change; nothing fails, the
+training is just different.
 
 :class:`UnsentState` makes that loud. It collects every plain value (numbers, strings,
-None, numpy arrays) reachable from the model and ``loss_func`` the way the workers'
-payload pickled them (:func:`mgpu_updater._pickle_path.parts`), leaving out what every
-update sends (parameters, which are Variables, and persistents), Variables (a forward's
-results), Chainer's own bookkeeping (the private attributes of its classes: a link hook's
-scratch vectors), Chainer's datasets and iterators, and what lies inside a container of
-more than :data:`MAX_ITEMS` items (its length counts). It takes them after the master's
-first window, then, now and then, at the start of an update, after its window and at the
-start of the next: what the window changed is the forward's, which every replica does to
-its own copy (a counter of calls), and is never named; what changed otherwise since the
-last look changed between updates, and is named in a warning, once per value, with the
-fix (a persistent of the model, which every update sends).
+None, numpy arrays) reachable from them the way the workers' payload pickled them
+(:func:`mgpu_updater._pickle_path.parts`), leaving out what every update sends
+(parameters, which are Variables, and persistents), Variables (a forward's results),
+Chainer's own bookkeeping (the private attributes of its classes: a link hook's scratch
+vectors), Chainer's datasets and iterators, and what lies inside a container of more than
+:data:`MAX_ITEMS` items (its length counts). It takes them after the master's first
+window, then, now and then, at the start of an update, after its window and at the start
+of the next: what the window changed is the forward's, which every replica does to its
+own copy (a counter of calls), and is never named; what changed otherwise since the last
+look changed between updates, and is named in a warning, once per value, with the fix (a
+persistent of the model, which every update sends).
 
 A walk costs milliseconds for a large model (5 ms for ResNet-50 on a 2-core VM); a check
 is three of them, at updates 2 and 3 and then at most every :data:`INTERVAL` seconds and
@@ -253,12 +255,13 @@ def _message(changed: List[Tuple[str, Any, Any]], when: str) -> str:
     listed = '; '.join(f'{path}: {_short(old)} -> {_short(new)}'
                        for path, old, new in changed[:5])
     more = f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''
-    return (f'values held by the master\'s model or loss_func changed {when}, and the '
-            f'worker processes do not receive them: {listed}{more}. Each worker unpickled '
-            'the model and loss_func once, at its start; every update sends it only the '
-            'parameters and the persistents, so its replica still holds what it started '
-            'with (or what its own forward made of it). If the forward or the loss reads '
-            'such a value (a coefficient an extension anneals, a mask), the replicas now '
-            'compute with different values: keep it in a persistent of a link of the model '
-            '(self.add_persistent(\'beta\', 0.0) in __init__, then model.beta = ...), '
-            'which every update sends to every replica. (Named once per value.)')
+    return (f'values held by the master\'s model, loss_func or converter changed {when}, '
+            f'and the worker processes do not receive them: {listed}{more}. Each worker '
+            'unpickled the model, loss_func and converter once, at its start; every update '
+            'sends it only the parameters and the persistents, so its replica still holds '
+            'what it started with (or what its own forward made of it). If the forward or '
+            'the loss reads such a value (a coefficient an extension anneals, a mask), the '
+            'replicas now compute with different values: keep it in a persistent of a link '
+            'of the model (self.add_persistent(\'beta\', 0.0) in __init__, then '
+            'model.beta = ...), which every update sends to every replica. (Named once per '
+            'value.)')

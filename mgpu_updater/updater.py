@@ -259,8 +259,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self.nonfinite == 'raise' and (len(self._devices) > 1 or communicator is not None
                                            or not _late_check.defers(self._devices[0])))
         self._late = _late_check.LateCheck()
-        #: with worker processes: the plain values of the model and loss_func that they
-        #: never receive, watched between updates (_unsent_state); else None
+        #: with worker processes: the plain values of the model, loss_func and converter
+        #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
@@ -361,7 +361,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
         if len(self._devices) > 1 and self._communicator is None:
             self._unsent = UnsentState({'model': self._optimizer.target,
-                                        'loss_func': self.loss_func})
+                                        'loss_func': self.loss_func,
+                                        'converter': self.converter})
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,

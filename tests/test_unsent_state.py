@@ -1,10 +1,10 @@
-"""Plain values of the model and loss_func that the workers never receive: named, not silent.
+"""Plain values of the model, loss_func and converter that the workers never receive: named.
 
-Each worker unpickles the model and ``loss_func`` once; every update sends it only the
-parameters and the persistents. A plain value the master's copy holds and that changes
-during training (an annealed coefficient, a mask, a closure's dict) would leave the
-replicas computing with different values. ``_unsent_state`` warns, naming the value and
-the fix; what every update sends, and what a first forward sets alike on every replica,
+Each worker unpickles the model, ``loss_func`` and the converter once; every update sends
+it only the parameters and the persistents. A plain value the master's copy holds and
+that changes during training (an annealed coefficient, a mask, a closure's dict) would
+leave the replicas computing with different values. ``_unsent_state`` warns, naming the
+value and the fix; what every update sends, and what a forward changes on every replica,
 is not named.
 """
 from __future__ import annotations
@@ -184,3 +184,21 @@ def test_a_dataset_or_a_long_list_a_closure_holds_is_not_gone_through():
     snapshot, _ = UnsentState({'model': model, 'loss_func': loss_func})._walk()
     assert snapshot['loss_func.samples'] == ('list', _unsent_state.MAX_ITEMS + 1)
     assert not [path for path in snapshot if path.startswith('loss_func.data')]
+
+
+class _Curriculum:
+    """A converter whose setting an extension raises (a curriculum)."""
+
+    def __init__(self):
+        self.noise = 0.0
+
+    def __call__(self, batch, device=None):
+        return chainer.dataset.concat_examples(batch, device)
+
+
+def test_a_converters_setting_is_named_too():
+    converter = _Curriculum()
+    watch = UnsentState({'model': Annealed(), 'converter': converter})
+    _update(watch)
+    converter.noise = 0.1
+    assert 'converter.noise: 0.0 -> 0.1' in _caught(watch.finish)
