@@ -164,6 +164,9 @@ class UnsentState:
             if isinstance(obj, numpy.generic):
                 out[path] = obj.item()
                 continue
+            if isinstance(obj, chainer.get_array_types()):   # on a device: not read here
+                out[path] = ('array', id(obj), tuple(obj.shape), str(obj.dtype))
+                continue
             if id(obj) in seen or depth >= MAX_DEPTH:
                 continue
             if _is_data(obj):
@@ -193,7 +196,8 @@ class UnsentState:
 #: what Chainer's Link, Chain and ChainList keep of their own (their parameters and
 #: children are walked as what they are; their hooks hold a forward's scratch values)
 _LINK_INTERNALS = frozenset(
-    set(vars(chainer.Chain())) | set(vars(chainer.ChainList())) | {'_local_link_hooks'})
+    set(vars(chainer.Chain())) | set(vars(chainer.ChainList()))
+    | {'_local_link_hooks', '_device'})
 
 
 def _is_data(obj: Any) -> bool:

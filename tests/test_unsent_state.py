@@ -202,3 +202,19 @@ def test_a_converters_setting_is_named_too():
     _update(watch)
     converter.noise = 0.1
     assert 'converter.noise: 0.0 -> 0.1' in _caught(watch.finish)
+
+
+class _DeviceArray:
+    """Stands for a GPU array: reducing it (what pickling does) would read it on the host."""
+    shape, dtype = (2, 3), 'float32'
+
+    def __reduce__(self):
+        raise AssertionError('a device array was read on the host')
+
+
+def test_a_device_array_is_compared_by_identity_shape_and_dtype_without_a_read(monkeypatch):
+    monkeypatch.setattr(chainer, 'get_array_types', lambda: (np.ndarray, _DeviceArray))
+    model = Annealed()
+    model.mask = _DeviceArray()
+    snapshot, _ = UnsentState({'model': model})._walk()
+    assert snapshot['model.mask'] == ('array', id(model.mask), (2, 3), 'float32')
