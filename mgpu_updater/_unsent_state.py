@@ -144,7 +144,7 @@ class UnsentState:
     def _walk(self) -> Tuple[Dict[str, Any], float]:
         start = time.perf_counter()
         out: Dict[str, Any] = {}
-        skip = _sent_every_update(self.roots)
+        sent = _sent_every_update(self.roots)   # ids of the persistents' values
         seen: set = set()
         budget = [ARRAY_BYTES]
         stack: List[Tuple[str, Any, int]] = [(name, obj, 0)
@@ -156,7 +156,7 @@ class UnsentState:
             if kind in _PLAIN:
                 out[path] = obj
                 continue
-            if id(obj) in skip or isinstance(obj, chainer.Variable):
+            if id(obj) in sent or isinstance(obj, chainer.Variable):
                 continue
             if kind is numpy.ndarray:
                 out[path] = _array_value(obj, budget)
@@ -178,13 +178,13 @@ class UnsentState:
             nodes += 1
             # a link's persistents are sent every update; Chainer's own bookkeeping is no
             # value a forward reads from the user
-            skip = (_LINK_INTERNALS | persistent_names(obj)) \
+            names = (_LINK_INTERNALS | persistent_names(obj)) \
                 if isinstance(obj, chainer.Link) else frozenset()
             private = _of_chainer(kind)
             found = []
             try:
                 for label, part in parts(obj):
-                    if label[1:] in skip or (private and label.startswith('._')):
+                    if label[1:] in names or (private and label.startswith('._')):
                         continue
                     found.append((path + label, part, depth + 1))
             except Exception:  # noqa: BLE001 - what cannot be taken apart is not watched

@@ -83,10 +83,11 @@ def test_what_every_update_sends_is_not_named():
     model = Annealed(persistent=True)
     link = model.inner.predictor
     link.add_persistent('mean', np.zeros(3, np.float32))
+    model.alias = link.mean                 # the same array, held where no link says so
     watch = UnsentState({'model': model})
     _update(watch)
     model.beta = 2.0                        # a persistent scalar
-    link.mean[...] = 1.0                    # a persistent array, in place
+    link.mean[...] = 1.0                    # a persistent array, in place (and the alias)
     link.l1.W.array[...] = 3.0              # a parameter
     model.shape = model.shape               # the same value
     assert _update(watch) == '' and _update(watch) == ''
