@@ -653,8 +653,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         found: Optional[tuple] = None
         failed: Optional[BaseException] = None
         unsent, self._unsent = self._unsent, None
-        if unsent is not None and not in_flight:
-            unsent.finish()   # a check in progress, or a run shorter than their interval
         try:
             found = self._late.take()
         except Exception as exc:  # noqa: BLE001 - the copy never came: release all first
@@ -667,6 +665,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
                     pass
+        if unsent is not None and not in_flight and failed is None:
+            # a check in progress, or a run shorter than their interval: after the
+            # release, so that a warning turned into an error (-W error) leaves nothing
+            unsent.finish()
         if failed is not None and not in_flight:
             raise failed
         if found is not None:

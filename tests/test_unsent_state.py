@@ -9,6 +9,7 @@ is not named.
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -219,3 +220,20 @@ def test_a_device_array_is_compared_by_identity_shape_and_dtype_without_a_read(m
     model.mask = _DeviceArray()
     snapshot, _ = UnsentState({'model': model})._walk()
     assert snapshot['model.mask'] == ('array', id(model.mask), (2, 3), 'float32')
+
+
+def test_a_warning_made_an_error_at_finalize_leaves_no_worker_behind():
+    model = Annealed()
+    optimizer = setup_optimizer('sgd', model)
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=3 + r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    updater.update()
+    pids = updater.worker_pids()
+    model.beta = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        with pytest.raises(RuntimeWarning, match='do not receive them'):
+            updater.finalize()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
