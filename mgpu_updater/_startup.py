@@ -184,9 +184,10 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     else:
         what = 'the first batch of a copy of the iterator'
         batch = copy.deepcopy(iterator).next()
-    saved = [(owner, name, copy.deepcopy(persistent_value(owner, name)))
-             for _, owner, name in persistent_slots(model)
-             if persistent_value(owner, name) is not None]
+    values = [(owner, name, persistent_value(owner, name))
+              for _, owner, name in persistent_slots(model)]
+    saved = [(owner, name, copy.deepcopy(value)) for owner, name, value in values
+             if value is not None]
     func = loss_func if loss_func is not None else model
     reporter = chainer.Reporter()   # what the model reports here is thrown away
     observers(reporter, model)

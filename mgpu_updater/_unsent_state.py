@@ -117,12 +117,9 @@ class UnsentState:
     def _conclude(self, when: str = 'between updates', stacklevel: int = 3) -> None:
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
-        self.forward.update(self._changed(begun, windowed))
+        self.forward.update(self._changed(begun, windowed))   # left out of both below
         changed = dict(self._changed(last, begun))
         changed.update(self._changed(windowed, now))
-        for path in list(changed):
-            if path in self.forward:
-                del changed[path]
         self._last, self._begun, self._windowed = now, None, None
         self._next = self._clock() + max(INTERVAL, (self._cost + cost) / COST_SHARE)
         self._report({p: (last.get(p, v[0]), now.get(p, v[1])) for p, v in changed.items()},
