@@ -329,12 +329,17 @@ ANCHOR_SECONDS = 75.0                        # kept for the anchor out of the NC
 
 def run_nccl(args: argparse.Namespace, budget: float) -> Dict[str, Any]:
     """The section ``nccl_ranks_on_one_gpu``: the tests through the test mode, then the
-    anchor; on a dry run the plumbing on the stand-in, and "skipped" for the GPU."""
+    anchor; on a dry run the plumbing on the stand-in, and "skipped" for the GPU. The
+    tests' report and JUnit files live in a scratch folder, removed when it is read."""
+    with tempfile.TemporaryDirectory(prefix='mgpu-nccl-check-') as scratch:
+        return _run_nccl(args, budget, scratch)
+
+
+def _run_nccl(args: argparse.Namespace, budget: float, scratch: str) -> Dict[str, Any]:
     t0 = time.monotonic()
     out: Dict[str, Any] = {'ranks': [2, 3], 'ok': False, 'tests_passed': 0,
                            'tests_skipped': 0, 'tests_failed': 0,
                            'max_param_diff_vs_standard': None, 'ours_over_mpu_time': None}
-    scratch = tempfile.mkdtemp(prefix='mgpu-nccl-check-')
     report_file = os.path.join(scratch, 'comparisons.jsonl')
     xml = os.path.join(scratch, 'nccl.xml')
     env = _child_env()

@@ -20,3 +20,9 @@ def gone_within(pids, seconds):
             return True
         time.sleep(0.05)
     return False
+
+
+#: The environment for a child that runs MPI as a singleton (one rank, no ``mpiexec``).
+#: Such a rank talks to itself only; Open MPI's shared-memory transport, loaded all the
+#: same, leaves its segment (``/dev/shm/sm_segment.*``) behind when the child exits.
+SINGLETON_MPI_ENV = dict(os.environ, OMPI_MCA_btl='self')

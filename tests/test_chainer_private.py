@@ -36,6 +36,8 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import _chainer_private as private
 
+from _processes import SINGLETON_MPI_ENV
+
 PACKAGE = Path(private.__file__).parent
 SITE = Path(chainer.__file__).parent.parent   # where chainer/ and chainermn/ are installed
 
@@ -475,7 +477,7 @@ _NCCL_PIN = textwrap.dedent('''
 def test_chainermn_nccl_comm_is_made_once_by_init_comms():
     # A fresh interpreter: importing ChainerMN initialises MPI, not in the test process.
     done = subprocess.run([sys.executable, '-c', _NCCL_PIN], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=SINGLETON_MPI_ENV)
     assert done.returncode == 0 and done.stdout.strip() == 'ok', done.stderr
 
 

@@ -21,6 +21,7 @@ import mgpu_updater
 from mgpu_updater import NonFiniteLossError, ParallelAccumulatingUpdater
 
 from _models import run_updates
+from _processes import SINGLETON_MPI_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
 import faulty  # noqa: E402
@@ -575,7 +576,7 @@ updater.finalize()
 print('trained', updater.iteration)
 '''
     done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=SINGLETON_MPI_ENV)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == 'trained 1'
 
