@@ -114,6 +114,19 @@ def _release_stack_dump(out: Any) -> None:
     out.close()
 
 
+def remove_stack_file(path: Optional[str]) -> None:
+    """In a worker whose master is gone (killed: it removes nothing then): this worker's
+    stack file, and the folder once it is empty. Each worker removes its own file before
+    it tries the folder, so the last of them to try removes it."""
+    if path is None:
+        return
+    for remove, target in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(target)
+        except OSError:   # gone already, or another worker's file is still there
+            pass
+
+
 class StallWatch:
     """The master's watch over its waits for the workers within one update.
 

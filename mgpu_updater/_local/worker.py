@@ -160,8 +160,10 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
 
     def orphaned() -> None:
         from ..comm.shm import unlink_quietly
+        from .stall import remove_stack_file
         for name in shm_names:
             unlink_quietly(name)
+        remove_stack_file(stack_file)
 
     master_gone = _watch_parent(parent_pid, orphaned)
     replica = comm = init = None

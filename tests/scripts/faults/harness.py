@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,12 @@ def main():
         problems.append(f'shared memory left: {report["segments_left"]}')
         for name in report['segments_left']:
             os.unlink('/dev/shm/' + name)
+    folders = set((ready or {}).get('folders', [])) | set((result or {}).get('folders', []))
+    report['folders_left'] = sorted(f for f in folders if os.path.exists(f))
+    if report['folders_left']:
+        problems.append(f'folders left: {report["folders_left"]}')
+        for folder in report['folders_left']:
+            shutil.rmtree(folder, ignore_errors=True)
     check(args.scenario, signum, report, result, problems)
     report['problems'] = problems
     print('HARNESS', json.dumps(report), flush=True)

@@ -60,7 +60,23 @@ TRACEBACK_MARK = {'forward': 'in forward', 'backward': 'in backward',
 
 
 def emit(tag, payload):
+    if tag in ('READY', 'RESULT'):
+        payload = dict(payload, folders=sorted(FOLDERS))
     print(tag, json.dumps(payload), flush=True)
+
+
+FOLDERS = []   # the folders the updater made here (its workers' stack files)
+
+
+def spy_folders():
+    """Record the folder of every :class:`StackFiles` this process makes."""
+    from mgpu_updater._local import stall
+    base = stall.StackFiles.__init__
+
+    def init(self):
+        base(self)
+        FOLDERS.append(self.folder)
+    stall.StackFiles.__init__ = init
 
 
 def spy_segments():
@@ -319,6 +335,7 @@ def main():
     # then leaves it so; the master_sigint scenarios would test the launcher, not us
     signal.signal(signal.SIGINT, signal.default_int_handler)
     created = spy_segments()
+    spy_folders()
     if args.scenario == 'serve':
         serve(args, created)
     elif args.scenario in RESTARTS:
