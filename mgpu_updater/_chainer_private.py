@@ -14,7 +14,8 @@ and that no other module of the package uses these names.
 | `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
 | `link._persistent`, `link.__dict__` | _flat_buffers, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
-| `order_sampler._random` | _checkpoint | chainer/iterators/order_samplers.py:56, 59 | none (e) |
+| `MultithreadIterator._state`, `._previous_epoch_detail` | _checkpoint | chainer/iterators/multithread_iterator.py:76-77, 124-137, 159-160 | none (d) |
+| `order_sampler._random` | _checkpoint, _payload | chainer/iterators/order_samplers.py:56, 59 | none (e) |
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
@@ -26,7 +27,8 @@ and that no other module of the package uses these names.
 the master, but pipelined and empty-window updates still need the write. (b)
 ``StandardUpdater`` itself calls it (chainer/training/updaters/standard_updater.py:246).
 (c) ChainerMN makes the same reach (chainermn/extensions/allreduce_persistent.py:5-10).
-(d) Its ``serialize`` and ``__getstate__`` reset the worker pool. (e) Only the sampler's
+(d) Their ``serialize`` drops what they loaded ahead; ``MultiprocessIterator``'s
+``__getstate__`` resets its worker pool too. (e) Only the sampler's
 ``random_state`` argument. (f) ``chainer.config.show()`` prints the same names, as text.
 (g) ``check_cuda_available`` raises with its text. (h) Made by ``enable_final``, importable
 by no name. (i) Their constructors take these, nothing reads them back; indexing a
@@ -205,6 +207,27 @@ def multiprocess_iterator_state(it: chainer.iterators.MultiprocessIterator) -> D
     return {'current_position': state.current_position, 'epoch': state.epoch,
             'is_new_epoch': state.is_new_epoch,
             'order': None if state.order is None else state.order.copy(),
+            'previous_epoch_detail': it._previous_epoch_detail}
+
+
+def multithread_iterator_state(it: chainer.iterators.MultithreadIterator) -> Dict[str, Any]:
+    """What ``it.serialize`` would write (the same keys and values), read without side
+    effects: ``current_position``, ``epoch``, ``is_new_epoch``, ``_order`` (a copy, or
+    None when it does not shuffle) and ``previous_epoch_detail`` (-1. before the first
+    batch).
+
+    Its ``serialize`` (chainer/iterators/multithread_iterator.py:124-137) drops the batch
+    it loads ahead (``self._next = None``, :137), so that its next ``next()`` reads that
+    batch again and, at the end of an epoch, draws the next epoch's order again
+    (``_invoke_prefetch``, :144-156): called before every batch, it read each example
+    twice and shuffled differently from the iterator left alone. This reads what it
+    keeps instead: ``_state`` and ``_previous_epoch_detail``, set on every batch (:159-160)
+    and by ``reset`` (:76-77).
+    """
+    state = it._state
+    return {'current_position': state.current_position, 'epoch': state.epoch,
+            'is_new_epoch': state.is_new_epoch,
+            '_order': None if state.order is None else state.order.copy(),
             'previous_epoch_detail': it._previous_epoch_detail}
 
 

@@ -16,7 +16,8 @@ import numpy
 import chainer
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
-from ._chainer_private import multiprocess_iterator_state, order_sampler_rng
+from ._chainer_private import (multiprocess_iterator_state, multithread_iterator_state,
+                               order_sampler_rng)
 
 
 class _Copying(DictionarySerializer):
@@ -74,11 +75,14 @@ def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
 
 
 def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
+    # Their serialize() discards what they loaded ahead (MultiprocessIterator's resets its
+    # worker pool too); read the same keys it would write instead (the order copied).
     if isinstance(iterator, chainer.iterators.MultiprocessIterator):
-        # Its serialize() resets its worker pool (discarding what it prefetched); read
-        # the same keys it would write instead (the order comes copied).
         return {key: numpy.asarray(value)
                 for key, value in multiprocess_iterator_state(iterator).items()}
+    if isinstance(iterator, chainer.iterators.MultithreadIterator):
+        return {key: numpy.asarray(value)
+                for key, value in multithread_iterator_state(iterator).items()}
     target: Dict[str, numpy.ndarray] = {}
     iterator.serialize(_Copying(target))
     return target

@@ -67,6 +67,9 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/datasets/tuple_dataset.py', '41-48'):
         'batches = [dataset[index] for dataset in self._datasets]',
     ('chainer/device_resident.py', '29'): 'class DeviceResident(utils.enable_final(',
+    ('chainer/iterators/multithread_iterator.py', '76-77'): 'self._previous_epoch_detail = -1.',
+    ('chainer/iterators/multithread_iterator.py', '124-137'): 'self._next = None',
+    ('chainer/iterators/multithread_iterator.py', '159-160'): 'self._state = self._next_state',
     ('chainer/iterators/multiprocess_iterator.py', '157-158'): 'self._state = state',
     ('chainer/iterators/multiprocess_iterator.py', '216-238'): 'def serialize(self, serializer)',
     ('chainer/iterators/multiprocess_iterator.py', '253'):
@@ -412,6 +415,31 @@ def test_multiprocess_state_copies_the_order_and_reads_one_without_shuffling():
     finally:
         it.finalize()
         unshuffled.finalize()
+
+
+def test_multithread_serialize_drops_its_batch_ahead_and_the_state_read_does_not():
+    it = chainer.iterators.MultithreadIterator(list(range(6)), 2, n_threads=1)
+    unshuffled = chainer.iterators.MultithreadIterator(list(range(6)), 2, shuffle=False)
+    try:
+        for _ in range(4):   # into the second epoch
+            it.next()
+        ahead = it._next
+        state = private.multithread_iterator_state(it)
+        assert ahead is not None and it._next is ahead
+        assert state['_order'] is not it._state.order
+        serializer = _Writes()
+        it.serialize(serializer)
+        assert it._next is None   # chainer/iterators/multithread_iterator.py:137
+        unshuffled.next()
+        assert private.multithread_iterator_state(unshuffled)['_order'] is None
+    finally:
+        it.finalize()
+        unshuffled.finalize()
+    assert set(state) == set(serializer.written)
+    for key, value in serializer.written.items():
+        np.testing.assert_array_equal(state[key], value, err_msg=key)
+    assert state['epoch'] == 1 and state['current_position'] == 2
+    assert state['previous_epoch_detail'] == pytest.approx(1.0)
 
 
 def test_multiprocess_pickle_state_is_what_getstate_returns():

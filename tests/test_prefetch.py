@@ -194,6 +194,67 @@ def test_works_with_multiprocess_iterator():
         updater.finalize()
 
 
+class _Counted(chainer.dataset.DatasetMixin):
+    """A dataset that counts its reads."""
+
+    def __init__(self, base):
+        self.base, self.reads = base, 0
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        self.reads += 1
+        return self.base[i]
+
+
+def _multithread(data, seed=5):
+    return chainer.iterators.MultithreadIterator(
+        data, 3, n_threads=2,
+        order_sampler=chainer.iterators.ShuffleOrderSampler(np.random.RandomState(seed)))
+
+
+def test_capturing_a_multithread_iterators_state_leaves_its_batches_and_reads_alone():
+    """Its serialize drops the batch it loaded ahead (Chainer's MultithreadIterator): the
+    loader, which captures the state before every batch it loads, read each example
+    twice and drew the next epoch's order twice."""
+    data = dataset(10, seed=2)
+    runs = []
+    for capture in (False, True):
+        counted = _Counted(data)
+        it = _multithread(counted)
+        seen = []
+        try:
+            for _ in range(12):   # into the fourth epoch
+                if capture:
+                    capture_state(it)
+                seen.append([float(x[0]) for x, _ in it.next()])
+        finally:
+            it.finalize()
+        runs.append((seen, counted.reads))
+    assert runs[1] == runs[0]
+
+
+@pytest.mark.parametrize('prefetch', [2, 'auto'])
+def test_one_device_with_a_multithread_iterator_is_standard_updater(prefetch):
+    model, reference_model = classifier(seed=4), classifier(seed=4)
+    reference = chainer.training.updaters.StandardUpdater(
+        _multithread(dataset(10, seed=3)), setup_optimizer('sgd', reference_model))
+    updater = ParallelAccumulatingUpdater(_multithread(dataset(10, seed=3)),
+                                          setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=prefetch)
+    try:
+        for _ in range(20):
+            reference.update()
+            updater.update()
+    finally:
+        updater.finalize()
+        reference.finalize()
+    for (name, ours), (_, theirs) in zip(sorted(model.namedparams()),
+                                         sorted(reference_model.namedparams())):
+        np.testing.assert_array_equal(ours.array, theirs.array, err_msg=name)
+
+
 class _GatedDataset(chainer.dataset.DatasetMixin):
     """Example 0 loads at once; every later example waits for ``gate``."""
 
