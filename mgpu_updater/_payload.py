@@ -27,7 +27,8 @@ Pickling never changes the user's objects. ``MultiprocessIterator.__getstate__``
 (Chainer 7.8.1 ``chainer/iterators/multiprocess_iterator.py:266-288``: its ``serialize``
 call resets ``current_position``, ``epoch`` and ``is_new_epoch`` to None on the original,
 and it fails outright without an order, i.e. ``shuffle=False``); it is reduced here from
-its attributes into the very state that method would return, read without side effects.
+its attributes into the very state that method would return, read without side effects;
+its generator, which Chainer's ``__setstate__`` draws from, is put back after it.
 """
 from __future__ import annotations
 
@@ -42,10 +43,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import chainer
 import cloudpickle
+import numpy
 from chainer.device_resident import DeviceResident
 from chainer.iterators import MultiprocessIterator
 
-from ._chainer_private import LINK_METACLASS, multiprocess_iterator_pickle_state
+from ._chainer_private import (LINK_METACLASS, multiprocess_iterator_pickle_state,
+                               order_sampler_rng)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -113,9 +116,23 @@ def _import_module(name: str) -> types.ModuleType:
 
 
 def _reduce_multiprocess_iterator(it: MultiprocessIterator) -> Tuple[Any, ...]:
-    """``(copyreg.__newobj__, (cls,), state)``; unpickling calls Chainer's own
-    ``__setstate__`` (``multiprocess_iterator.py:290-298``) with ``state``."""
-    return copyreg.__newobj__, (type(it),), multiprocess_iterator_pickle_state(it)
+    """``(copyreg.__newobj__, (cls,), state, None, None, setter)``: unpickling calls
+    :func:`_set_multiprocess_iterator_state`, which calls Chainer's own ``__setstate__``
+    (``multiprocess_iterator.py:290-298``) and then puts the order sampler's generator
+    back where it was when pickled: that ``__setstate__`` calls ``reset()``
+    (``_initialize_loop``, :133-135), which draws an order it then replaces (:240-245), so
+    that the copy would shuffle its next epochs as the original's later ones."""
+    rng = order_sampler_rng(it)
+    rng_state = rng.get_state() if isinstance(rng, numpy.random.RandomState) else None
+    return (copyreg.__newobj__, (type(it),), (multiprocess_iterator_pickle_state(it), rng_state),
+            None, None, _set_multiprocess_iterator_state)
+
+
+def _set_multiprocess_iterator_state(it: MultiprocessIterator, state: Tuple[Any, Any]) -> None:
+    pickle_state, rng_state = state
+    it.__setstate__(pickle_state)
+    if rng_state is not None:
+        order_sampler_rng(it).set_state(rng_state)
 
 
 def _same(obj: Any) -> Any:

@@ -68,6 +68,24 @@ def test_construction_and_start_leave_the_users_iterators_untouched():
         updater.finalize()
 
 
+def test_the_copy_a_worker_gets_shuffles_its_next_epochs_as_the_original():
+    """Chainer's __setstate__ calls reset(), which draws an order from the sampler's
+    generator: the copy shuffled its second epoch as the original its third."""
+    def make():
+        return MultiprocessIterator(dataset(8, seed=0), 4, n_processes=1,
+                                    order_sampler=chainer.iterators.ShuffleOrderSampler(
+                                        np.random.RandomState(7)))
+    original = make()
+    copy = pickle.loads(_payload.dumps(make()))
+    try:
+        orders = [[float(x[0]) for _ in range(8) for x, _ in it.next()]
+                  for it in (original, copy)]
+    finally:
+        original.finalize()
+        copy.finalize()
+    assert orders[1] == orders[0]
+
+
 def test_two_replicas_match_standard_updater():
     n, b, k, updates = 2, 4, 2, 3
     datasets = [dataset(b * k * updates, seed=10 + r) for r in range(n)]
