@@ -7,12 +7,19 @@ of leaked segments.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+
+from _models import classifier, dataset, setup_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / 'tests' / 'scripts' / 'dropped_updater.py'
@@ -55,3 +62,36 @@ def test_an_exit_without_finalize_leaves_no_process_no_segment_and_no_warning():
     assert [s for s in segments if os.path.exists('/dev/shm/' + s)] == []
     assert 'resource_tracker' not in proc.stderr and 'leaked' not in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def _descriptors_of_removed_segments():
+    """This process's open descriptors of ``mgpu_`` segments that were unlinked."""
+    found = []
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            target = os.readlink(f'/proc/self/fd/{fd}')
+        except OSError:
+            continue
+        if target.startswith('/dev/shm/mgpu_') and target.endswith('(deleted)'):
+            found.append(target)
+    return sorted(found)
+
+
+@pytest.mark.parametrize('how', ['finalize', 'drop'])
+def test_updater_after_updater_leaves_no_descriptor_of_a_removed_segment(how):
+    """The model keeps views of the segments after its updater is gone (its arrays live
+    there); the descriptors must not stay with them, nor the memory after the model."""
+    before = _descriptors_of_removed_segments()
+    models = []
+    for _ in range(2):
+        model = classifier(seed=0)
+        models.append(model)
+        updater = ParallelAccumulatingUpdater(
+            shard_iterators(dataset(16, seed=0), 2, 4), setup_optimizer('sgd', model),
+            devices=['@numpy'] * 2)
+        updater.update()
+        if how == 'finalize':
+            updater.finalize()
+        del updater
+        gc.collect()
+    assert _descriptors_of_removed_segments() == before
