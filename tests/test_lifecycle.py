@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -40,6 +42,14 @@ def echo_payload(conn, parent_pid, shm_names, default_method, stack_file=None):
     payload = conn.recv_bytes()
     conn.send(('ready', len(payload)))
     conn.recv()   # ('stop',)
+
+
+def busy_in_a_long_window(conn, parent_pid, shm_names, default_method, stack_file=None):
+    """Ready at once, then deaf to the Stop for a minute (a worker in a long window)."""
+    conn.send(('hello',))
+    conn.recv_bytes()
+    conn.send(('ready', 0))
+    time.sleep(60)
 
 
 def _close_timed(pool):
@@ -92,3 +102,25 @@ def test_payloads_far_above_the_pipe_buffer_arrive_whole():
         pool.close()
     assert ready == {1: 8 << 20, 2: 5}
     assert multiprocessing.active_children() == []
+
+
+def test_a_second_ctrl_c_while_close_waits_kills_the_workers_and_is_raised():
+    """Ctrl-C, then Ctrl-C again while the shutdown waits for a worker still in its
+    window: the pool counts as closed from the start of close(), so had the second
+    interrupt ended it there, nothing would stop that worker and the interpreter's exit
+    would wait for it."""
+    pool = WorkerPool(DEVICES[:2], 'spawn')
+    pool.start(busy_in_a_long_window, {1: b''}, [], timeout=60)
+    pids = pool.pids()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.close()   # in its 3 s wait for the Stop to be answered at 0.5 s
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 2.5
+    assert multiprocessing.active_children() == []
+    assert not any(_running(p) for p in pids)
+    pool.close()   # twice is fine

@@ -484,14 +484,25 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - dead already; reaped below
                 pass
         ranks = self.ranks
-        for step, wait in (('ask', ASK_TIMEOUT), ('terminate', TERMINATE_TIMEOUT),
-                           ('kill', KILL_TIMEOUT)):
-            if step != 'ask':
-                for r in ranks:
-                    if not self._exited(r):
-                        getattr(self._procs[r], step)()
-            if not self._wait_exit(ranks, time.monotonic() + wait):
-                break
+        interrupted: Optional[BaseException] = None
+        try:
+            for step, wait in (('ask', ASK_TIMEOUT), ('terminate', TERMINATE_TIMEOUT),
+                               ('kill', KILL_TIMEOUT)):
+                if step != 'ask':
+                    for r in ranks:
+                        if not self._exited(r):
+                            getattr(self._procs[r], step)()
+                if not self._wait_exit(ranks, time.monotonic() + wait):
+                    break
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            # A second Ctrl-C in a wait (a worker busy in a long window does not answer
+            # the Stop at once): this pool is closed already, so nothing would ever stop
+            # that worker, and the interpreter's exit would wait for it. Kill, clean up,
+            # then raise it.
+            interrupted = exc
+            for r in ranks:
+                if not self._exited(r):
+                    self._procs[r].kill()
         # Not reaped yet (a zombie keeps its pid), so each group id is still that worker's.
         for r in ranks:
             _kill_group(self._procs[r].pid)
@@ -508,6 +519,8 @@ class WorkerPool:
         self._conns.clear()
         self._exits.clear()
         self._stacks.close()
+        if interrupted is not None:
+            raise interrupted
 
     def _exited(self, rank: int) -> bool:
         """Whether that worker has exited, without reaping it."""
