@@ -57,3 +57,33 @@ def test_no_main_guard_forkserver():
     error = re.search(r'^ERROR (.*)$', proc.stdout, re.M).group(1)
     assert "the script needs `if __name__ == '__main__':`" in error
     assert "(start method 'forkserver')" in error
+
+
+GUARDED_FROM_STDIN = '''
+import numpy, chainer, chainer.links as L
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, shard_iterators
+
+if __name__ == '__main__':
+    data = chainer.datasets.TupleDataset(numpy.zeros((8, 4), numpy.float32),
+                                         numpy.zeros(8, numpy.int32))
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(L.Classifier(L.Linear(4, 3)))
+    try:
+        ParallelAccumulatingUpdater(shard_iterators(data, 2, 4), optimizer,
+                                    devices=['@numpy', '@numpy']).update()
+    except WorkerError as exc:
+        print('ERROR', str(exc).replace(chr(10), ' '))
+'''
+
+
+def test_a_script_read_from_stdin_is_told_to_be_a_file():
+    """``python - < script.py``: the script has its guard, but a spawned worker cannot
+    import a main module that has no file; the error says that, not to add a guard."""
+    proc = subprocess.run([sys.executable, '-'], input=GUARDED_FROM_STDIN, capture_output=True,
+                          text=True, timeout=HARD_TIMEOUT, cwd=str(ROOT),
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    error = re.search(r'^ERROR (.*)$', proc.stdout, re.M)
+    assert error, proc.stderr[-3000:]
+    assert "the main module has no file to import ('<stdin>'" in error.group(1)
+    assert 'Save the script to a file' in error.group(1)
+    assert '__main__' not in error.group(1)

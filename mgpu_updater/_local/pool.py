@@ -458,9 +458,20 @@ class WorkerPool:
         """A worker died before its first message: while importing the main module."""
         proc = self._procs[rank]
         proc.join(0.5)
+        main_file = getattr(sys.modules.get('__main__'), '__file__', None)
         if proc.exitcode == MAIN_GUARD_EXIT:
             what = (f'the worker process (pid {proc.pid}) re-ran the training code while '
                     f'importing {_main_module()} and stopped')
+        elif isinstance(main_file, str) and not os.path.exists(main_file):
+            # ``python - < script.py``: __file__ is '<stdin>', which spawn then runs as a
+            # path (multiprocessing/spawn.py, _fixup_main_from_path) and fails
+            raise WorkerError(
+                f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
+                f'before it started: the main module has no file to import ({main_file!r}; '
+                'a script read from standard input?), and a worker started by '
+                f'{self._start_method!r} imports the main module from its file. Save the '
+                'script to a file and run that (python script.py)',
+                replica=rank, device=str(self._devices[rank]), exitcode=proc.exitcode)
         else:
             what = (f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
                     f'before it started, while importing {_main_module()} or mgpu_updater '
