@@ -198,6 +198,24 @@ def save_iterators(serializer: Any, main_state: Dict[str, numpy.ndarray],
 
 
 def load_iterators(serializer: Any, main: Any, worker_iterators: List[Any]) -> None:
+    """Every replica's iterator from ``iterator:main`` and ``iterator:replica<rank>``.
+
+    The master holds the workers' iterators too, and where they shuffle with one
+    generator (numpy's global one: Chainer's default ``ShuffleOrderSampler()``), that one
+    object cannot hold each process's state: the worker's copies drew apart from the
+    master's wherever the shards' epochs end at different updates, and loading each into
+    the shared object left the last replica's state for all (the master's next order was
+    a worker's). So a worker's iterator whose ``ShuffleOrderSampler`` draws from a
+    generator an earlier replica's draws from gets a sampler with a generator of its own
+    first, which its saved state then fills; the worker gets that one.
+    """
     load_state(main, serializer['iterator:main'])
+    taken = {id(order_sampler_rng(main))}
     for rank, it in enumerate(worker_iterators, start=1):
+        rng = order_sampler_rng(it)
+        if (isinstance(rng, numpy.random.RandomState) and id(rng) in taken
+                and type(it.order_sampler) is chainer.iterators.ShuffleOrderSampler):
+            it.order_sampler = chainer.iterators.ShuffleOrderSampler(
+                numpy.random.RandomState())
         load_state(it, serializer[f'iterator:replica{rank}'])
+        taken.add(id(order_sampler_rng(it)))
