@@ -123,14 +123,18 @@ def _reduce_multiprocess_iterator(it: MultiprocessIterator) -> Tuple[Any, ...]:
     (``_initialize_loop``, :133-135), which draws an order it then replaces (:240-245), so
     that the copy would shuffle its next epochs as the original's later ones."""
     rng = order_sampler_rng(it)
-    rng_state = rng.get_state() if isinstance(rng, numpy.random.RandomState) else None
-    return (copyreg.__newobj__, (type(it),), (multiprocess_iterator_pickle_state(it), rng_state),
-            None, None, _set_multiprocess_iterator_state)
+    state = multiprocess_iterator_pickle_state(it)
+    state[_ORDER_RNG] = rng.get_state() if isinstance(rng, numpy.random.RandomState) else None
+    return copyreg.__newobj__, (type(it),), state, None, None, _set_multiprocess_iterator_state
 
 
-def _set_multiprocess_iterator_state(it: MultiprocessIterator, state: Tuple[Any, Any]) -> None:
-    pickle_state, rng_state = state
-    it.__setstate__(pickle_state)
+_ORDER_RNG = 'mgpu_updater order_sampler_rng'   # a key of ours in the state: no name of its
+
+
+def _set_multiprocess_iterator_state(it: MultiprocessIterator, state: Dict[str, Any]) -> None:
+    state = dict(state)
+    rng_state = state.pop(_ORDER_RNG)
+    it.__setstate__(state)
     if rng_state is not None:
         order_sampler_rng(it).set_state(rng_state)
 

@@ -183,3 +183,31 @@ def test_the_walk_leaves_the_objects_as_they_were():
     culprit = _pickle_path.find(model, 'model')
     assert culprit.path == 'model.guard' and culprit.obj is model.guard
     assert all(np.array_equal(p.array, before[name]) for name, p in model.namedparams())
+
+
+class _LockedDataset(chainer.dataset.DatasetMixin):
+    def __init__(self):
+        self.guard = threading.Lock()
+
+    def __len__(self):
+        return 8
+
+    def get_example(self, i):
+        return np.zeros(5, np.float32), np.int32(0)
+
+
+def test_a_multiprocess_iterators_dataset_is_named_through_its_attributes():
+    """MultiprocessIterator is pickled from its attributes (and its generator's state,
+    in a key of ours): the path goes through them, not through that state."""
+    its = [chainer.iterators.MultiprocessIterator(_LockedDataset(), 4, n_processes=1)
+           for _ in range(2)]
+    optimizer = chainer.optimizers.SGD(0.1)
+    optimizer.setup(classifier())
+    try:
+        with pytest.raises(TypeError, match=r"the culprit is iterators\[1\]\.init\['dataset'\]"
+                                            r"\.guard \(<unlocked _thread\.lock"):
+            ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    finally:
+        for it in its:
+            it.finalize()
+    assert multiprocessing.active_children() == []
