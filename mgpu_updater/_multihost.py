@@ -8,8 +8,9 @@ and its own shard of the data. Per update:
    allreduce per dtype) and sums the gradients over the ranks (one allreduce per dtype), in
    the order :func:`mgpu_updater._local.protocol.collective_order` declares (``across_hosts``),
    then gathers every rank's small :class:`~mgpu_updater._replica.WindowResult` (counts,
-   losses, reports) together with the collectives it issued: every rank checks that all
-   issued the same sequence, and raises
+   losses, reports) together with the collectives it issued, and rank 0's other
+   persistents (integer arrays, non-array values), which every rank takes: every rank
+   checks that all issued the same sequence, and raises
    :class:`~mgpu_updater.comm.base.CollectiveOrderError` alike if not (no extra message);
 3. every rank's optimizer then steps on the same summed gradient.
 
@@ -55,15 +56,19 @@ class MpiGroup(Group):
             the global nominal samples per update, which every rank's replica divides by.
     """
 
-    def __init__(self, communicator: Any, model: chainer.Link, local_weight: float) -> None:
+    def __init__(self, communicator: Any, model: chainer.Link, local_weight: float,
+                 settings: Optional[Dict[str, Any]] = None) -> None:
         self.model = model
         self.layouts = ModelLayouts(model)
         self.comm = MpiCommunicator(communicator, self.layouts.spec(), model.device)
         self.size = self.comm.size
         self.rank = self.comm.rank
         self._warned_epochs = False
+        # array persistents that are not averaged (integer, bool): rank 0's, every update
+        self._kept = [name for name, array in self.layouts.index.persistent_arrays()
+                      if numpy.dtype(array.dtype).kind != 'f']
         try:
-            weights = self._agree(float(local_weight))
+            weights = self._agree(float(local_weight), settings or {})
             self.nominal_samples = float(sum(weights))
             self._broadcast_state()
         except BaseException:
@@ -71,18 +76,30 @@ class MpiGroup(Group):
             raise
         self._order = collective_order(self.layouts, across_hosts=True)
 
-    def _agree(self, local_weight: float) -> List[float]:
-        """Check that every rank has the same model layout; return every rank's weight.
-        Every rank sees the same gathered list, so every rank raises alike."""
+    def _agree(self, local_weight: float, settings: Dict[str, Any]) -> List[float]:
+        """Check that every rank has the same model layout and the same ``settings`` (the
+        updater's arguments that decide the result: a rank that normalised, reduced or
+        applied its gradient otherwise would train apart, silently); return every rank's
+        weight. Every rank sees the same gathered list, so every rank raises alike."""
         mine = (self.layouts.spec(), [n for n, _ in self.model.namedparams()])
-        gathered = self.comm.allgather_obj((mine, local_weight))
-        for rank, (theirs, _) in enumerate(gathered):
+        gathered = self.comm.allgather_obj((mine, local_weight, settings))
+        for rank, (theirs, _, _) in enumerate(gathered):
             if theirs != gathered[0][0]:
                 raise ValueError(
                     f'rank {rank} has a different model from rank 0 (parameter names, '
                     f'shapes or dtypes differ): rank 0 has {_describe(gathered[0][0])}, rank '
                     f'{rank} has {_describe(theirs)}; build the same model on every rank')
-        return [w for _, w in gathered]
+        first = gathered[0][2]
+        for name in sorted(first):
+            apart = [r for r, (_, _, theirs) in enumerate(gathered)
+                     if theirs.get(name) != first[name]]
+            if apart:
+                given = ', '.join(f'rank {r}: {gathered[r][2].get(name)!r}' for r in apart)
+                raise ValueError(
+                    f'the ranks were given different {name}: rank 0: {first[name]!r}, '
+                    f'{given}; pass the same {", ".join(sorted(first))} on every rank (the '
+                    'ranks reduce one gradient and must treat it alike)')
+        return [w for _, w, _ in gathered]
 
     def _broadcast_state(self) -> None:
         """Parameters and array persistents from rank 0 to every rank (once)."""
@@ -104,17 +121,38 @@ class MpiGroup(Group):
         pack_window(comm, layouts, model, None, self.size)
         issue(comm, self._order)
         comm.end_update()
-        gathered = comm.allgather_obj((own, comm.issued()))
-        check_same_order({rank: issued for rank, (_, issued) in enumerate(gathered)},
+        index = layouts.index_of(model)
+        kept = self._rank0_values(index) if self.rank == 0 else None
+        gathered = comm.allgather_obj((own, comm.issued(), kept))
+        check_same_order({rank: issued for rank, (_, issued, _) in enumerate(gathered)},
                          comm.updates)
         ensure_grads(model)
-        index = layouts.index_of(model)
         layouts.grad.unpack(comm.buffer, index.grad_arrays())
         layouts.stat.unpack(comm.buffer, dict(index.persistent_arrays()))
-        results = [result for result, _ in gathered]
+        if self.rank != 0:
+            self._take_rank0_values(index, gathered[0][2])
+        results = [result for result, _, _ in gathered]
         results[self.rank] = own
         self._check_epochs(results)
         return results
+
+    def _rank0_values(self, index: Any) -> Any:
+        """The persistents that are not averaged, as rank 0 holds them after its window:
+        integer arrays (on the host) and non-array values (BatchNorm's ``N``). A forward
+        that moves them (a counter of samples) moved each rank's by its own share; as
+        among local replicas, they take the master's: rank 0's."""
+        arrays = dict(index.persistent_arrays())
+        host = chainer.backend.CpuDevice()
+        return ({name: numpy.array(host.send(arrays[name])) for name in self._kept},
+                index.persistent_scalars())
+
+    def _take_rank0_values(self, index: Any, kept: Any) -> None:
+        arrays, scalars = kept
+        own = dict(index.persistent_arrays())
+        for name, value in arrays.items():
+            own[name][...] = chainer.backend.get_device_from_array(own[name]).send(value)
+        if scalars:
+            index.set_persistent_scalars(scalars)
 
     def _check_in_sync(self) -> None:
         digest = hashlib.sha256()

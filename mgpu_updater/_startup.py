@@ -58,6 +58,7 @@ class Settings(NamedTuple):
     core_shares: Optional[List[Tuple[int, ...]]] = None   # each replica's cores (_threads)
     stall_warning: Optional[float] = None    # seconds before a stalled worker is named
     update_timeout: Optional[float] = None   # ... and before the update gives up
+    nonfinite: Optional[str] = None          # the non-finite loss policy (MPI ranks agree)
     restarts: Any = None            # _restarts.RestartLog (max_worker_restarts > 0), or None
 
 
@@ -91,13 +92,17 @@ def start(s: Settings) -> Started:
         group: Group = SoloGroup(s.model)
         if s.communicator is not None:
             from ._multihost import MpiGroup   # imports mpi4py
-            group = MpiGroup(s.communicator, s.model, nominal)
+            group = MpiGroup(s.communicator, s.model, nominal, settings={
+                'loss_reduction': s.loss_reduction, 'replica_reduction': s.replica_reduction,
+                'pipelined': s.pipelined, 'nonfinite': s.nonfinite})
             nominal = group.nominal_samples
         elif len(s.devices) > 1:
             group = _local_group(s)
         replica = Replica(s.model, s.loss_func, loader, s.accumulate_steps,
                           scaling(s, s.iterator, nominal),
-                          name=f'replica 0 ({s.device_labels[0]})', keep_graphs=True,
+                          name=(f'replica 0 ({s.device_labels[0]})' if s.communicator is None
+                                else f'rank {own_index} ({s.device_labels[0]})'),
+                          keep_graphs=True,
                           chunking=chunking(s, own_index),
                           # MPI ranks exchange their results pickled: read them first
                           read_values=s.read_values or s.communicator is not None,

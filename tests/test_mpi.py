@@ -131,6 +131,22 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(checks):
         assert message and 'rank 1 has a different model from rank 0' in message
 
 
+def test_a_different_setting_on_one_rank_raises_on_every_rank(checks):
+    """A rank that normalised its loss otherwise trained apart from rank 0 (parameters
+    0.14 apart after a few updates, a reported loss of 7.8 for 1.0), silently."""
+    for message in checks['settings_mismatch']:
+        assert message and ("the ranks were given different loss_reduction: rank 0: 'mean', "
+                            "rank 1: 'sum'") in message
+
+
+def test_counters_a_forward_moves_hold_rank_0s_on_every_rank(checks):
+    """Rank 0 counts 3 samples a micro-batch, rank 1 five: every rank holds rank 0's count
+    after each update (as local workers hold the master's), so debug mode's check that
+    the ranks agree does not fail a healthy run."""
+    for rank, out in enumerate(checks['counters']):
+        assert out == {'debug_error': None, 'seen': 3 * 2 * 3, 'calls': 2 * 3}, rank
+
+
 def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
     for rank, out in enumerate(checks['debug_sync']):
         assert out['in_sync_passes']

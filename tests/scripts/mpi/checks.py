@@ -14,7 +14,11 @@ what the test asserts on:
 - ``model_mismatch``: different models on the ranks raise on every rank;
 - ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named;
 - ``order_mismatch``: a rank that issues its allreduces in another order than the declared
-  one makes every rank raise CollectiveOrderError, naming both sequences.
+  one makes every rank raise CollectiveOrderError, naming both sequences;
+- ``settings_mismatch``: a rank given another ``loss_reduction`` (or ``replica_reduction``,
+  ``pipelined``, ``nonfinite``) raises on every rank, naming it;
+- ``counters``: integer persistents a forward moves (a counter of samples, a Python int
+  counter) hold rank 0's on every rank, and ``set_debug(True)`` sees the ranks agree.
 """
 import copy
 import json
@@ -287,6 +291,59 @@ def check_order_mismatch():
     return gathered(out)
 
 
+def check_settings_mismatch():
+    """Rank 1 sums its loss where rank 0 averages: every rank raises at the start."""
+    model = classifier(seed=0)
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(8, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm,
+                                          loss_reduction='sum' if RANK == 1 else 'mean')
+    try:
+        run_updates(updater, model, 1)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        updater.finalize()
+
+
+class Counting(chainer.Chain):
+    """Counts the samples (an int64 array) and the calls (a Python int) of its forward."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(5, 3)
+        self.add_persistent('seen', np.zeros((), np.int64))
+        self.add_persistent('calls', 0)
+
+    def forward(self, x, t):
+        self.seen += len(x)
+        self.calls += 1
+        return F.softmax_cross_entropy(self.fc(x), t)
+
+
+def check_counters(batch_sizes=(3, 5), k=2, updates=3):
+    model = Counting()
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(60, seed=RANK), batch_sizes[RANK],
+                                          shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm,
+                                          accumulate_steps=k)
+    out = {}
+    try:
+        with chainer.using_config('debug', True):
+            try:
+                run_updates(updater, model, updates)
+                out['debug_error'] = None
+            except RuntimeError as e:
+                out['debug_error'] = str(e)
+    finally:
+        updater.finalize()
+    out['seen'], out['calls'] = int(model.seen), int(model.calls)
+    return gathered(out)
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -296,6 +353,8 @@ def main(out_path):
     result['pipelined'] = check_pipelined()
     result['model_mismatch'] = gathered(check_model_mismatch())
     result['order_mismatch'] = check_order_mismatch()
+    result['settings_mismatch'] = gathered(check_settings_mismatch())
+    result['counters'] = check_counters()
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)
