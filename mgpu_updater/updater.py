@@ -366,7 +366,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
-                                                      self._loader, self._late)
+                                                      self._loader, self._late, self._binding)
 
     # ------------------------------------------------------------------ one update
     def update_core(self) -> None:
@@ -683,10 +683,13 @@ _TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'up
 
 
 def _release(group: Group, loader: Optional[Loader],
-             late: Optional[_late_check.LateCheck] = None) -> None:
+             late: Optional[_late_check.LateCheck] = None,
+             binding: Optional[_threads.ThreadBinding] = None) -> None:
     """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
     finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
-    and its loader's thread; and the loss of its last update where it was still on its way
+    its loader's thread, the cores it bound the master's thread to (else the process
+    went on on one core: the collector runs in the thread that dropped the updater, the
+    main thread as a rule); and the loss of its last update where it was still on its way
     (``nonfinite='raise'``, a master alone on a GPU): a non-finite one is a RuntimeWarning,
     there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
     garbage, or at the interpreter's exit; it must not raise."""
@@ -700,6 +703,8 @@ def _release(group: Group, loader: Optional[Loader],
     except Exception:  # noqa: BLE001 - nobody to tell; the pool's own exit hook remains
         pass
     finally:
+        if binding is not None:
+            binding.restore()
         if loader is not None:
             loader.close()
         if found is not None:
