@@ -73,6 +73,7 @@ class UnsentState:
         self._windowed: Optional[Dict[str, Any]] = None  # after its window
         self._cost = 0.0
         self._next = -math.inf
+        self._built: Optional[Dict[str, Any]] = None   # the structure the workers hold
         #: paths a window changes (the forward's), never named
         self.forward: set = set()
         #: paths already warned about (each is named once)
@@ -91,6 +92,7 @@ class UnsentState:
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
             self._last, self._cost = self._walk()
+            self._built = _structure(self.roots)
         else:
             self._windowed, cost = self._walk()
             self._cost += cost
@@ -111,10 +113,13 @@ class UnsentState:
             self._begun = self._windowed = None
             now, _ = self._walk()
             self._report(self._changed(self._last, now), 'during training', stacklevel=4)
+            self._check_structure('during training', stacklevel=4, fail=False)
             return
-        self._conclude('during training', stacklevel=4)
+        self._conclude('during training', stacklevel=4, fail=False)
 
-    def _conclude(self, when: str = 'between updates', stacklevel: int = 3) -> None:
+    def _conclude(self, when: str = 'between updates', stacklevel: int = 3,
+                  fail: bool = True) -> None:
+        self._check_structure(when, stacklevel + 1, fail)
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
         self.forward.update(self._changed(begun, windowed))   # left out of both below
@@ -124,6 +129,37 @@ class UnsentState:
         self._next = self._clock() + max(INTERVAL, (self._cost + cost) / COST_SHARE)
         self._report({p: (last.get(p, v[0]), now.get(p, v[1])) for p, v in changed.items()},
                      when, stacklevel)
+
+    def _check_structure(self, when: str, stacklevel: int, fail: bool) -> None:
+        """The links' parameters, persistents and link hooks, against what the workers'
+        replicas were built with: they follow none of it. A parameter or persistent added,
+        removed or reshaped raises (``fail``; else a warning): its gradient or value would
+        not be the replicas'. A link hook added or removed is warned about, once: the
+        replicas compute without it (or with it), which a hook that only looks (a timer)
+        does not mind."""
+        if self._built is None:
+            return
+        now = _structure(self.roots)
+        built, self._built = self._built, now
+        layout = _differences(built, now, 'layout')
+        if layout:
+            message = (f"the model's parameters or persistents changed {when}: {layout}. The "
+                       "worker processes' replicas keep those they were built with, and "
+                       'every update sums gradients of the two; change the model before '
+                       'the first update, or finalize this updater and build a new one '
+                       'after the change')
+            if fail:
+                raise RuntimeError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+        hooks = _differences(built, now, 'hooks')
+        if hooks:
+            warnings.warn(
+                f'link hooks of the master\'s model changed {when}: {hooks}. The worker '
+                "processes' replicas keep the hooks they were built with, so they compute "
+                'otherwise where a hook changes the forward (WeightStandardization, '
+                'SpectralNormalization); add link hooks before the first update, or '
+                'finalize this updater and build a new one after the change',
+                RuntimeWarning, stacklevel=stacklevel)
 
     def _changed(self, before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
         """path -> (before, after) of the values that differ (both there, not named)."""
@@ -181,7 +217,8 @@ class UnsentState:
             found = []
             try:
                 for label, part in parts(obj):
-                    if label[1:] in names or (private and label.startswith('._')):
+                    if label[1:] in names or (private and label.startswith('._')
+                                              and label != '._local_link_hooks'):
                         continue
                     found.append((path + label, part, depth + 1))
             except Exception:  # noqa: BLE001 - what cannot be taken apart is not watched
@@ -191,10 +228,39 @@ class UnsentState:
 
 
 #: what Chainer's Link, Chain and ChainList keep of their own (their parameters and
-#: children are walked as what they are; their hooks hold a forward's scratch values)
+#: children are walked as what they are); their link hooks are walked (a user's hook
+#: holds values its forward reads; Chainer's own hooks' private scratch values are not)
 _LINK_INTERNALS = frozenset(
     set(vars(chainer.Chain())) | set(vars(chainer.ChainList()))
-    | {'_local_link_hooks', '_device'})
+    | {'_device'}) - {'_local_link_hooks'}
+
+
+def _structure(roots: Dict[str, Any]) -> Dict[str, Any]:
+    """Of every root that is a link: ``layout``, its parameters (path, shape) and
+    persistents (path), and ``hooks``, its links' link hooks (link path, hook name)."""
+    layout, hooks = set(), set()
+    for root, link in roots.items():
+        if not isinstance(link, chainer.Link):
+            continue
+        for path, param in link.namedparams():
+            shape = None if param.array is None else tuple(param.shape)
+            layout.add((f'{root}{path}', shape))
+        layout.update((f'{root}{path}', 'persistent') for path, _ in named_persistents(link))
+        for path, sub in link.namedlinks():
+            hooks.update((f'{root}{path}', name) for name in sub.local_link_hooks)
+    return {'layout': layout, 'hooks': hooks}
+
+
+def _differences(built: Dict[str, Any], now: Dict[str, Any], key: str) -> str:
+    """What was added to and removed from ``built[key]``, in words ('' where nothing)."""
+    def listed(items: set) -> str:
+        names = sorted(f'{a} {b!r}' if key == 'hooks' else
+                       (a if b == 'persistent' else f'{a} {b}') for a, b in items)
+        return ', '.join(names[:5]) + (f' (and {len(names) - 5} more)' if len(names) > 5 else '')
+    added, removed = now[key] - built[key], built[key] - now[key]
+    words = ([f'added {listed(added)}'] if added else []) + \
+        ([f'removed {listed(removed)}'] if removed else [])
+    return '; '.join(words)
 
 
 def _is_data(obj: Any) -> bool:

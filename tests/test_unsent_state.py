@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import chainer
+import chainer.link_hooks
 from chainer import training
 from chainer.training.updaters import StandardUpdater
 
@@ -237,3 +238,72 @@ def test_a_warning_made_an_error_at_finalize_leaves_no_worker_behind():
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+class _ScaleW(chainer.LinkHook):
+    """A user's link hook: the link computes with ``alpha * W``."""
+    name = 'ScaleW'
+
+    def __init__(self, alpha):
+        self.alpha = alpha
+
+    def forward_preprocess(self, cb_args):
+        self._kept = cb_args.link.W
+        cb_args.link.W = self.alpha * cb_args.link.W
+
+    def forward_postprocess(self, cb_args):
+        cb_args.link.W = self._kept
+
+
+def _linear_with_hooks():
+    link = chainer.links.Linear(4, 3)
+    link.add_hook(_ScaleW(1.0))
+    link.add_hook(chainer.link_hooks.SpectralNormalization())
+
+    def forward():
+        with chainer.using_config('train', True):
+            link(np.ones((2, 4), np.float32))   # moves the spectral norm's vectors
+    return link, forward
+
+
+def test_a_link_hooks_attribute_changed_between_updates_is_named():
+    """A hook's values are the forward's as much as the link's own (an annealed
+    multiplier); Chainer's own hooks' vectors, which each forward moves, are not named."""
+    link, forward = _linear_with_hooks()
+    watch = UnsentState({'model': link})
+    _update(watch, forward)
+    link.local_link_hooks['ScaleW'].alpha = 3.0
+    _update(watch, forward)
+    message = _update(watch, forward)
+    assert "model._local_link_hooks['ScaleW'].alpha: 1.0 -> 3.0" in message
+    assert 'SpectralNormalization' not in message
+
+
+def test_a_link_hook_added_or_removed_between_updates_is_warned_about():
+    link, forward = _linear_with_hooks()
+    watch = UnsentState({'model': link})
+    _update(watch, forward)
+    link.delete_hook('ScaleW')
+    link.add_hook(chainer.link_hooks.WeightStandardization())
+    _update(watch, forward)
+    message = _update(watch, forward)
+    assert ("link hooks of the master's model changed between updates: added model/ "
+            "'WeightStandardization'; removed model/ 'ScaleW'") in message
+
+
+def test_a_parameter_added_between_updates_raises_and_at_finalize_warns():
+    """The workers' replicas and the flat buffers keep the parameters they started with:
+    the gradients of two different models would be summed."""
+    model = chainer.Sequential(chainer.links.Linear(4, 3))
+    watch = UnsentState({'model': model})
+    _update(watch)
+    model.append(chainer.links.Linear(3, 3))
+    _update(watch)
+    with pytest.raises(RuntimeError, match=r"the model's parameters or persistents changed "
+                                           r'between updates: added model/1/W \(3, 3\), '
+                                           r'model/1/b \(3,\)\. '):
+        _update(watch)
+    late = UnsentState({'model': chainer.Sequential(chainer.links.Linear(4, 3))})
+    _update(late)
+    late.roots['model'][0].add_persistent('seen', 0)
+    assert "added model/0/seen. The worker" in _caught(late.finish)
