@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -17,7 +18,7 @@ import chainer
 
 from ._chainer_private import backward_scaled, is_unregistered_observer_error
 from ._chunks import Chunking, split
-from ._flat_buffers import persistent_arrays, unique_params
+from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 
 
@@ -278,17 +279,19 @@ class Replica:
         self.loader.window_started()
         times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
+        rewind = _Rewind(self.model) if self.chunking.auto else None
         while True:
             try:
                 return self._attempt(window, loss_scale, times)
             except MemoryError as exc:
-                if not self.chunking.auto:
+                if rewind is None:
                     raise
                 self.chunking = self._halved(window, exc)
             # out of the except block: the failed attempt's arrays are unreachable now
             self.model.cleargrads()
             self.graph_roots = {}
             _free_memory(self.model)
+            rewind.restore()
 
     def _attempt(self, window: '_Window', loss_scale: Optional[float],
                  times: Dict[str, float]) -> WindowResult:
@@ -626,6 +629,32 @@ class _Window:
         if size is None or largest is None:
             return largest
         return min(size, largest)
+
+
+class _Rewind:
+    """What a window's forwards move besides the gradients, as it was before the window,
+    for an attempt that ran out of memory: the model's persistents (BatchNorm's running
+    statistics and counter moved by the failed forwards, which the attempt redone moves
+    again) and the host's random states (numpy's and Python's: dropout draws the same
+    masks again). CuPy's generator has no state to read back: on a GPU a redone window's
+    dropout draws anew. Taken at each window's start under ``micro_batch_size='auto'``
+    only (a copy of the persistents, a few microseconds for BatchNorm's)."""
+
+    def __init__(self, model: chainer.Link) -> None:
+        self.index = ModelIndex(model)
+        self.arrays = {path: array.copy() for path, array in self.index.persistent_arrays()}
+        self.scalars = self.index.persistent_scalars()
+        self.numpy_random = numpy.random.get_state()
+        self.python_random = random.getstate()
+
+    def restore(self) -> None:
+        for path, array in self.index.persistent_arrays():
+            kept = self.arrays.get(path)
+            if kept is not None and kept.shape == array.shape:
+                array[...] = kept
+        self.index.set_persistent_scalars(self.scalars)
+        numpy.random.set_state(self.numpy_random)
+        random.setstate(self.python_random)
 
 
 def _free_memory(model: chainer.Link) -> None:

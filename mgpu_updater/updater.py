@@ -418,7 +418,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             count = own.count
             if count == 0:
                 raise StopIteration
-            self._apply(optimizer, count, own.loss_sum / count, loss_scale)
+            self._apply(optimizer, count, own.loss_sum / count, loss_scale,
+                        self.iteration + 1)
             results = [own]
             times = {'comm': t1 - t0, 'update': clock() - t2}
         else:
@@ -464,7 +465,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if not count:
             raise StopIteration
         stepping = clock()
-        self._apply(optimizer, count, loss, loss_scale)
+        self._apply(optimizer, count, loss, loss_scale, self.iteration + 1)
         times = {'comm': 0.0, 'update': clock() - stepping, 'data': data, 'compute': compute}
         self._epoch = epoch
         if self.auto_new_epoch and epoch.is_new_epoch:
@@ -482,7 +483,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         due = self._step.due(fresh, optimizer.target)
         if due is not None:
             start = time.perf_counter()
-            self._apply(optimizer, due.count, due.loss, due.loss_scale)
+            # pipelined: the previous update's gradient, and its loss is that update's
+            of_update = self.iteration + 1 if due is fresh else self.iteration
+            self._apply(optimizer, due.count, due.loss, due.loss_scale, of_update)
             self._step_seconds += time.perf_counter() - start
 
     def _check_late(self) -> None:
@@ -493,30 +496,38 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             raise NonFiniteLossError(*found, applied=True)
 
     def _factor(self, optimizer: chainer.Optimizer, count: int,
-                loss: float) -> Optional[float]:
-        """The factor on the summed gradient of an update over ``count`` samples whose
-        loss is ``loss``, or None when it steps on nothing (no sample; the nonfinite
-        policy 'skip'). Raises :class:`NonFiniteLossError` under 'raise': before the
-        step where the loss is on the host, else when the next step is due."""
+                loss: float, of_update: int) -> Optional[float]:
+        """The factor on the summed gradient of update ``of_update``, over ``count``
+        samples whose loss is ``loss``, or None when it steps on nothing (no sample; the
+        nonfinite policy 'skip'). Raises :class:`NonFiniteLossError` under 'raise': before
+        the step where the loss is on the host, else when the next step is due."""
         self._check_late()
         dynamic = chainer_private.loss_scaling_is_dynamic(optimizer)
         policy = self.nonfinite
         if policy == 'raise' and count and not dynamic and not self._loss_first:
-            self._late.start(self.iteration + 1, loss)   # looked at by the next step
+            self._late.start(of_update, loss)   # looked at by the next step
             policy = 'ignore'
         factor, bad = _step.decide(count, loss, policy, dynamic, self._replica.scaling)
         if bad:
             if self.nonfinite == 'raise':
-                raise NonFiniteLossError(self.iteration + 1, loss)
+                raise NonFiniteLossError(of_update, loss)
             self._skipped += 1
-            warnings.warn(f'skipping update {self.iteration + 1}: the loss is {loss}',
+            warnings.warn(f'skipping {self._step_of(of_update)}: the loss is {loss}',
                           RuntimeWarning)
         return factor
 
+    def _step_of(self, of_update: int) -> str:
+        """The step a skip leaves out, in words."""
+        if of_update == self.iteration + 1:
+            return f'update {of_update}'
+        return (f'the step of update {of_update}, due at update {self.iteration + 1} '
+                '(pipelined)')
+
     def _apply(self, optimizer: chainer.Optimizer, count: int, loss: float,
-               loss_scale: Optional[float]) -> None:
-        """One optimizer step on the model's summed gradient, that of ``count`` samples
-        whose mean loss is ``loss``, taken under the optimizer's ``loss_scale``."""
+               loss_scale: Optional[float], of_update: int) -> None:
+        """One optimizer step on the model's summed gradient, that of update
+        ``of_update`` over ``count`` samples whose mean loss is ``loss``, taken under the
+        optimizer's ``loss_scale``."""
         if (loss_scale is None and type(loss) is float and self._stamps_clear
                 and not self._late.pending and math.isfinite(loss)
                 and self._replica.scaling.update(count) == 1.0):
@@ -526,9 +537,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             optimizer.update()
             return
         model = optimizer.target
-        factor = self._factor(optimizer, count, loss)
-        if factor is None or (loss_scale is not None and
-                              not self._finite_under_static_scale(optimizer, loss, loss_scale)):
+        factor = self._factor(optimizer, count, loss, of_update)
+        if factor is None or (loss_scale is not None and not self._finite_under_static_scale(
+                optimizer, loss, loss_scale, of_update)):
             return
         if factor != 1.0:
             with chainer.using_device(self._devices[0]):   # on the master's stream
@@ -543,7 +554,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         optimizer.update()
 
     def _finite_under_static_scale(self, optimizer: chainer.Optimizer, loss: float,
-                                   loss_scale: Optional[float]) -> bool:
+                                   loss_scale: Optional[float], of_update: int) -> bool:
         """Under a static loss scale, whether the summed gradient is finite (else raise
         or skip, as ``nonfinite`` says); True without looking elsewhere."""
         if (self.nonfinite == 'ignore' or loss_scale is None
@@ -551,9 +562,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 or _step.finite_gradients(optimizer.target)):
             return True
         if self.nonfinite == 'raise':
-            raise NonFiniteGradientError(self.iteration + 1, loss, loss_scale)
+            raise NonFiniteGradientError(of_update, loss, loss_scale)
         self._skipped += 1
-        warnings.warn(f'skipping update {self.iteration + 1}: the summed gradient holds inf '
+        warnings.warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
                       f'or NaN under the static loss scale {loss_scale:g}',
                       RuntimeWarning)
         return False

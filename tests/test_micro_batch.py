@@ -242,3 +242,42 @@ def test_auto_with_loss_scaling_matches_standard_updater():
         run_updates(StandardUpdater(it, ref_opt), ref, 1)
     _assert_params(ours, ref)
     assert updater.micro_batch_sizes == [2, 2]
+
+
+class _CappedBN(chainer.Chain):
+    """BatchNorm before the point where more than ``cap`` samples run out of memory, and
+    dropout (numpy's generator) after it."""
+
+    def __init__(self, cap):
+        super().__init__()
+        self.cap = cap
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(5, 6)
+            self.bn = chainer.links.BatchNormalization(6)
+            self.l2 = chainer.links.Linear(6, 3)
+
+    def forward(self, x, t):
+        h = self.bn(self.l1(x))   # moves the running statistics, then runs out
+        if len(x) > self.cap:
+            raise MemoryError(f'{len(x)} samples do not fit (cap {self.cap})')
+        h = chainer.functions.dropout(chainer.functions.relu(h), 0.3)
+        return chainer.functions.softmax_cross_entropy(self.l2(h), t)
+
+
+@pytest.mark.parametrize('n', [1, 2])
+def test_auto_redoes_a_window_from_the_statistics_and_random_state_it_began_with(n):
+    """The attempts that ran out of memory moved BatchNorm's running statistics and drew
+    dropout masks: the window redone must start from where the window began, as a run
+    at the size that fits from the start does."""
+    b, k = 8, 2
+    datasets = [dataset(b * k * UPDATES, seed=170 + r) for r in range(n)]
+    models = {}
+    for name, cap, size in (('auto', 2, 'auto'), ('fixed', 10 ** 6, 2)):
+        models[name] = seeded(lambda: _CappedBN(cap), 5)
+        np.random.seed(9)
+        _run(models[name], datasets, b, k, micro_batch_size=size)
+    for name, value in params(models['fixed']).items():
+        np.testing.assert_array_equal(params(models['auto'])[name], value, err_msg=name)
+    for stat in ('avg_mean', 'avg_var'):
+        np.testing.assert_array_equal(getattr(models['auto'].bn, stat),
+                                      getattr(models['fixed'].bn, stat), err_msg=stat)

@@ -8,7 +8,7 @@ import chainer
 from chainer import training
 from chainer.training import extensions
 
-from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+from mgpu_updater import NonFiniteLossError, ParallelAccumulatingUpdater, shard_iterators
 
 from _models import classifier, dataset, params, run_updates, setup_optimizer
 
@@ -84,3 +84,27 @@ def test_pipelined_resume_keeps_the_gradient_in_flight(tmp_path, nonfinite):
     resumed.run()
     for name, value in params(model_a).items():
         assert np.array_equal(value, params(model_b)[name]), name
+
+
+@pytest.mark.parametrize('nonfinite', ['raise', 'skip'])
+def test_a_nonfinite_loss_is_named_by_its_own_update_when_its_step_is_due(nonfinite):
+    """Pipelined, update 2's gradient is stepped on at update 3: the error, or the skip,
+    comes then, and names update 2, whose loss it was."""
+    datasets = [dataset(24, seed=r) for r in range(2)]
+    datasets[1][4][0][...] = np.nan          # in the worker's batch of update 2
+    model = classifier(seed=0)
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in datasets],
+        setup_optimizer('sgd', model), devices=['@numpy'] * 2, pipelined=True,
+        nonfinite=nonfinite)
+    try:
+        run_updates(updater, model, 2)        # update 2's loss is NaN, not stepped on yet
+        if nonfinite == 'raise':
+            with pytest.raises(NonFiniteLossError, match=r'the loss became nan at update 2;'):
+                run_updates(updater, model, 1)
+        else:
+            with pytest.warns(RuntimeWarning, match=r'skipping the step of update 2, due at '
+                                                    r'update 3 \(pipelined\): the loss is nan'):
+                run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
