@@ -379,6 +379,13 @@ def _count_resets(it):
     return resets
 
 
+def _assert_as_written(state, written):
+    """The state read holds the keys and values the iterator's serialize wrote."""
+    assert set(state) == set(written)
+    for key, value in written.items():
+        np.testing.assert_array_equal(state[key], value, err_msg=key)
+
+
 def test_multiprocess_serialize_resets_its_pool_and_the_state_read_does_not():
     it = _multiprocess()
     try:
@@ -392,9 +399,7 @@ def test_multiprocess_serialize_resets_its_pool_and_the_state_read_does_not():
         assert len(resets) == 1   # chainer/iterators/multiprocess_iterator.py:253-255
     finally:
         it.finalize()
-    assert set(state) == set(serializer.written)
-    for key, value in serializer.written.items():
-        np.testing.assert_array_equal(state[key], value, err_msg=key)
+    _assert_as_written(state, serializer.written)
     assert state['epoch'] == 1 and state['current_position'] == 2
     assert state['previous_epoch_detail'] == pytest.approx(0.9)
 
@@ -435,9 +440,7 @@ def test_multithread_serialize_drops_its_batch_ahead_and_the_state_read_does_not
     finally:
         it.finalize()
         unshuffled.finalize()
-    assert set(state) == set(serializer.written)
-    for key, value in serializer.written.items():
-        np.testing.assert_array_equal(state[key], value, err_msg=key)
+    _assert_as_written(state, serializer.written)
     assert state['epoch'] == 1 and state['current_position'] == 2
     assert state['previous_epoch_detail'] == pytest.approx(1.0)
 

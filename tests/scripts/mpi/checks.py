@@ -227,12 +227,12 @@ def check_pipelined(updates=3):
             'moved': max_diff(mine, start) > 0, 'iteration': updater.iteration}
 
 
-def check_model_mismatch():
-    """Rank 1 builds another model: every rank raises when the group starts."""
-    model = classifier(seed=0, n_hidden=16 + RANK)
+def _refused_at_start(model, **kwargs):
+    """The ValueError one update raises on this rank (None: none)."""
     opt = setup_optimizer('sgd', model)
     it = chainer.iterators.SerialIterator(dataset(8, seed=RANK), 4, shuffle=False)
-    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm,
+                                          **kwargs)
     try:
         run_updates(updater, model, 1)
         return None
@@ -240,6 +240,11 @@ def check_model_mismatch():
         return str(e)
     finally:
         updater.finalize()
+
+
+def check_model_mismatch():
+    """Rank 1 builds another model: every rank raises when the group starts."""
+    return _refused_at_start(classifier(seed=0, n_hidden=16 + RANK))
 
 
 class BatchNormOnly(chainer.Chain):
@@ -293,18 +298,8 @@ def check_order_mismatch():
 
 def check_settings_mismatch():
     """Rank 1 sums its loss where rank 0 averages: every rank raises at the start."""
-    model = classifier(seed=0)
-    opt = setup_optimizer('sgd', model)
-    it = chainer.iterators.SerialIterator(dataset(8, seed=RANK), 4, shuffle=False)
-    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], communicator=comm,
-                                          loss_reduction='sum' if RANK == 1 else 'mean')
-    try:
-        run_updates(updater, model, 1)
-        return None
-    except ValueError as e:
-        return str(e)
-    finally:
-        updater.finalize()
+    return _refused_at_start(classifier(seed=0),
+                             loss_reduction='sum' if RANK == 1 else 'mean')
 
 
 class Counting(chainer.Chain):
