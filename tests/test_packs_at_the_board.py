@@ -37,9 +37,9 @@ def _start(opt, **kwargs):
     steps = []
     apply = updater._apply
 
-    def recording(optimizer, count, loss, loss_scale):
+    def recording(optimizer, count, loss, loss_scale, of_update):
         steps.append(_step.GradientStep(count, loss, loss_scale, None))
-        apply(optimizer, count, loss, loss_scale)
+        apply(optimizer, count, loss, loss_scale, of_update)
     updater._apply = recording
     return model, updater, steps
 

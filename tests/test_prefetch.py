@@ -232,7 +232,10 @@ def test_capturing_a_multithread_iterators_state_leaves_its_batches_and_reads_al
         finally:
             it.finalize()
         runs.append((seen, counted.reads))
-    assert runs[1] == runs[0]
+    assert runs[1][0] == runs[0][0]
+    # 12 batches of 3, and the one it loads ahead (or part of it: finalize stops its
+    # threads); capturing before each batch read every batch twice
+    assert runs[1][1] <= 13 * 3
 
 
 @pytest.mark.parametrize('prefetch', [2, 'auto'])
