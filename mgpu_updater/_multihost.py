@@ -128,9 +128,10 @@ class MpiGroup(Group):
                          comm.updates)
         ensure_grads(model)
         layouts.grad.unpack(comm.buffer, index.grad_arrays())
-        layouts.stat.unpack(comm.buffer, dict(index.persistent_arrays()))
+        persistents = dict(index.persistent_arrays())
+        layouts.stat.unpack(comm.buffer, persistents)
         if self.rank != 0:
-            self._take_rank0_values(index, gathered[0][2])
+            self._take_rank0_values(index, persistents, gathered[0][2])
         results = [result for result, _, _ in gathered]
         results[self.rank] = own
         self._check_epochs(results)
@@ -141,14 +142,13 @@ class MpiGroup(Group):
         integer arrays (on the host) and non-array values (BatchNorm's ``N``). A forward
         that moves them (a counter of samples) moved each rank's by its own share; as
         among local replicas, they take the master's: rank 0's."""
-        arrays = dict(index.persistent_arrays())
+        arrays = dict(index.persistent_arrays()) if self._kept else {}
         host = chainer.backend.CpuDevice()
         return ({name: numpy.array(host.send(arrays[name])) for name in self._kept},
                 index.persistent_scalars())
 
-    def _take_rank0_values(self, index: Any, kept: Any) -> None:
+    def _take_rank0_values(self, index: Any, own: Dict[str, Any], kept: Any) -> None:
         arrays, scalars = kept
-        own = dict(index.persistent_arrays())
         for name, value in arrays.items():
             own[name][...] = chainer.backend.get_device_from_array(own[name]).send(value)
         if scalars:

@@ -243,6 +243,7 @@ class Replica:
         self.read_values = read_values
         self.before_read = before_read
         self.chunking = chunking
+        self._index: Optional[ModelIndex] = None   # under chunking.auto (_Rewind)
         #: what the model held when the replica started, until the first window that ran
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
         self._started_with = model_signature(model) if one_of_many else None
@@ -279,7 +280,11 @@ class Replica:
         self.loader.window_started()
         times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
-        rewind = _Rewind(self.model) if self.chunking.auto else None
+        rewind = None
+        if self.chunking.auto:
+            if self._index is None:   # found once: the window's start reads through it
+                self._index = ModelIndex(self.model)
+            rewind = _Rewind(self._index)
         while True:
             try:
                 return self._attempt(window, loss_scale, times)
@@ -640,8 +645,8 @@ class _Rewind:
     dropout draws anew. Taken at each window's start under ``micro_batch_size='auto'``
     only (a copy of the persistents, a few microseconds for BatchNorm's)."""
 
-    def __init__(self, model: chainer.Link) -> None:
-        self.index = ModelIndex(model)
+    def __init__(self, index: ModelIndex) -> None:
+        self.index = index
         self.arrays = {path: array.copy() for path, array in self.index.persistent_arrays()}
         self.scalars = self.index.persistent_scalars()
         self.numpy_random = numpy.random.get_state()
