@@ -5,11 +5,15 @@ stalls or behaves, and check the master's side: which error, how fast, nothing l
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +128,24 @@ def test_a_second_ctrl_c_while_close_waits_kills_the_workers_and_is_raised():
     assert multiprocessing.active_children() == []
     assert not any(_running(p) for p in pids)
     pool.close()   # twice is fine
+
+
+def test_a_ctrl_c_while_the_workers_start_reaches_only_the_master():
+    """A terminal's Ctrl-C goes to its whole process group. A spawned worker leaves that
+    group only once Python's start-up is over (importing the main module and Chainer again,
+    up to a second); a Ctrl-C before that killed it there, with a KeyboardInterrupt
+    traceback of its own beside the master's. Spawned with SIGINT blocked, it drops it."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / 'tests')]))
+    try:
+        proc = subprocess.run([sys.executable, str(root / 'tests' / 'scripts' /
+                                                   'ctrl_c_at_start.py')],
+                              capture_output=True, text=True, timeout=90, env=env,
+                              cwd=str(root), start_new_session=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail('the script never exited after its Ctrl-C')
+    assert 'CAUGHT KeyboardInterrupt' in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+    workers = json.loads(proc.stdout.split('WORKERS ', 1)[1].splitlines()[0])
+    assert workers
+    assert not any(_running(p) for p in workers)

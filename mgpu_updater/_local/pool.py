@@ -25,6 +25,7 @@ that was SIGKILLed. A worker whose master dies kills its own group (see ``.worke
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util   # its atexit hook (join non-daemonic children) must run after ours
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
 from .stall import StackFiles, StallWatch
@@ -98,6 +99,39 @@ def _close_live_pools() -> None:
             pool.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+@contextlib.contextmanager
+def _sigint_held(spawning: bool) -> Iterator[None]:
+    """A Ctrl-C held back while a worker process is spawned and recorded, then delivered.
+
+    In the new process: a signal mask survives fork and exec, so with SIGINT blocked here
+    the new Python starts with it blocked, and a Ctrl-C in its first second (importing the
+    main module and Chainer again, still in the terminal's process group) stays pending
+    until the worker, ignoring SIGINT in a group of its own, drops it (``.worker``)
+    instead of dying with a traceback; CPython's resource tracker is spawned the same way
+    (bpo-33613). In the master: the signal may reach another thread, and Python raises it
+    in this one at its next instruction, which may be in the middle of ``start()``, with
+    the child waiting for what was never written; so Python's handler only notes it here,
+    and the one it replaced runs once the process is recorded. Only for ``spawn`` (a
+    ``forkserver`` started under the block would pass it on to every process it forks),
+    and only in the main thread (where Python runs signal handlers)."""
+    if not spawning or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: List[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])   # Python's own raises KeyboardInterrupt
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 class WorkerPool:
@@ -167,11 +201,12 @@ class WorkerPool:
                 self._stacks.path(rank))
         proc = self._ctx.Process(target=target, args=args,
                                  name=f'mgpu-worker-{rank}', daemon=False)
-        proc.start()
+        with _sigint_held(self._start_method == 'spawn'):
+            proc.start()
+            self._procs[rank] = proc
+            self._conns[rank] = parent
+            self._exits[rank] = _exit_handle(proc)
         child.close()
-        self._procs[rank] = proc
-        self._conns[rank] = parent
-        self._exits[rank] = _exit_handle(proc)
 
     # ------------------------------------------------------------------ restarts
     def dead_ranks(self) -> List[int]:

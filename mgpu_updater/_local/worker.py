@@ -155,6 +155,8 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     multiprocessing.set_start_method(default_start_method, force=True)
     # Should a SIGINT reach us anyway (sent to our group): the master decides, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Spawned with SIGINT blocked (.pool._sigint_held): one pending since is dropped now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     from .stall import register_stack_dump
     register_stack_dump(stack_file)
 
