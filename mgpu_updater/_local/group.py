@@ -390,7 +390,8 @@ class SummedGrads:
 
     def detach(self) -> None:
         """Gradients that are still views of the buffers become copies (one copy of a
-        view that several parameters hold)."""
+        view that several parameters hold), and the views go: the buffers can be unmapped
+        at once (.comm.shm ``finalize``), not when the garbage collector finds this group."""
         views = {id(view): view for view in self.views.values()}
         copies: Dict[int, Any] = {}
         for param in self.params.values():
@@ -399,6 +400,7 @@ class SummedGrads:
                 if id(grad) not in copies:
                     copies[id(grad)] = grad.copy()
                 param.grad = copies[id(grad)]
+        self.views = {}
 
 
 class SlotParams:
@@ -443,11 +445,13 @@ class SlotParams:
         return self._every if unbound is None else self._every.difference(unbound)
 
     def detach(self) -> None:
-        """Parameters that are still views of the slot become copies."""
+        """Parameters that are still views of the slot become copies, and the views go
+        (as :meth:`SummedGrads.detach`)."""
         for name, view in self.views.items():
             param = self.params[name]
             if param.array is view:
                 param.array = view.copy()
+        self.views, self._pairs = {}, []
 
 
 class Payload:
