@@ -342,6 +342,13 @@ def config_entry_names() -> Set[str]:
     return set(vars(chainer.global_config)) | set(vars(chainer.config._local))
 
 
+def thread_config_entries() -> Dict[str, Any]:
+    """The configuration entries the calling thread has of its own (``chainer.set_debug``,
+    ``chainer.config.x = v``, ``chainer.using_config``), which another thread does not see:
+    ``chainer.config._local``, as in :func:`config_entry_names`."""
+    return dict(vars(chainer.config._local))
+
+
 def cuda_resolution_error() -> Optional[BaseException]:
     """The exception Chainer caught while importing CuPy (or cuDNN), or None.
 

@@ -13,19 +13,27 @@ on the master only. So the master sends them:
   ``chainer.global_config`` before it builds its replica;
 - one seed per worker, drawn from the master's own ``numpy.random`` global state, so the
   script's seed decides them and the master's stream advances the same way every run;
-  each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``.
+  each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``;
+- numpy's floating-point error handling (``numpy.seterr``) as that thread has it, and the
+  warning filters (``warnings.simplefilter('error')``): a division by zero that raises in
+  the master raises in a worker too.
+
+A thread the package starts to run the user's code (the loader thread, which runs the
+iterator, the dataset and the converter: ``_loader``) inherits from the thread that starts
+it what a new thread does not see: that thread's own configuration entries and its numpy
+error handling (:func:`thread_settings`).
 """
 from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, NamedTuple
 
 import numpy
 
 import chainer
 
-from ._chainer_private import config_entry_names
+from ._chainer_private import config_entry_names, thread_config_entries
 
 # Not sent: entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236;
 # static graphs and recomputation), not settings of the user's; and keep_graph_on_report,
@@ -61,6 +69,57 @@ def master_config() -> Dict[str, Any]:
             continue
         entries[name] = value
     return entries
+
+
+class ProcessSettings(NamedTuple):
+    """What else of the master's process a worker takes on (:func:`process_settings`)."""
+    numpy_errors: Dict[str, str]   # numpy.geterr()
+    warning_filters: List[Any]     # warnings.filters, those that can be sent
+
+
+def process_settings() -> ProcessSettings:
+    """numpy's error handling as the calling thread has it, and the warning filters."""
+    import cloudpickle
+    filters = []
+    for entry in warnings.filters:
+        try:
+            cloudpickle.dumps(entry)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
+            warnings.warn(f'the warning filter {entry!r} cannot be sent to the worker '
+                          f'processes ({type(exc).__name__}: {exc}); they go without it',
+                          stacklevel=3)
+            continue
+        filters.append(entry)
+    return ProcessSettings(numpy.geterr(), filters)
+
+
+def apply_process_settings(settings: ProcessSettings) -> None:
+    """Take on the master's :class:`ProcessSettings` in this (worker) process."""
+    numpy.seterr(**settings.numpy_errors)
+    warnings.filters[:] = settings.warning_filters
+    warnings._filters_mutated()   # as warnings.simplefilter does after changing the list
+
+
+def thread_settings() -> Any:
+    """What the calling thread has of its own that a thread it starts would not see: its
+    own configuration entries and numpy's error handling; for :func:`apply_thread_settings`
+    in that thread."""
+    return thread_config_entries(), numpy.geterr()
+
+
+def apply_thread_settings(settings: Any) -> None:
+    """In a new thread: what :func:`thread_settings` read in the thread that started it."""
+    entries, numpy_errors = settings
+    for name, value in entries.items():
+        setattr(chainer.config, name, value)   # this thread's own, as there
+    numpy.seterr(**numpy_errors)
+
+
+def config_values() -> Dict[str, Any]:
+    """The entries :func:`master_config` sends, as the calling thread sees them now,
+    unpickled (to tell a later change: ``_unsent_state``)."""
+    return {name: getattr(chainer.config, name)
+            for name in config_entry_names() - _NOT_SENT}
 
 
 def apply_config(entries: Dict[str, Any]) -> None:

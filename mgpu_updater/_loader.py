@@ -44,6 +44,7 @@ from ._chainer_private import call_converter
 from ._checkpoint import capture_state
 from ._cuda import Staged   # imports no CuPy
 from ._gil_handoff import handoff_for
+from ._inherit import apply_thread_settings, thread_settings
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
@@ -239,6 +240,9 @@ class Prefetcher(Loader):
             self._first_read = self._read()
         except Exception as exc:  # noqa: BLE001 - handed to the consumer by the thread
             self._first_error = exc
+        # the caller's own configuration and numpy error handling, for the thread that
+        # runs the dataset and converter from now on (_inherit)
+        self._settings = thread_settings()
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
         self._thread.start()
         #: the loading thread's native id (for binding it to cores, _threads)
@@ -247,6 +251,7 @@ class Prefetcher(Loader):
     def _run(self) -> None:
         stager = None
         try:
+            apply_thread_settings(self._settings)
             read, self._first_read = self._first_read, None
             if self._first_error is not None:
                 raise self._first_error

@@ -150,6 +150,7 @@ def _local_group(s: Settings) -> LocalGroup:
     for param in replica_model.params():
         param.update_rule = None
     config = _inherit.master_config()
+    process = _inherit.process_settings()
     seeds = _inherit.draw_seeds(len(s.worker_iterators))
     depth, gated, trial = loader_plan(s)
     payloads = {}
@@ -162,7 +163,8 @@ def _local_group(s: Settings) -> LocalGroup:
             bind_loss_to_model=s.bound_loss, converter=s.converter,
             iterator=it, prefetch=depth, prefetch_gated=gated, prefetch_trial=trial,
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
-            chunking=chunking(s, rank), config=config, seed=seeds[rank - 1],
+            chunking=chunking(s, rank), config=config, process=process,
+            seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
             cores=s.core_shares[rank] if s.core_shares else None,
             keep_resume=s.restarts is not None, comm_name=backend), s.model)

@@ -38,6 +38,7 @@ import chainer
 import numpy
 
 from ._chainer_private import named_persistents, persistent_names
+from ._inherit import config_values
 from ._pickle_path import parts
 
 INTERVAL = 10.0       # seconds between two checks, at least (a change stays: found later)
@@ -78,6 +79,8 @@ class UnsentState:
         self.forward: set = set()
         #: paths already warned about (each is named once)
         self.named: List[str] = []
+        #: Chainer's configuration as sent to the workers at their start (_inherit)
+        self._config = config_values()
 
     @property
     def watching(self) -> bool:
@@ -114,12 +117,14 @@ class UnsentState:
             now, _ = self._walk()
             self._report(self._changed(self._last, now), 'during training', stacklevel=4)
             self._check_structure('during training', stacklevel=4, fail=False)
+            self._check_config('during training', stacklevel=4)
             return
         self._conclude('during training', stacklevel=4, fail=False)
 
     def _conclude(self, when: str = 'between updates', stacklevel: int = 3,
                   fail: bool = True) -> None:
         self._check_structure(when, stacklevel + 1, fail)
+        self._check_config(when, stacklevel + 1)
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
         self.forward.update(self._changed(begun, windowed))   # left out of both below
@@ -160,6 +165,30 @@ class UnsentState:
                 'SpectralNormalization); add link hooks before the first update, or '
                 'finalize this updater and build a new one after the change',
                 RuntimeWarning, stacklevel=stacklevel)
+
+    def _check_config(self, when: str, stacklevel: int) -> None:
+        """Chainer's configuration entries, against what the workers took at their start:
+        one changed since is warned about, once (an extension that sets
+        ``chainer.config.train`` or an entry a forward reads)."""
+        now = config_values()
+        sent = self._config
+        changed = [(name, sent.get(name, _UNSET), now.get(name, _UNSET))
+                   for name in sorted(set(sent) | set(now))
+                   if not _same(sent.get(name, _UNSET), now.get(name, _UNSET))
+                   and 'chainer.config.' + name not in self.named]
+        if not changed:
+            return
+        self.named.extend('chainer.config.' + name for name, _, _ in changed)   # once
+        listed = '; '.join(f'{name}: {_short(old)} -> {_short(new)}'
+                           for name, old, new in changed[:5])
+        more = f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''
+        warnings.warn(
+            f'chainer.config changed {when}: {listed}{more}. The worker processes took the '
+            "master's configuration once, at their start, and compute with it as it was "
+            'then. Set the configuration before the first update, or finalize this '
+            'updater and build a new one after the change (a value an extension sets '
+            'for itself with chainer.using_config is back before the next update: fine)',
+            RuntimeWarning, stacklevel=stacklevel)
 
     def _changed(self, before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
         """path -> (before, after) of the values that differ (both there, not named)."""
@@ -307,6 +336,16 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an odd __eq__: count it as the same
         return True
+
+
+class _Unset:
+    """Stands for a configuration entry that is not there."""
+
+    def __repr__(self) -> str:
+        return '(not set)'
+
+
+_UNSET = _Unset()
 
 
 def _short(value: Any) -> str:

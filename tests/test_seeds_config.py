@@ -8,6 +8,7 @@ seeded ``numpy.random``) and its configuration, applied before they build.
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -153,3 +154,89 @@ def test_runtime_entries_and_graph_keeping_stay_on_the_master(restore_config):
     sent = _inherit.master_config()
     assert sent['mgpu_test_local'] == 'x' and sent['train'] is True
     assert not {'keep_graph_on_report', 'schedule_func', 'in_recomputing'} & set(sent)
+
+
+class ChecksItsThread(chainer.dataset.DatasetMixin):
+    """A dataset that refuses to load where the script's own settings do not hold: the
+    thread that runs training's configuration entry and numpy error handling. Under
+    StandardUpdater it loads in that thread."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def get_example(self, i):
+        flag = getattr(chainer.config, 'mgpu_test_loader', None)
+        divide = np.geterr()['divide']
+        if flag != 'set' or divide != 'raise':
+            raise AssertionError(f'loading without the script\'s settings: '
+                                 f'mgpu_test_loader={flag!r}, divide={divide!r}')
+        return self.data[i]
+
+
+@pytest.mark.parametrize('prefetch', [2, 'auto'])
+def test_the_loader_thread_loads_under_the_settings_of_the_thread_that_trains(
+        restore_config, prefetch):
+    """chainer.config.x = v, chainer.using_config and numpy.errstate hold for the thread
+    that sets them only; the master's loader thread runs the dataset and the converter,
+    and must see what the thread that runs training sees (a transform reading
+    chainer.config trained on other data, a dtype set there crashed the converter's
+    output against the model's)."""
+    np.random.seed(0)
+    model = L.Classifier(DropoutMLP())
+    data = ChecksItsThread(dataset(48, seed=1))
+    it = chainer.iterators.SerialIterator(data, 2, shuffle=False)
+    updater = ParallelAccumulatingUpdater([it], setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=prefetch)
+    try:
+        with chainer.using_config('mgpu_test_loader', 'set'), np.errstate(divide='raise'):
+            run_updates(updater, model, 14)   # 'auto': its trial loads ahead too
+        assert updater.loading_modes == (['ahead'] if prefetch == 2 else ['trial'])
+    finally:
+        updater.finalize()
+
+
+class LogOfItsInput(chainer.Chain):
+    """log(|x|) in forward: a division by zero for a sample that is 0, which numpy warns
+    about, or raises under numpy.seterr(divide='raise') or warnings.simplefilter('error')."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l1(x + np.log(np.abs(x)).min() * 0)
+
+
+@pytest.mark.parametrize('how', ['numpy', 'warnings'])
+def test_workers_raise_where_the_master_would_on_a_floating_point_error(how):
+    """The worker's shard holds the sample that divides by zero: StandardUpdater raises
+    there, under the master's numpy error handling or warning filters, so must the worker
+    (it warned and trained on)."""
+    from mgpu_updater import WorkerError
+    np.random.seed(0)
+    model = L.Classifier(LogOfItsInput())
+    data = dataset(8, seed=1)
+    worker_shard = [(np.zeros_like(x), t) for x, t in data[1::2]]
+    its = [chainer.iterators.SerialIterator(data[0::2], 2, shuffle=False),
+           chainer.iterators.SerialIterator(worker_shard, 2, shuffle=False)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model), devices=DEVICES)
+    saved = np.geterr()
+    try:
+        with warnings.catch_warnings():
+            if how == 'numpy':
+                np.seterr(divide='raise')
+                expected = 'FloatingPointError: divide by zero'
+            else:
+                warnings.simplefilter('error')
+                expected = 'RuntimeWarning: divide by zero'
+            with pytest.raises(WorkerError) as info:
+                run_updates(updater, model, 1)
+        assert info.value.replica == 1
+        assert expected in info.value.remote_traceback
+    finally:
+        np.seterr(**saved)
+        updater.finalize()

@@ -307,3 +307,35 @@ def test_a_parameter_added_between_updates_raises_and_at_finalize_warns():
     _update(late)
     late.roots['model'][0].add_persistent('seen', 0)
     assert "added model/0/seen. The worker" in _caught(late.finish)
+
+
+def test_a_config_entry_changed_between_updates_is_named_once_and_a_scoped_one_not():
+    """The workers take chainer.config once, at their start (_inherit): an extension that
+    sets an entry a forward reads (chainer.config.x = v, global or this thread's) leaves
+    them computing with the old value, which StandardUpdater's one process would not.
+    An extension's own chainer.using_config is over before the next update."""
+    model = Annealed()
+    try:
+        chainer.global_config.mgpu_test_temp = 1.0
+        chainer.config.mgpu_test_mine = 'a'
+        watch = UnsentState({'model': model})
+        _update(watch)
+        with chainer.using_config('train', False):   # an evaluation's, between updates
+            pass
+        assert _update(watch) == '' and _update(watch) == ''
+        chainer.global_config.mgpu_test_temp = 2.0   # an extension, between updates
+        chainer.config.mgpu_test_mine = 'b'
+        chainer.config.mgpu_test_new = 0
+        watch._next = 0.0                            # the next check is due now
+        assert _update(watch) == ''
+        message = _update(watch)
+        assert message.startswith('chainer.config changed between updates: mgpu_test_mine: '
+                                  "'a' -> 'b'; mgpu_test_new: (not set) -> 0; "
+                                  'mgpu_test_temp: 1.0 -> 2.0. The worker processes took')
+        chainer.global_config.mgpu_test_temp = 3.0   # named once
+        assert _caught(watch.finish) == ''
+    finally:
+        for name in ('mgpu_test_temp',):
+            delattr(chainer.global_config, name)
+        for name in ('mgpu_test_mine', 'mgpu_test_new'):
+            delattr(chainer.config._local, name)

@@ -49,6 +49,7 @@ class WorkerInit(NamedTuple):
     comm_handle: Any
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
     config: Any = None          # the master's chainer.config entries (_inherit)
+    process: Any = None         # its numpy error handling, warning filters (_inherit)
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
@@ -222,6 +223,8 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     reuse_freed_memory(init.reuse_host_memory)   # before its first window
     ThreadBinding(init.cores)   # before its loader's thread starts: for its whole life
     _inherit.apply_config(init.config or {})
+    if init.process is not None:
+        _inherit.apply_process_settings(init.process)
     if init.seed is not None:
         _inherit.seed_process(init.seed)
     device = chainer.get_device(init.device)
