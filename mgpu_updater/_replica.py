@@ -575,6 +575,12 @@ class Replica:
         if any(p.grad is not None for p in self.model.params()):
             self._gradients_checked = True
             return
+        if not chainer.config.enable_backprop:
+            raise RuntimeError(
+                f'{self.name}: no parameter of its model got a gradient from this update\'s '
+                'micro-batches: chainer.config.enable_backprop is False (training inside '
+                'chainer.no_backprop_mode(), or enable_backprop set so), so no graph was '
+                'built to back-propagate through. Train with backprop enabled')
         raise RuntimeError(
             f'{self.name}: no parameter of its model got a gradient from this update\'s '
             f'micro-batches, so its share of the gradient would be zeros. Most likely '

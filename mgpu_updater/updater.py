@@ -262,6 +262,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: with worker processes: the plain values of the model, loss_func and converter
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
+        self._core_calls = 0   # of update_core (update: a subclass's must call it)
+        self._core_iteration: Optional[int] = None   # the iteration of its last success
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
@@ -354,6 +356,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._binding = _threads.ThreadBinding(
             shares[0] if shares else None, also=[getattr(self._loader, 'thread_id', None)])
         self._optimizer = self.get_optimizer('main')
+        self._target = self._optimizer.target   # what every replica is a copy of
         # one device, each gradient stepped on in its own update: _update's short way
         self._alone = isinstance(self._group, SoloGroup) and not self.pipelined
         # ... with one whole micro-batch per update: StandardUpdater's update (_update_direct)
@@ -369,11 +372,36 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                                       self._loader, self._late, self._binding)
 
     # ------------------------------------------------------------------ one update
+    def update(self) -> None:
+        """One update (``StandardUpdater.update``), which must run this class's
+        :meth:`update_core`: a subclass's own ``update_core`` that does not call it
+        (``super().update_core()``) trains the master's model on the master's shard, as
+        ``StandardUpdater`` would, while the workers wait; raised after that update."""
+        calls = self._core_calls
+        self.update_core()
+        if self._core_calls == calls:
+            raise RuntimeError(
+                f'{type(self).__name__}.update_core did not call '
+                'ParallelAccumulatingUpdater.update_core: whatever it did ran in the master '
+                "alone, on the master's shard, with no worker, no accumulation and no "
+                'reduction. Call super().update_core() for each update it makes (do what '
+                'comes before or after it around that call); for several optimizers, as '
+                'a GAN has, see docs/migration.md')
+        self.iteration += 1
+
     def update_core(self) -> None:
         if self._finalized:
             raise RuntimeError('this updater was finalized; build a new one to train again')
+        self._core_calls += 1
+        if self.pipelined and self._core_iteration == self.iteration:
+            raise RuntimeError(
+                f'update_core ran twice in iteration {self.iteration} under pipelined=True, '
+                'which steps one update late, once per iteration: a further call would '
+                'step on its own gradient at once. Call it once per iteration, or use '
+                'pipelined=False')
         try:
             self._update()
+            self._core_iteration = self.iteration
         except StopIteration:
             raise
         except BaseException:
@@ -383,6 +411,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _update(self) -> None:
         if self._replica is None:
             self._start()
+        if self._optimizer.target is not self._target:
+            raise RuntimeError(
+                f'the optimizer now updates another model '
+                f'({type(self._optimizer.target).__name__} at '
+                f'{id(self._optimizer.target):#x}, set up after the first update) than '
+                f'the one this updater started with ({type(self._target).__name__} at '
+                f'{id(self._target):#x}): every replica computes with a copy of that one, '
+                'so the step would apply to the new model gradients it never computed. '
+                'finalize() this updater and build a new one with the optimizer set up on '
+                'the new model')
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
         # This runs every update: where the host decides the speed, each call here is time

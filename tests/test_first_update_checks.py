@@ -7,6 +7,10 @@
 - ``loss_func`` must return a floating-point Variable of one element: anything else is a
   TypeError naming the function and saying what it returned.
 - A reported value that is no number (a string) names its key.
+- A subclass's ``update_core`` that never calls this class's (it would train the master
+  alone); under ``pipelined=True``, two calls in one iteration.
+- An optimizer set up on another model after the first update (the replicas are copies of
+  the first); training without backprop, named as such.
 """
 from __future__ import annotations
 
@@ -109,6 +113,113 @@ def test_a_reported_string_names_its_key():
         with pytest.raises(TypeError, match=r"^replica 0 \(@numpy\): 'main/phase' was "
                                             r"reported as str 'training', which cannot be "
                                             r"averaged"):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+class OwnUpdateCore(ParallelAccumulatingUpdater):
+    """A subclass in StandardUpdater's style: its update_core reads, converts and steps
+    itself (as a DCGAN updater does), never calling this class's."""
+
+    def update_core(self):
+        batch = self.get_iterator('main').next()
+        x, t = self.converter(batch, self.device)
+        optimizer = self.get_optimizer('main')
+        optimizer.update(optimizer.target, x, t)
+
+
+class ClipsAfter(ParallelAccumulatingUpdater):
+    """A subclass that wraps the update (WGAN's weight clipping after the step)."""
+
+    def update_core(self):
+        super().update_core()
+        for param in self.get_optimizer('main').target.params():
+            np.clip(param.array, -0.05, 0.05, out=param.array)
+
+
+class ThreeCalls(ParallelAccumulatingUpdater):
+    """A critic's several updates per iteration."""
+
+    def update_core(self):
+        for _ in range(3):
+            super().update_core()
+
+
+def _subclassed(cls, model, **kwargs):
+    its = [chainer.iterators.SerialIterator(dataset(32, seed=r), 4, shuffle=False)
+           for r in range(2)]
+    return cls(its, setup_optimizer('sgd', model), devices=['@numpy'] * 2, **kwargs)
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+def test_an_update_core_of_a_subclass_that_never_calls_this_ones_is_refused(devices):
+    """It would train the master alone, on the master's shard, without accumulation,
+    while the workers wait: as StandardUpdater on a part of the data, without a word."""
+    model = classifier()
+    updater = _updater(model, n=devices, accumulate_steps=2)
+    updater.__class__ = OwnUpdateCore
+    try:
+        with pytest.raises(RuntimeError, match=r'^OwnUpdateCore\.update_core did not call '
+                           r'ParallelAccumulatingUpdater\.update_core: whatever it did ran '
+                           r'in the master alone.*Call super\(\)\.update_core\(\)'):
+            run_updates(updater, model, 1)
+        assert updater.iteration == 0
+    finally:
+        updater.finalize()
+
+
+def test_subclasses_that_call_this_update_core_train_as_it_does():
+    clipped, tripled, plain = classifier(), classifier(), classifier()
+    for cls, m, n in [(ClipsAfter, clipped, 2), (ThreeCalls, tripled, 2),
+                      (ParallelAccumulatingUpdater, plain, 6)]:
+        updater = _subclassed(cls, m)
+        try:
+            run_updates(updater, m, n)
+            assert updater.iteration == n
+        finally:
+            updater.finalize()
+    assert max(float(abs(p.array).max()) for p in clipped.params()) <= np.float32(0.05)
+    for a, b in zip(tripled.params(), plain.params()):   # 2 iterations of 3 updates each
+        assert (a.array == b.array).all()
+    updater = _subclassed(ThreeCalls, classifier(), pipelined=True)
+    try:
+        with pytest.raises(RuntimeError, match=r'^update_core ran twice in iteration 0 under '
+                                               r'pipelined=True, which steps one update late'):
+            run_updates(updater, updater.get_optimizer('main').target, 1)
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('devices,k', [(1, 1), (1, 2), (2, 1)])
+def test_an_optimizer_set_up_on_another_model_after_the_first_update_is_refused(devices, k):
+    """The replicas are copies of the first model: the step applied the first model's
+    gradients to the new one, whose gradients Chainer had left NaN (every parameter of it
+    NaN after one step), where StandardUpdater trains the new model."""
+    model = classifier()
+    updater = _updater(model, n=devices, accumulate_steps=k)
+    try:
+        run_updates(updater, model, 1)
+        other = classifier(seed=1)
+        updater.get_optimizer('main').setup(other)
+        before = [p.array.copy() for p in other.params()]
+        with pytest.raises(RuntimeError, match=r'^the optimizer now updates another model '
+                           r'\(Classifier at 0x[0-9a-f]+, set up after the first update\) '
+                           r'than the one this updater started with'):
+            run_updates(updater, other, 1)
+        assert all((p.array == b).all() for p, b in zip(other.params(), before))
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+def test_training_without_backprop_says_so(devices):
+    model = classifier()
+    updater = _updater(model, n=devices, accumulate_steps=2)
+    try:
+        with chainer.no_backprop_mode(), pytest.raises(
+                RuntimeError, match=r'^replica 0 \(@numpy\): no parameter of its model got a '
+                r'gradient .*chainer\.config\.enable_backprop is False'):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
