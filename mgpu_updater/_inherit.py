@@ -151,6 +151,75 @@ def seed_process(seed: int) -> None:
     random.seed(seed)
 
 
+#: the generators a replica's copies may hold (``cupy.random`` generators: not read here)
+_GENERATORS = (numpy.random.RandomState, numpy.random.Generator, random.Random)
+_WALK_NODES = 20000    # objects gone into per root, at most
+_WALK_ITEMS = 1000     # a container with more items is not gone into (a dataset's list)
+
+
+def own_streams(roots: Dict[str, Any], rank: int) -> List[str]:
+    """Give each random generator that this (worker) process's copies hold a stream of
+    its own; returns their paths.
+
+    The model, ``loss_func``, the converter and the shard's dataset arrive pickled, so a
+    generator they hold (``self.rng = numpy.random.RandomState(0)`` for a mask, a
+    transform's own ``RandomState`` for augmentation) arrives in the state the master's
+    copy had: every replica would draw the same numbers for its own samples, where one
+    process draws one stream over them all. Each is reseeded from its own state and the
+    replica's rank (a hash of the two), so the streams differ from replica to replica and
+    the same script gives the same ones every run; the master's copies draw as they
+    would under ``StandardUpdater``. The iterator's own generators (its shuffling order)
+    are not touched: only its ``dataset`` is walked."""
+    found: List[str] = []
+    seen: set = set()
+    for root, obj in roots.items():
+        stack = [(root, obj)]
+        nodes = 0
+        while stack and nodes < _WALK_NODES:
+            path, obj = stack.pop()
+            if id(obj) in seen or type(obj) in _ATOMS or isinstance(
+                    obj, (numpy.ndarray, chainer.Variable, chainer.dataset.Iterator)):
+                continue
+            seen.add(id(obj))
+            nodes += 1
+            if isinstance(obj, _GENERATORS):
+                _reseed(obj, rank)
+                found.append(path)
+                continue
+            if type(obj) in (list, tuple, dict, set, frozenset) and len(obj) > _WALK_ITEMS:
+                continue
+            from ._pickle_path import parts
+            try:
+                stack.extend((path + label, part) for label, part in parts(obj))
+            except Exception:  # noqa: BLE001 - what cannot be taken apart is not walked
+                continue
+    return found
+
+
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def _reseed(generator: Any, rank: int) -> None:
+    import hashlib
+    import pickle
+    if isinstance(generator, numpy.random.Generator):
+        state = generator.bit_generator.state
+    elif isinstance(generator, numpy.random.RandomState):
+        state = generator.get_state(legacy=False)
+    else:
+        state = generator.getstate()
+    digest = hashlib.blake2b(pickle.dumps((state, rank)), digest_size=16).digest()
+    entropy = int.from_bytes(digest, 'little')
+    if isinstance(generator, numpy.random.Generator):
+        bits = type(generator.bit_generator)(numpy.random.SeedSequence(entropy))
+        generator.bit_generator.state = bits.state
+    elif isinstance(generator, numpy.random.RandomState):
+        generator.set_state(numpy.random.RandomState(
+            numpy.random.MT19937(numpy.random.SeedSequence(entropy))).get_state())
+    else:
+        generator.seed(entropy)
+
+
 def seed_device(seed: int, device: Any) -> None:
     """Seed the device's generator too when it is a GPU (``cupy.random``)."""
     if isinstance(device, chainer.backend.GpuDevice):

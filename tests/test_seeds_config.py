@@ -240,3 +240,75 @@ def test_workers_raise_where_the_master_would_on_a_floating_point_error(how):
     finally:
         np.seterr(**saved)
         updater.finalize()
+
+
+class DrawsFromItsOwn(chainer.Chain):
+    """Reports the first number its own generator gives in each forward (a mask's draw),
+    and the mean of the samples' first feature (where a transform put its draw)."""
+
+    def __init__(self, generator):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+        self.rng = generator
+
+    def forward(self, x, t):
+        draw = self.rng.random() if isinstance(self.rng, random.Random) else \
+            float(self.rng.uniform())
+        chainer.report({'draw': draw, 'augmented': float(x[:, 0].mean())}, self)
+        return F.softmax_cross_entropy(self.l1(x), t)
+
+
+class Jitter:
+    """A transform with a generator of its own, as semantics.md advises: the sample's
+    first feature becomes its draw."""
+
+    def __init__(self):
+        self.rng = np.random.RandomState(7)
+
+    def __call__(self, example):
+        x, t = example
+        x = x.copy()
+        x[0] = self.rng.uniform()
+        return x, t
+
+
+def _draws(generator, runs=1):
+    """Per run: the reported means of two updates of two replicas, each one micro-batch
+    of 2 samples, over a dataset transformed by a Jitter."""
+    out = []
+    for _ in range(runs):
+        np.random.seed(0)
+        model = DrawsFromItsOwn(generator())
+        data = chainer.datasets.TransformDataset(dataset(8, seed=1), Jitter())
+        its = [chainer.iterators.SerialIterator(chainer.datasets.SubDataset(
+            data, 4 * r, 4 * r + 4), 2, shuffle=False) for r in range(2)]
+        updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                              devices=DEVICES, prefetch=0)
+        try:
+            out.append([(float(o['main/draw']), float(o['main/augmented']))
+                        for o in run_updates(updater, model, 2)])
+        finally:
+            updater.finalize()
+    return out
+
+
+@pytest.mark.parametrize('generator', [lambda: np.random.RandomState(123),
+                                       lambda: np.random.default_rng(123),
+                                       lambda: random.Random(123)],
+                         ids=['RandomState', 'Generator', 'Random'])
+def test_generators_the_replicas_copies_hold_draw_streams_of_their_own(generator):
+    """The model and the dataset arrive in each worker pickled, with their generators in
+    the state the master's had: every replica drew the same numbers (the reported mean of
+    the two replicas' draws was the master's own draw). One process draws one stream over
+    all the samples; each replica now draws its own, the same in every run."""
+    first, again = _draws(generator, runs=2)
+    assert first == again
+    master = generator()
+    mine = [master.random() if isinstance(master, random.Random) else float(master.uniform())
+            for _ in range(2)]
+    jitter = Jitter().rng
+    augmented = [float(np.mean([jitter.uniform() for _ in range(2)])) for _ in range(2)]
+    for (draw, aug), own, own_aug in zip(first, mine, augmented):
+        assert draw != pytest.approx(own)    # the worker's draws are not the master's
+        assert aug != pytest.approx(own_aug)
