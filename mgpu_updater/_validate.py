@@ -143,6 +143,16 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
     if len({id(it) for it in value}) != len(value):
         raise ValueError(f'{name} holds the same iterator object more than once; each '
                          'device needs its own iterator over its own shard')
+    for i, it in enumerate(value):
+        try:
+            empty = len(it.dataset) == 0
+        except Exception:  # noqa: BLE001 - no dataset or no length: nothing to say here
+            continue
+        if empty:
+            raise ValueError(f'{name}[{i}] iterates over an empty dataset (device {i} would '
+                             'have no sample to train on, and Chainer\'s iterators divide '
+                             'by its length); give every device a shard of at least one '
+                             'batch (mgpu_updater.shard_iterators splits one dataset evenly)')
     return value
 
 

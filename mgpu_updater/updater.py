@@ -264,6 +264,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._unsent: Optional[UnsentState] = None
         self._core_calls = 0   # of update_core (update: a subclass's must call it)
         self._core_iteration: Optional[int] = None   # the iteration of its last success
+        #: the main iterator's state at the end of the data (StopIteration), else None
+        self._ended: Optional[Dict[str, Any]] = None
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
@@ -399,14 +401,40 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'which steps one update late, once per iteration: a further call would '
                 'step on its own gradient at once. Call it once per iteration, or use '
                 'pipelined=False')
+        if self._ended is not None:
+            self._new_pass_if_reset()
         try:
             self._update()
             self._core_iteration = self.iteration
         except StopIteration:
+            if self._ended is None and self._replica is not None:
+                self._ended = capture_state(self.get_iterator('main'))
             raise
         except BaseException:
             self._teardown(abort=True)
             raise
+
+    def _new_pass_if_reset(self) -> None:
+        """After the iterators' end (``repeat=False``): a main iterator reset since (the
+        next pass of a loop that calls ``update()`` itself) starts a new pass on every
+        replica, as ``reset()`` of ``StandardUpdater``'s one iterator does. The workers'
+        iterators are copies in their processes: each is brought back here as it ended,
+        reset, and sent again with the replicas' restart (as a snapshot's load does)."""
+        main = self.get_iterator('main')
+        if _same_state(capture_state(main), self._ended):
+            return   # still at its end: StopIteration again
+        self._ended = None
+        ended: Dict[str, Any] = {}
+        _checkpoint.save_iterators(chainer.serializers.DictionarySerializer(ended),
+                                   capture_state(main), self._worker_iterators,
+                                   self._group.states())
+        self._teardown(abort=False)
+        self._finalized = False
+        _checkpoint.load_iterators(chainer.serializers.NpzDeserializer(ended), main,
+                                   self._worker_iterators)
+        for it in self._worker_iterators:
+            it.reset()
+        self._epoch = None
 
     def _update(self) -> None:
         if self._replica is None:
@@ -667,6 +695,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._finalized = False
         _checkpoint.load_iterators(serializer, self.get_iterator('main'), self._worker_iterators)
         self._epoch = None
+        self._ended = None
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:
@@ -729,6 +758,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
 
 _TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'update')}
+
+
+def _same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two states :func:`capture_state` gave back are equal."""
+    return a.keys() == b.keys() and all(numpy.array_equal(a[k], b[k]) for k in a)
 
 
 def _release(group: Group, loader: Optional[Loader],

@@ -67,3 +67,67 @@ def test_without_repeat_it_ends_the_data_as_before():
         assert updater.iteration == 4
     finally:
         updater.finalize()
+
+
+class SumsIds(chainer.Chain):
+    """A loss that is the sum of its samples' ids (their first feature), for
+    ``loss_reduction='sum'``: an update's ``main/loss`` is the sum of the ids it trained
+    on, over every replica."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(2, 3)
+
+    def forward(self, x, t):
+        loss = chainer.functions.sum(x[:, 0]) + 0 * chainer.functions.sum(self.l1(x))
+        chainer.report({'loss': loss}, self)
+        return loss
+
+
+def _passes(devices, shuffle, passes=3):
+    """The sums of the ids each update of each pass trained on, in a loop that calls update() itself and
+    resets the main iterator at the end of the data (repeat=False)."""
+    import numpy as np
+    from mgpu_updater import shard_iterators
+    n = 13
+    data = chainer.datasets.TupleDataset(
+        np.stack([np.arange(n), np.zeros(n)], axis=1).astype(np.float32),
+        np.zeros(n, dtype=np.int32))
+    model = SumsIds()
+    its = shard_iterators(data, devices, 2, repeat=False, shuffle=shuffle, seed=0)
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * devices, accumulate_steps=2,
+                                          loss_reduction='sum')
+    out = []
+    try:
+        for _ in range(passes):
+            sums = []
+            while True:
+                try:
+                    obs, = run_updates(updater, model, 1)
+                except StopIteration:
+                    break
+                sums.append(float(obs['main/loss']))
+            out.append(sums)
+            updater.get_iterator('main').reset()
+    finally:
+        updater.finalize()
+    return out
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+@pytest.mark.parametrize('shuffle', [False, True])
+def test_a_reset_after_the_end_of_the_data_starts_a_new_pass_on_every_replica(devices,
+                                                                              shuffle):
+    """A loop that calls update() itself and resets the iterator for its next epoch, as
+    StandardUpdater's one iterator takes it: every pass trains on every sample once. The
+    workers' iterators are copies in their processes; the second pass trained on nothing
+    (StopIteration at once), and a reset while data is left reached the master only."""
+    first, second, third = _passes(devices, shuffle)
+    for ids in (first, second, third):
+        assert sum(ids) == sum(range(13))   # every sample, once
+    if not shuffle:
+        assert first == second == third
+    else:
+        assert first != second   # a new order, each replica from its own sampler

@@ -152,6 +152,15 @@ def test_same_iterator_twice():
     rejected(ValueError, r'^iterators holds the same iterator object more than once',
              iterators=[it, it])
 
+def test_an_empty_shard_is_refused_naming_its_device():
+    """Chainer's iterators divide by their dataset's length (a bare ZeroDivisionError at
+    the first update, on the master without a word of which replica)."""
+    its = iterators(1) + [chainer.iterators.SerialIterator(
+        chainer.datasets.SubDataset(dataset(), 0, 0), 2)]
+    rejected(ValueError, r'^iterators\[1\] iterates over an empty dataset \(device 1 would '
+                         r'have no sample to train on.*give every device a shard of at '
+                         r'least one batch', iterators=its)
+
 
 # ------------------------------------------------------------------ optimizer and model
 def test_optimizer_not_set_up():
