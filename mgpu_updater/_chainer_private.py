@@ -13,8 +13,9 @@ and that no other module of the package uses these names.
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
 | `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
 | `link._persistent`, `link.__dict__` | _flat_buffers, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
-| `MultiprocessIterator._state`, `._previous_epoch_detail`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
+| `MultiprocessIterator._state`, `._previous_epoch_detail`, `._reset_state`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `MultithreadIterator._state`, `._previous_epoch_detail` | _checkpoint | chainer/iterators/multithread_iterator.py:76-77, 124-137, 159-160 | none (d) |
+| `update_rule._use_fp32_update`, `._state` | _checkpoint | chainer/optimizer.py:196, 252-270, 433-462, 473-484 | none |
 | `order_sampler._random` | _checkpoint, _payload | chainer/iterators/order_samplers.py:56, 59 | none (e) |
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
@@ -47,6 +48,7 @@ shims of ``_compat.py`` (a stub ``numpy.distutils``, ``numpy.sctypes``,
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import numpy
@@ -208,6 +210,41 @@ def multiprocess_iterator_state(it: chainer.iterators.MultiprocessIterator) -> D
             'is_new_epoch': state.is_new_epoch,
             'order': None if state.order is None else state.order.copy(),
             'previous_epoch_detail': it._previous_epoch_detail}
+
+
+def fresh_rule_state(rule: Any, param: chainer.Parameter) -> Dict[str, Any]:
+    """The state ``rule``'s first update would create for ``param``, made on a copy of the
+    rule (``rule`` keeps none): ``init_state`` on the parameter, or on its float32 copy
+    under ``use_fp32_update`` (``UpdateRule.__update`` and ``_init_states``,
+    chainer/optimizer.py), as ``UpdateRule.serialize`` makes one on a copy to learn the
+    entries' names. Reads ``rule._use_fp32_update`` and sets the copy's ``_state``."""
+    target: Any = param
+    if rule._use_fp32_update and param.dtype == numpy.float16:
+        target = chainer.Variable(param.array.astype(numpy.float32))
+    twin = copy.copy(rule)
+    twin._state = {}
+    with chainer.using_device(chainer.backend.get_device_from_array(target.array)):
+        twin.init_state(target)
+    return dict(twin._state)
+
+
+def load_unshuffled_multiprocess_iterator(it: chainer.iterators.MultiprocessIterator,
+                                          deserializer: Any) -> bool:
+    """Load ``it`` from ``deserializer`` as its ``serialize`` would, where that fails: an
+    iterator that does not shuffle has no order, and its ``serialize``
+    (chainer/iterators/multiprocess_iterator.py:216-238) copies it first
+    (``self._state.order.copy()``), also to load. Sets the state as it would
+    (``_reset_state``, :253-255) and ``_previous_epoch_detail``. False where the iterator
+    has an order (then its own ``serialize`` loads it)."""
+    if it._state.order is not None:
+        return False
+    current_position = int(deserializer('current_position', it.current_position))
+    epoch = int(deserializer('epoch', it.epoch))
+    is_new_epoch = bool(deserializer('is_new_epoch', it.is_new_epoch))
+    it._reset_state(current_position, epoch, is_new_epoch, None)
+    it._previous_epoch_detail = float(deserializer('previous_epoch_detail',
+                                                   it._previous_epoch_detail))
+    return True
 
 
 def multithread_iterator_state(it: chainer.iterators.MultithreadIterator) -> Dict[str, Any]:

@@ -16,7 +16,8 @@ import numpy
 import chainer
 from chainer.serializers import DictionarySerializer, NpzDeserializer
 
-from ._chainer_private import (multiprocess_iterator_state, multithread_iterator_state,
+from ._chainer_private import (fresh_rule_state, load_unshuffled_multiprocess_iterator,
+                               multiprocess_iterator_state, multithread_iterator_state,
                                order_sampler_rng)
 
 
@@ -57,7 +58,9 @@ def serialize_order_rng(iterator: Any, serializer: Any) -> None:
 
 def load_state(iterator: Any, serializer: Any) -> None:
     """Load an iterator (and its shuffling generator) from a Chainer deserializer."""
-    iterator.serialize(serializer)
+    if not (isinstance(iterator, chainer.iterators.MultiprocessIterator)
+            and load_unshuffled_multiprocess_iterator(iterator, serializer)):
+        iterator.serialize(serializer)
     serialize_order_rng(iterator, serializer)
 
 
@@ -109,19 +112,23 @@ def serialize_counters(updater: Any, serializer: Any) -> None:
     layout (number of devices, ``accumulate_steps``: the shards and the batch composition
     depend on both) or of another updater (:func:`check_layout`).
 
-    Keys (unchanged since the first release): ``optimizer:main/``, ``model:main/``,
-    ``iteration``, ``n_devices``, ``accumulate_steps``, ``skipped_updates``,
-    ``micro_batch_sizes`` (under ``'auto'`` only), ``pending/`` (see :mod:`._step`).
+    Keys: ``optimizer:main/``, ``model:main/``, ``iteration``, ``n_devices``,
+    ``accumulate_steps``, ``skipped_updates``, ``micro_batch_sizes`` (under ``'auto'``
+    only), ``pending/`` (see :mod:`._step`); since 0.1.0's development also ``pipelined``
+    (a snapshot without it is not checked for it).
     """
     if not saving(serializer):
         check_layout(updater, serializer)
     optimizer = updater.get_optimizer('main')
     optimizer.serialize(serializer['optimizer:main'])
+    if saving(serializer):
+        _save_fresh_states(optimizer, serializer['optimizer:main'])
     optimizer.target.serialize(serializer['model:main'])
     updater.iteration = serializer('iteration', updater.iteration)
     if saving(serializer):   # read (first) by check_layout on load
         serializer('n_devices', updater.n_devices)
         serializer('accumulate_steps', updater.accumulate_steps)
+        serializer('pipelined', int(updater.pipelined))
     updater._skipped = serializer('skipped_updates', updater._skipped)
     if updater.micro_batch_size == 'auto':
         _serialize_micro_batch_sizes(updater, serializer)
@@ -131,11 +138,27 @@ def serialize_counters(updater: Any, serializer: Any) -> None:
     updater._step.load(serializer['pending'], optimizer.target)
 
 
+def _save_fresh_states(optimizer: Any, serializer: Any) -> None:
+    """The state entries of the update rules that have not stepped yet, as their first step
+    would make them (zeros, mostly): a snapshot taken before the optimizer's first step
+    (pipelined's first update takes none; nor does a skipped one) held none, and loading it
+    failed (``UpdateRule.serialize`` looks up each entry of a rule that is enabled: a
+    KeyError, ``.../W/m is not a file in the archive``). The rules themselves keep none,
+    so the run goes on as it would have."""
+    for name, param in optimizer.target.namedparams():
+        rule = getattr(param, 'update_rule', None)
+        if rule is None or not rule.enabled or rule.state is not None or param.array is None:
+            continue
+        node = serializer[name]
+        for key, value in fresh_rule_state(rule, param).items():
+            node(key, value)
+
+
 def check_layout(updater: Any, deserializer: Any) -> None:
-    """Refuse a snapshot this updater cannot resume from, reading only ``n_devices`` and
-    ``accumulate_steps`` (so that nothing is overwritten): one taken with another layout,
-    or by another updater (``StandardUpdater``'s has neither key). Each error says how to
-    start from the snapshot's model and optimizer alone."""
+    """Refuse a snapshot this updater cannot resume from, reading only ``n_devices``,
+    ``accumulate_steps`` and ``pipelined`` (so that nothing is overwritten): one taken with
+    another layout or mode, or by another updater (``StandardUpdater``'s has none of the
+    keys). Each error says how to start from the snapshot's model and optimizer alone."""
     n_devices = _read_int(deserializer, 'n_devices')
     steps = _read_int(deserializer, 'accumulate_steps')
     where = _path(deserializer)
@@ -156,6 +179,16 @@ def check_layout(updater: Any, deserializer: Any) -> None:
             f'accumulate_steps={updater.accumulate_steps}; nothing was loaded. Resume with '
             'the same devices and accumulate_steps (the iterator shards and the batch '
             'composition depend on both), or start from its model and optimizer alone, '
+            f'loading them before training: {alone}')
+    pipelined = _read_int(deserializer, 'pipelined')
+    if pipelined is not None and bool(pipelined) != updater.pipelined:
+        raise ValueError(
+            f'this snapshot was taken with pipelined={bool(pipelined)}, but this updater '
+            f'has pipelined={updater.pipelined}; nothing was loaded. A pipelined snapshot '
+            'holds its last update\'s gradient, still to be applied, which a synchronous '
+            'updater would drop; a synchronous one holds none, so a pipelined updater '
+            'would take no step at its first update. Resume with '
+            f'pipelined={bool(pipelined)}, or start from its model and optimizer alone, '
             f'loading them before training: {alone}')
 
 

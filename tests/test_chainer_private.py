@@ -87,8 +87,13 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/link.py', '363'): 'd[name] = value',
     ('chainer/link.py', '381'): 'self._persistent.add(name)',
     ('chainer/link.py', '663-664'): 'd[name] = serializer(name, d[name])',
+    ('chainer/optimizer.py', '196'): 'self._use_fp32_update = False',
+    ('chainer/optimizer.py', '252-270'):
+        'if self._use_fp32_update and param_dtype == numpy.float16:',
     ('chainer/optimizer.py', '259'): 'loss_scale = param._loss_scale',
     ('chainer/optimizer.py', '291'): 'param_.grad /= loss_scale',
+    ('chainer/optimizer.py', '433-462'): 'self_copy.init_state(variable.Variable(arr, grad=arr))',
+    ('chainer/optimizer.py', '473-484'): 'self.init_state(param)',
     ('chainer/optimizer.py', '560'): '_loss_scale = None',
     ('chainer/optimizer.py', '562'): '_loss_scaling_is_dynamic = False',
     ('chainer/optimizer.py', '746'): 'self._loss_scaling_is_dynamic = True',

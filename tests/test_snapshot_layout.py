@@ -4,7 +4,10 @@ Real ``extensions.snapshot()`` files written by a Trainer: one with ``StandardUp
 with this updater at another layout (number of devices, ``accumulate_steps``). Loading one
 into a Trainer with this updater raises, naming the layout, and leaves the model, the
 optimizer, ``iteration`` and the iterators exactly as they were; the message's command for
-starting from the snapshot's model and optimizer alone works as written.
+starting from the snapshot's model and optimizer alone works as written. A snapshot of the
+other ``pipelined`` mode is refused the same way; two that Chainer alone could not load
+(before the optimizer's first step; a ``MultiprocessIterator`` that does not shuffle)
+resume exactly.
 """
 from __future__ import annotations
 
@@ -189,3 +192,82 @@ def test_the_updater_alone_names_its_own_path(tmp_path):
             chainer.serializers.load_npz(str(tmp_path / 'u.npz'), updater)
     finally:
         updater.finalize()
+
+
+@pytest.mark.parametrize('saved', [True, False])
+def test_a_snapshot_of_the_other_pipelined_mode_is_refused(tmp_path, saved):
+    """A pipelined snapshot holds its last update's gradient, still to be applied: loaded
+    into a synchronous updater it was dropped (those samples never trained); a synchronous
+    one loaded into a pipelined updater took no step at the first update."""
+    model = classifier(seed=1)
+    path = _snapshot(tmp_path / 'mode', ParallelAccumulatingUpdater(
+        shard_iterators(dataset(48, seed=1), 1, 4), setup_optimizer('momentum+decay', model),
+        devices=['@numpy'], pipelined=saved))
+    model = classifier(seed=2)
+    optimizer = setup_optimizer('momentum+decay', model)
+    updater = ParallelAccumulatingUpdater(shard_iterators(dataset(48, seed=2), 1, 4),
+                                          optimizer, devices=['@numpy'], pipelined=not saved)
+    trainer = training.Trainer(updater, (10, 'iteration'))
+    try:
+        with pytest.raises(ValueError, match=re.escape(
+                f'this snapshot was taken with pipelined={saved}, but this updater has '
+                f'pipelined={not saved}; nothing was loaded.')):
+            chainer.serializers.load_npz(path, trainer)
+        assert updater.iteration == 0
+    finally:
+        updater.finalize()
+
+
+def _resumed_run(tmp_path, make, at, total):
+    """Parameters after ``total`` updates of ``make()``'s updater, run straight through,
+    and run ``at`` updates, snapshotted, loaded into a new one and run to ``total``."""
+    straight = make()
+    try:
+        run_updates(straight, straight.get_optimizer('main').target, total)
+    finally:
+        straight.finalize()
+    first = make()
+    trainer = training.Trainer(first, (at, 'iteration'), out=str(tmp_path))
+    trainer.extend(extensions.snapshot(filename='snap'), trigger=(at, 'iteration'))
+    try:
+        trainer.run()
+    finally:
+        first.finalize()
+    second = make(seed=5)   # another model: all of it comes from the snapshot
+    trainer = training.Trainer(second, (total, 'iteration'))
+    chainer.serializers.load_npz(str(tmp_path / 'snap'), trainer)
+    try:
+        run_updates(second, second.get_optimizer('main').target, total - at)
+    finally:
+        second.finalize()
+    return (params(straight.get_optimizer('main').target),
+            params(second.get_optimizer('main').target))
+
+
+@pytest.mark.parametrize('kind', ['adam', 'momentum+decay'])
+def test_a_snapshot_before_the_optimizers_first_step_resumes_exactly(tmp_path, kind):
+    """Pipelined, the first update takes no step: the optimizer had no state yet, the
+    snapshot held none, and loading it failed (KeyError: .../W/m is not a file in the
+    archive), where StandardUpdater's snapshot after one update resumes."""
+    def make(seed=1):
+        model = classifier(seed=seed)
+        return ParallelAccumulatingUpdater(
+            shard_iterators(dataset(48, seed=1), 2, 4),
+            setup_optimizer(kind, model), devices=['@numpy'] * 2, pipelined=True)
+    straight, resumed = _resumed_run(tmp_path, make, at=1, total=3)
+    for name, value in straight.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_a_multiprocess_iterator_that_does_not_shuffle_resumes_exactly(tmp_path):
+    """Its own serialize() copies its order, which it has none of without shuffling, also
+    to load: a snapshot (and a worker's restart) failed to load with AttributeError."""
+    def make(seed=1):
+        model = classifier(seed=seed)
+        its = [chainer.iterators.MultiprocessIterator(dataset(24, seed=r), 4, shuffle=False,
+                                                      n_processes=1) for r in range(2)]
+        return ParallelAccumulatingUpdater(its, setup_optimizer('momentum+decay', model),
+                                           devices=['@numpy'] * 2)
+    straight, resumed = _resumed_run(tmp_path, make, at=2, total=5)
+    for name, value in straight.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
