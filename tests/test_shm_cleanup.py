@@ -2,7 +2,9 @@
 
 Two threads of a worker notice the master's death (the watch thread and the main loop's
 exit) and both clean up; the second cleanup must not unregister the names from the
-resource tracker again, which then prints a KeyError traceback for each name.
+resource tracker again, which then prints a KeyError traceback for each name. And a
+master whose start fails after its segments are made and before its workers run removes
+them at once.
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+import chainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,3 +43,41 @@ def test_unlinking_a_segment_twice_does_not_upset_the_resource_tracker():
     assert proc.returncode == 0, proc.stderr
     assert 'GONE True' in proc.stdout
     assert 'resource_tracker' not in proc.stderr and 'KeyError' not in proc.stderr, proc.stderr
+
+
+def _segments():
+    return {name for name in os.listdir('/dev/shm') if name.startswith('mgpu_')}
+
+
+def _no_temporary_directory(*args, **kwargs):
+    raise FileNotFoundError(2, 'No usable temporary directory found')
+
+
+def _no_memory(*args, **kwargs):
+    raise MemoryError('no room for the board')
+
+
+@pytest.mark.parametrize('where, failure', [
+    ('mgpu_updater._local.stall.tempfile.mkdtemp', _no_temporary_directory),
+    ('mgpu_updater._local.group.SlotParams.__init__', _no_memory)])
+def test_a_start_that_fails_before_the_workers_leaves_no_segment(monkeypatch, where,
+                                                                 failure):
+    """The master's shared memory is made before its workers start; a failure in between
+    (no usable temporary directory for the stack files, memory) left the segments until
+    the process exited, where the resource tracker warned of leaked objects: a notebook
+    kept them."""
+    from mgpu_updater import ParallelAccumulatingUpdater
+    from _models import classifier, dataset, setup_optimizer
+    before = _segments()
+    monkeypatch.setattr(where, failure)
+    model = classifier()
+    its = [chainer.iterators.SerialIterator(dataset(8, seed=r), 2) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    try:
+        with pytest.raises((FileNotFoundError, MemoryError)):
+            updater.update()
+        assert _segments() - before == set()
+    finally:
+        updater.finalize()
+    assert updater.worker_pids() == []

@@ -53,23 +53,33 @@ class LocalGroup(Group):
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
-        self.comm, handle = comm_module.create(
-            backend, self.size, layouts.spec(), master_device,
-            broadcast=broadcast_only(layouts), timeout=start_timeout)
-        self.grads = SummedGrads(layouts, self.comm, model)
-        self.params = SlotParams(layouts, self.comm, model)
+        # first: its stack folder needs a usable temporary directory, and where there is
+        # none nothing else is made yet (the segments below were left behind)
+        self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
+        try:
+            self.comm, handle = comm_module.create(
+                backend, self.size, layouts.spec(), master_device,
+                broadcast=broadcast_only(layouts), timeout=start_timeout)
+        except BaseException:
+            self.pool.close()
+            raise
         #: the ranks' board (:mod:`.board`): where every rank says its gradient is packed
         #: (:func:`.board.announces_packs`) on the shared-memory backend; None: the pipes
         #: alone
         self.board: Optional[Board] = None
-        if self.comm.packs_in_shared_memory and STORE_ORDER:
-            self.board = Board.create(self.size, spin_for(self.size, available_cores()))
+        try:
+            self.grads = SummedGrads(layouts, self.comm, model)
+            self.params = SlotParams(layouts, self.comm, model)
+            if self.comm.packs_in_shared_memory and STORE_ORDER:
+                self.board = Board.create(self.size, spin_for(self.size, available_cores()))
+        except BaseException:
+            self.close(abort=True)
+            raise
         #: whether every rank says at the board that its gradient is packed (decided here,
         #: for the workers too: :func:`.board.announces_packs`)
         self.announce_packs = announces_packs(self.board)
         board = self.board.name if self.board is not None else None
         segments = self.comm.owned_segments + ([board] if board is not None else [])
-        self.pool = WorkerPool(devices, start_method, stall_warning, update_timeout)
         self._started = False
         #: under ``max_worker_restarts``: what replaces a worker that died (None: nothing)
         self.recovery: Optional[Recovery] = None
@@ -285,8 +295,9 @@ class LocalGroup(Group):
 
     def close(self, abort: bool = False) -> None:
         try:
-            self.params.detach()
-            self.grads.detach()
+            for views in (getattr(self, 'params', None), getattr(self, 'grads', None)):
+                if views is not None:   # (None: closed while being built)
+                    views.detach()
             if not abort:
                 self.comm.drain()   # our collectives in flight end before the workers stop
             self.pool.close()

@@ -113,20 +113,23 @@ def _sigint_held(spawning: bool) -> Iterator[None]:
     (bpo-33613). In the master: the signal may reach another thread, and Python raises it
     in this one at its next instruction, which may be in the middle of ``start()``, with
     the child waiting for what was never written; so Python's handler only notes it here,
-    and the one it replaced runs once the process is recorded. Only for ``spawn`` (a
-    ``forkserver`` started under the block would pass it on to every process it forks),
-    and only in the main thread (where Python runs signal handlers)."""
-    if not spawning or threading.current_thread() is not threading.main_thread():
+    and the one it replaced runs once the process is recorded (in another thread, which
+    is not where Python raises it, only the mask is needed). Only for ``spawn`` (a
+    ``forkserver`` started under the block would pass it on to every process it forks)."""
+    if not spawning:
         yield
         return
     caught: List[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        signal.signal(signal.SIGINT, previous)
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
         if caught:
             if callable(previous):
                 previous(signal.SIGINT, caught[0])   # Python's own raises KeyboardInterrupt
