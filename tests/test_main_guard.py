@@ -87,3 +87,22 @@ def test_a_script_read_from_stdin_is_told_to_be_a_file():
     assert "the main module has no file to import ('<stdin>'" in error.group(1)
     assert 'Save the script to a file' in error.group(1)
     assert '__main__' not in error.group(1)
+
+
+def test_a_script_deleted_after_it_started_is_told_so(tmp_path):
+    """Its file removed before the first update (a notebook's export, an editor's save
+    that replaces the file, a cleanup): the error says the file is gone, not that the
+    script reads from standard input or lacks its guard."""
+    script = tmp_path / 'train_once.py'
+    script.write_text(GUARDED_FROM_STDIN.replace(
+        "if __name__ == '__main__':", "if __name__ == '__main__':\n    os.remove(__file__)"
+    ).replace('import numpy,', 'import os, numpy,'))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=HARD_TIMEOUT, cwd=str(ROOT),
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    error = re.search(r'^ERROR (.*)$', proc.stdout, re.M)
+    assert error, proc.stderr[-3000:]
+    assert (f"the main module's file ('{script}') is gone: deleted or renamed since the "
+            'script started') in error.group(1)
+    assert 'Leave the script where it is' in error.group(1)
+    assert '__main__' not in error.group(1)

@@ -501,20 +501,35 @@ class WorkerPool:
             what = (f'the worker process (pid {proc.pid}) re-ran the training code while '
                     f'importing {_main_module()} and stopped')
         elif isinstance(main_file, str) and not os.path.exists(main_file):
-            # ``python - < script.py``: __file__ is '<stdin>', which spawn then runs as a
-            # path (multiprocessing/spawn.py, _fixup_main_from_path) and fails
+            if main_file.startswith('<'):
+                # ``python - < script.py``: __file__ is '<stdin>', which spawn then runs as
+                # a path (multiprocessing/spawn.py, _fixup_main_from_path) and fails
+                why = (f'the main module has no file to import ({main_file!r}; a script read '
+                       'from standard input?)')
+                fix = 'Save the script to a file and run that (python script.py)'
+            else:
+                why = (f'the main module\'s file ({main_file!r}) is gone: deleted or '
+                       'renamed since the script started')
+                fix = 'Leave the script where it is while it trains'
             raise WorkerError(
                 f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
-                f'before it started: the main module has no file to import ({main_file!r}; '
-                'a script read from standard input?), and a worker started by '
-                f'{self._start_method!r} imports the main module from its file. Save the '
-                'script to a file and run that (python script.py)',
+                f'before it started: {why}, and a worker started by '
+                f'{self._start_method!r} imports the main module from its file. {fix}',
+                replica=rank, device=str(self._devices[rank]), exitcode=proc.exitcode)
+        elif proc.exitcode is not None and proc.exitcode < 0:
+            raise WorkerError(
+                f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
+                f'before it started, while importing {_main_module()}: a signal from '
+                'outside (the out-of-memory killer, a kill of its process group)',
                 replica=rank, device=str(self._devices[rank]), exitcode=proc.exitcode)
         else:
             what = (f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
-                    f'before it started, while importing {_main_module()} or mgpu_updater '
-                    '(its error is on its stderr); if the script trains at module level, '
-                    'this is why')
+                    f'before it started: importing {_main_module()} or mgpu_updater failed '
+                    'there (its traceback is on its stderr). A worker imports the main '
+                    "module again, with the master's sys.path and working directory as they "
+                    'are when it starts: an import that worked only before the script '
+                    'changed directory (a relative sys.path entry) fails there. And if the '
+                    'script trains at module level, this is why')
         raise WorkerError(f'{what}: {GUARD_HINT} (start method {self._start_method!r})',
                           replica=rank, device=str(self._devices[rank]),
                           exitcode=proc.exitcode)
