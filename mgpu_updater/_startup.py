@@ -20,7 +20,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import chainer
 
-from . import _inherit, _loss_binding
+from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
                                set_persistent)
 from ._chunks import Chunking
@@ -151,6 +151,8 @@ def _local_group(s: Settings) -> LocalGroup:
         param.update_rule = None
     config = _inherit.master_config()
     process = _inherit.process_settings()
+    module_globals = _module_globals.fingerprints(
+        {'model': s.model, 'loss_func': s.loss_func, 'converter': s.converter})
     seeds = _inherit.draw_seeds(len(s.worker_iterators))
     depth, gated, trial = loader_plan(s)
     payloads = {}
@@ -164,6 +166,7 @@ def _local_group(s: Settings) -> LocalGroup:
             iterator=it, prefetch=depth, prefetch_gated=gated, prefetch_trial=trial,
             accumulate_steps=s.accumulate_steps, scaling=scaling(s, it, s.nominal_samples),
             chunking=chunking(s, rank), config=config, process=process,
+            module_globals=module_globals,
             seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
             cores=s.core_shares[rank] if s.core_shares else None,

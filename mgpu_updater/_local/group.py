@@ -17,6 +17,7 @@ from .. import comm as comm_module
 from .._checkpoint import capture_state
 from .._flat_buffers import ModelLayouts, grad_arrays
 from .._groups import Group, ReduceHandle, ensure_grads
+from .._module_globals import warn as warn_module_differences
 from .._replica import WindowResult
 from .._restarts import RestartLog
 from .._threads import available_cores
@@ -102,9 +103,10 @@ class LocalGroup(Group):
                         worker_main, data, segments, start_timeout,
                         before_ready=self._rejoiner(sorted(data), survivors, renewed,
                                                     start_timeout)))
-            self.pool.start(worker_main, data, segments, start_timeout,
-                            before_ready=self._joiner(start_timeout))
+            readies = self.pool.start(worker_main, data, segments, start_timeout,
+                                      before_ready=self._joiner(start_timeout))
             self._started = True
+            warn_module_differences({r: d for r, d in readies.items() if d}, stacklevel=6)
         except BaseException:
             self.close(abort=True)
             raise

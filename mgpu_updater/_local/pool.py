@@ -310,8 +310,11 @@ class WorkerPool:
         self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
-        self._collect(Ready.KIND, deadline, timeout, 'restart', on_dead=self._raise_dead,
-                      ranks=ranks)
+        readies = self._collect(Ready.KIND, deadline, timeout, 'restart',
+                                on_dead=self._raise_dead, ranks=ranks)
+        # a replacement imports the user's modules again: from a file edited since?
+        from .._module_globals import warn
+        warn({r: d for r, d in readies.items() if d})
         return {rank: self._procs[rank].pid for rank in ranks}
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,

@@ -143,8 +143,14 @@ class Joining(_Kind, _NoFields):
     KIND = 'joining'
 
 
-class Ready(_Kind, _NoFields):
-    """worker -> master, once: started, communicator joined."""
+class _ReadyFields(NamedTuple):
+    kind: str
+    differences: Tuple[str, ...] = ()   # what its modules hold otherwise (_module_globals)
+
+
+class Ready(_Kind, _ReadyFields):
+    """worker -> master, once: started, communicator joined; with what its own import of
+    the user's modules holds otherwise than the master's (``Ready(differences)``)."""
     KIND = 'ready'
 
 

@@ -50,6 +50,7 @@ class WorkerInit(NamedTuple):
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
     config: Any = None          # the master's chainer.config entries (_inherit)
     process: Any = None         # its numpy error handling, warning filters (_inherit)
+    module_globals: Any = None  # what its copies read in the user's modules (_module_globals)
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
@@ -182,7 +183,8 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
             init = None
             return
         replica, comm, layouts, in_place = _build(init, lambda: conn.send(Joining()))
-        conn.send(Ready())
+        from .._module_globals import differences
+        conn.send(Ready(differences(init.module_globals or {})))
     except BaseException:  # noqa: BLE001 - reported to the master
         _send_error(conn)
         _wait_stop(conn)

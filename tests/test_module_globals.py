@@ -1,0 +1,105 @@
+"""What the workers' copies read in the user's modules, which each worker imports again.
+
+A model class defined in an imported module (``models.py``) travels to the workers by
+name, and each imports that module again from its file: a global the script set at run
+time there (``config.SCALE = args.scale``), or the file edited since, held in the master
+only, and the replicas computed otherwise without a word. Each worker now compares what
+the copies' code reads there with the master's, and the master warns, naming it.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+import chainer
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _models import dataset, run_updates, setup_optimizer
+
+CONFIG = '''
+SCALE = 1.0
+'''
+
+MODEL = '''
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+import {config}
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.l1(x) * {config}.SCALE, t)
+'''
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """A config module and a model module that reads it, importable by the workers (the
+    master's sys.path reaches them)."""
+    tag = uuid.uuid4().hex[:8]
+    config, model = f'cfg_{tag}', f'net_{tag}'
+    (tmp_path / f'{config}.py').write_text(CONFIG)
+    (tmp_path / f'{model}.py').write_text(MODEL.format(config=config))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield importlib.import_module(config), importlib.import_module(model), tmp_path
+    for name in (config, model):
+        sys.modules.pop(name, None)
+
+
+def _one_update(net_module):
+    np.random.seed(0)
+    model = net_module.Net()
+    its = [chainer.iterators.SerialIterator(dataset(8, seed=r), 2) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    try:
+        run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+def test_a_module_the_workers_import_as_the_master_has_it_says_nothing(modules):
+    config, net, _ = modules
+    _one_update(net)   # warnings are errors here
+
+
+def test_a_global_the_script_set_in_a_module_is_named(modules):
+    config, net, _ = modules
+    config.SCALE = 3.0   # as a script sets it from its arguments
+    with pytest.warns(RuntimeWarning, match=rf'{config.__name__}\.SCALE: 3\.0 in the master, '
+                                            r'1\.0 in the worker \(replica 1\)\. The '
+                                            r'replicas compute with different values'):
+        _one_update(net)
+
+
+def test_a_module_file_edited_since_the_master_imported_it_is_named(modules):
+    config, net, folder = modules
+    source = folder / f'{net.__name__}.py'
+    source.write_text(source.read_text().replace('* ', '* 2 * '))
+    importlib.invalidate_caches()
+    with pytest.warns(RuntimeWarning, match=rf'{net.__name__}\.Net\.forward: function '
+                                            rf'{net.__name__}\.Net\.forward \(code \w+\) in '
+                                            r'the master, function .* in the worker'):
+        _one_update(net)
+
+
+def test_the_fingerprint_leaves_out_chainer_numpy_and_the_main_module(modules):
+    from mgpu_updater._module_globals import fingerprints
+    config, net, _ = modules
+    found = fingerprints({'model': net.Net(), 'loss_func': None,
+                          'converter': chainer.dataset.concat_examples})
+    assert set(found) == {config.__name__, net.__name__}
+    assert found[config.__name__] == {'SCALE': 1.0}
+    assert {'Net.__init__', 'Net.forward', config.__name__} <= set(found[net.__name__])
