@@ -19,7 +19,8 @@ Where it is applied differs:
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Tuple
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
 #: libraries. When any is set, ``'auto'`` leaves the libraries as they are.
@@ -28,18 +29,23 @@ USER_VARIABLES: Tuple[str, ...] = ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS',
                                    'VECLIB_MAXIMUM_THREADS')
 
 
-# The affinity this process had before the first ThreadBinding of ours that is still in
-# force, and how many are: an updater built while another one runs here (or a bench that
-# keeps several alive) shares out the cores the process had, not the master's share of
-# the first, which its workers would inherit (two replicas then ran on one core).
-_unbound: Optional[Any] = None
-_bindings = 0
+# Per thread (native id) that a ThreadBinding of ours holds: how many are in force on it,
+# and its affinity from before the first. An updater built while another one runs here (or
+# a bench that keeps several alive) shares out the cores the process had, not the master's
+# share of the first, which its workers would inherit (two replicas then ran on one core);
+# and each thread gets its own affinity back, whichever thread restores the binding (two
+# trainers in two threads, a finalize() from another thread left the main thread on one
+# core).
+_held: Dict[int, List[Any]] = {}
+_held_lock = threading.Lock()
 
 
 def _process_cores() -> List[int]:
     """The cores this process may run on, as before any binding of ours (raises where
     affinity is unknown: not Linux)."""
-    return sorted(_unbound if _unbound is not None else os.sched_getaffinity(0))
+    with _held_lock:
+        befores = [set(before) for _, before in _held.values()]
+    return sorted(set().union(*befores) if befores else os.sched_getaffinity(0))
 
 
 def available_cores() -> int:
@@ -163,25 +169,24 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
 class ThreadBinding:
     """The calling thread (and the threads it starts from then on), and the threads of
     ``also`` (native thread ids), bound to ``cores`` until :meth:`restore` (None:
-    nothing); restore gives the calling thread its cores back. The master binds its main
-    thread and its loader's thread so while the updater runs; a worker binds itself for
-    its life. While bindings overlap (two updaters alive in one process), the thread
-    keeps the latest one's cores until the last is restored, which gives back the
-    affinity from before the first."""
+    nothing); restore, from any thread, gives the thread that bound its cores back. The
+    master binds its main thread and its loader's thread so while the updater runs; a
+    worker binds itself for its life. While bindings overlap on one thread (two updaters
+    alive in one process), it keeps the latest one's cores until the last is restored,
+    which gives back its affinity from before the first."""
 
     def __init__(self, cores: Optional[Tuple[int, ...]], also: Any = ()) -> None:
-        global _unbound, _bindings
         self.cores = cores
         self._bound = False
+        self._thread = threading.get_native_id()
         if cores:
             try:
                 before = os.sched_getaffinity(0)
                 os.sched_setaffinity(0, cores)
             except (AttributeError, OSError):   # a container that forbids it: as it is
                 return
-            if _bindings == 0:
-                _unbound = before
-            _bindings += 1
+            with _held_lock:
+                _held.setdefault(self._thread, [0, before])[0] += 1
             self._bound = True
             for thread_id in also:   # other threads of ours (native ids)
                 if thread_id is not None:
@@ -191,14 +196,16 @@ class ThreadBinding:
                         pass
 
     def restore(self) -> None:
-        global _unbound, _bindings
         if not self._bound:
             return
         self._bound = False
-        _bindings -= 1
-        if _bindings == 0:
-            before, _unbound = _unbound, None
-            try:
-                os.sched_setaffinity(0, before)
-            except OSError:
-                pass
+        with _held_lock:
+            entry = _held[self._thread]
+            entry[0] -= 1
+            if entry[0]:
+                return
+            del _held[self._thread]
+        try:
+            os.sched_setaffinity(self._thread, entry[1])   # from whichever thread
+        except OSError:   # the thread is gone
+            pass

@@ -83,6 +83,52 @@ def test_an_updater_built_while_another_runs_shares_out_the_cores_the_process_ha
     assert os.sched_getaffinity(0) == before
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason='needs 2 cores to bind 2 replicas')
+def test_each_thread_gets_its_own_cores_back_whichever_thread_ends_its_updater():
+    """One updater trained in the main thread, another in a thread of its own, the main
+    one finalized first; and a finalize() from another thread. The main thread stayed on
+    its one core for good (and so did each updater built after it, its worker too)."""
+    import threading
+    before = os.sched_getaffinity(0)
+    shares = _threads.core_shares('auto', 2, on_cpu=True)
+    model, updater = two_cpu_replicas()
+    seen = {}
+
+    def other_thread():
+        seen['start'] = os.sched_getaffinity(0)   # (the main thread's binding, inherited)
+        other_model, other = two_cpu_replicas()
+        try:
+            run_updates(other, other_model, 1)
+            seen['bound'] = os.sched_getaffinity(0)
+            ended.wait(60)
+        finally:
+            other.finalize()
+        seen['after'] = os.sched_getaffinity(0)
+
+    ended = threading.Event()
+    try:
+        run_updates(updater, model, 1)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        while 'bound' not in seen and thread.is_alive():
+            thread.join(0.05)
+    finally:
+        updater.finalize()
+        ended.set()
+        thread.join(60)
+    assert seen['bound'] == set(shares[0]) and seen['after'] == seen['start']
+    assert os.sched_getaffinity(0) == before
+    model, updater = two_cpu_replicas()
+    try:
+        run_updates(updater, model, 1)
+        finisher = threading.Thread(target=updater.finalize)
+        finisher.start()
+        finisher.join(60)
+    finally:
+        updater.finalize()
+    assert os.sched_getaffinity(0) == before
+
+
 def test_bind_cores_false_leaves_every_process_as_it_was():
     before = os.sched_getaffinity(0)
     model, updater = two_cpu_replicas(bind_cores=False)
