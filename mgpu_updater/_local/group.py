@@ -99,10 +99,9 @@ class LocalGroup(Group):
                     self.pool, self.comm, self.board,
                     payload=lambda r, point, size, renewed: payloads[r](
                         renewed, board, self.announce_packs, resume=point, chunk_size=size),
-                    start=lambda data, survivors, renewed: self.pool.replace(
-                        worker_main, data, segments, start_timeout,
-                        before_ready=self._rejoiner(sorted(data), survivors, renewed,
-                                                    start_timeout)))
+                    start=lambda data, survivors, renewed: self._replace(
+                        data, segments, start_timeout,
+                        self._rejoiner(sorted(data), survivors, renewed, start_timeout)))
             readies = self.pool.start(worker_main, data, segments, start_timeout,
                                       before_ready=self._joiner(start_timeout))
             self._started = True
@@ -110,6 +109,17 @@ class LocalGroup(Group):
         except BaseException:
             self.close(abort=True)
             raise
+
+    def _replace(self, data: Dict[int, bytes], segments: List[str], start_timeout: float,
+                 rejoin: Callable[[], None]) -> Dict[int, int]:
+        """Start the workers that replace dead ones; a replacement imports the user's
+        modules again (from a file edited since?): what it found otherwise is warned
+        about, as at the start."""
+        pids = self.pool.replace(worker_main, data, segments, start_timeout,
+                                 before_ready=rejoin)
+        warn_module_differences({r: d for r, d in self.pool.replaced_ready.items() if d},
+                                stacklevel=3)
+        return pids
 
     def _joiner(self, start_timeout: float) -> Callable[[], None]:
         """What the master does once the workers have their payloads: wait until each

@@ -156,6 +156,7 @@ class WorkerPool:
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
+        self.replaced_ready: Dict[int, Any] = {}   # (:meth:`replace`)
         self.stall = StallWatch(stall_warning, update_timeout, self._stacks,
                                 pid_of=lambda r: self._procs[r].pid,
                                 device_of=lambda r: str(self._devices[r]))
@@ -310,11 +311,9 @@ class WorkerPool:
         self._send_payloads(payloads, deadline, timeout)
         if before_ready is not None:
             before_ready()
-        readies = self._collect(Ready.KIND, deadline, timeout, 'restart',
-                                on_dead=self._raise_dead, ranks=ranks)
-        # a replacement imports the user's modules again: from a file edited since?
-        from .._module_globals import warn
-        warn({r: d for r, d in readies.items() if d})
+        # what each replacement's ready said, by rank (as :meth:`start` returns them)
+        self.replaced_ready = self._collect(Ready.KIND, deadline, timeout, 'restart',
+                                            on_dead=self._raise_dead, ranks=ranks)
         return {rank: self._procs[rank].pid for rank in ranks}
 
     def _send_payloads(self, payloads: Dict[int, bytes], deadline: float,
