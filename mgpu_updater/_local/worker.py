@@ -238,9 +238,6 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
-    # this replica's own random streams, where its copies hold generators (_inherit)
-    _inherit.own_streams({'model': model, 'loss_func': loss_func, 'converter': init.converter,
-                          'dataset': getattr(init.iterator, 'dataset', None)}, init.rank)
     if init.resume is not None:   # a replacement: where the lost worker's update started
         from .resume import restore
         restore(init.resume, init.iterator)
