@@ -12,19 +12,23 @@ fails. Moving the model from ``train.py`` into ``models.py`` changed the result.
 So the master takes a fingerprint of what its copies' code reads in the user's modules
 (:func:`fingerprints`): the modules that define the classes and functions the payload
 holds, and those their globals name, where a module is the user's when its file lies
-outside the standard library and the installed packages; of each, the globals that code
-names (a plain value, or a function's or class's identity and its code) and the code of
-the classes' methods. Each worker compares them with its own import
-(:func:`differences`) and says what differs with ``Ready``; the master warns, naming each
-(:func:`warn`). Values computed at import (a time, an environment variable) differ too
-where the code reads them: named all the same, since the replicas then compute with
-different values.
+outside the standard library and the installed packages. The code read is that of the
+forward (``forward``, ``__call__``, the ``loss_func`` and converter where they are the
+user's module's) and of what it calls by name, followed name by name; of each module, the
+globals that code names (a plain value, a small container of them, a function's or
+class's identity and its code) and the code of those methods. Each worker compares them
+with its own import (:func:`differences`) and says what differs with ``Ready``; the master
+warns, naming each (:func:`warn`). Values computed at import (a time, an environment
+variable) differ too where the forward reads them: named all the same, since the replicas
+then compute with different values. The check never stops training: what it cannot read,
+it leaves out.
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import hashlib
 import importlib
-import marshal
 import os
 import sys
 import sysconfig
@@ -32,10 +36,13 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy
+
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 MAX_NODES = 20000   # objects gone into per walk of the payload
 MAX_ITEMS = 1000    # a container with more items is not gone into
 MAX_NAMED = 5       # differences listed in one warning
+MAX_SMALL = 64      # items of a container global compared, at most
 
 
 def _system_paths() -> Tuple[str, ...]:
@@ -48,12 +55,16 @@ def _system_paths() -> Tuple[str, ...]:
 
 def _users(module_name: Optional[str], system: Tuple[str, ...]) -> Optional[types.ModuleType]:
     """The module, where it is one of the user's (imported, from a file outside the
-    standard library and the installed packages, not the main one)."""
-    if not module_name or module_name in ('__main__', '__mp_main__', 'builtins'):
+    standard library and the installed packages, not the main one; not a lazy module,
+    which a look would import)."""
+    if not isinstance(module_name, str) or module_name in ('__main__', '__mp_main__',
+                                                           'builtins'):
         return None
     module = sys.modules.get(module_name)
-    path = getattr(module, '__file__', None)
-    if module is None or not isinstance(path, str):
+    if module is None or type(module).__name__ == '_LazyModule':
+        return None
+    path = vars(module).get('__file__')
+    if not isinstance(path, str):
         return None
     real = os.path.realpath(path)
     return None if real.startswith(system) or module_name.startswith('mgpu_updater') \
@@ -63,43 +74,89 @@ def _users(module_name: Optional[str], system: Tuple[str, ...]) -> Optional[type
 def _codes(code: types.CodeType) -> List[types.CodeType]:
     out = [code]
     for const in code.co_consts:
-        if isinstance(const, types.CodeType):
+        if type(const) is types.CodeType:
             out.extend(_codes(const))
     return out
+
+
+def _const(value: Any) -> Any:
+    """A code constant, the same in every process (a frozenset's order is its hash
+    seed's)."""
+    if type(value) in (frozenset, set):
+        return ('frozenset', tuple(sorted(repr(_const(v)) for v in value)))
+    if type(value) is tuple:
+        return tuple(_const(v) for v in value)
+    return repr(value)
 
 
 def _code_digest(function: Any) -> str:
     """The code a function runs, without its line numbers (an edit that only moves it
     reads the same)."""
-    parts = [(c.co_code, c.co_names, tuple(repr(k) for k in c.co_consts
-                                             if not isinstance(k, types.CodeType)))
+    parts = [(c.co_code, c.co_names, tuple(_const(k) for k in c.co_consts
+                                             if type(k) is not types.CodeType))
              for c in _codes(function.__code__)]
-    return hashlib.blake2b(marshal.dumps(parts), digest_size=8).hexdigest()
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
 
 
-def _token(value: Any) -> Any:
-    """What a global is, comparably across processes; None: not compared."""
-    if type(value) in _PLAIN:
+def _token(value: Any, depth: int = 0) -> Any:
+    """What a global is, comparably across processes; None: not compared. Reads only
+    ``type(value)``, never ``value.__class__`` (a proxy's may raise)."""
+    kind = type(value)
+    if kind in _PLAIN:
         return value
-    if type(value) is tuple and all(type(v) in _PLAIN for v in value) and len(value) <= 64:
-        return value
-    if isinstance(value, types.FunctionType):
+    if issubclass(kind, numpy.generic):
+        return ('numpy', str(value.dtype), value.item())
+    if depth < 3 and kind in (tuple, list) and len(value) <= MAX_SMALL:
+        items = [_token(v, depth + 1) for v in value]
+        return None if any(i is None for i in items) else (kind.__name__, tuple(items))
+    if depth < 3 and (kind in (dict, types.SimpleNamespace) or kind is argparse.Namespace):
+        items = value if kind is dict else vars(value)
+        if len(items) > MAX_SMALL or not all(type(k) is str for k in items):
+            return None
+        pairs = [(k, _token(v, depth + 1)) for k, v in sorted(items.items())]
+        return None if any(t is None for _, t in pairs) else (kind.__name__, tuple(pairs))
+    if kind is functools.partial:
+        inner = _token(value.func, depth + 1)
+        args = _token(tuple(value.args), depth + 1)
+        keywords = _token(dict(value.keywords), depth + 1)
+        return None if None in (inner, args, keywords) else ('partial', inner, args,
+                                                              keywords)
+    if kind is types.FunctionType:
         return ('function', value.__module__, value.__qualname__, _code_digest(value))
-    if isinstance(value, type):
+    if issubclass(kind, type):
         return ('class', value.__module__, value.__qualname__)
-    if isinstance(value, types.ModuleType):
-        return ('module', value.__name__)
+    if issubclass(kind, types.ModuleType):
+        name = _module_name(value)
+        return None if name is None else ('module', name)
     return None
+
+
+def _module_name(module: types.ModuleType) -> Optional[str]:
+    """Its name; None for a lazy module (``importlib.util.LazyLoader``), which any look
+    at it imports."""
+    if type(module).__name__ == '_LazyModule':
+        return None
+    name = module.__name__
+    return name if isinstance(name, str) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Tokens equal, a NaN equal to a NaN."""
+    if type(a) is float and type(b) is float and a != a and b != b:
+        return True
+    if type(a) is tuple and type(b) is tuple and len(a) == len(b):
+        return all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _functions_of(cls: type) -> Dict[str, Any]:
     out = {}
     for name, member in vars(cls).items():
-        if isinstance(member, (staticmethod, classmethod)):
+        if type(member) in (staticmethod, classmethod):
             member = member.__func__
-        elif isinstance(member, property):
+        elif type(member) is property:
             member = member.fget
-        if isinstance(member, types.FunctionType):
+        if type(member) is types.FunctionType:
             out[name] = member
     return out
 
@@ -113,14 +170,21 @@ def _is_data(obj: Any) -> bool:
 
 
 def fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """Module name -> {global or Class.method: token}: what the code of ``roots`` (the
-    model, ``loss_func``, the converter) reads in the user's modules, as the master has
-    it now."""
+    """Module name -> {global or Class.method: token}: what the forward code of ``roots``
+    (the model, ``loss_func``, the converter) reads in the user's modules, as the master
+    has it now; empty where it cannot tell (never an error)."""
+    try:
+        return _fingerprints(roots)
+    except Exception:  # noqa: BLE001 - a look, not a requirement
+        return {}
+
+
+def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     from ._pickle_path import parts
     system = _system_paths()
     modules: Dict[str, types.ModuleType] = {}
     classes: List[type] = []
-    functions: List[Any] = []
+    entries: List[Any] = []   # the code that runs first: forwards, loss_func, converter
     seen: Set[int] = set()
     stack = [obj for obj in roots.values() if obj is not None]
     nodes = 0
@@ -130,50 +194,85 @@ def fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             continue
         seen.add(id(obj))
         nodes += 1
-        kind = obj if isinstance(obj, type) else type(obj)
+        kind = obj if issubclass(type(obj), type) else type(obj)
         for cls in kind.__mro__:
+            if '<locals>' in cls.__qualname__:
+                continue   # travels by value (cloudpickle), with the master's globals
             module = _users(cls.__module__, system)
             if module is not None and cls not in classes:
                 modules[module.__name__] = module
                 classes.append(cls)
-        if isinstance(obj, types.FunctionType):
+                found = _functions_of(cls)
+                entries.extend(found[name] for name in ('forward', '__call__')
+                               if name in found)
+        if type(obj) is types.FunctionType and '<locals>' not in obj.__qualname__:
             module = _users(obj.__module__, system)
             if module is not None:
                 modules[module.__name__] = module
-                functions.append(obj)
+                entries.append(obj)
         if type(obj) in (list, tuple, dict, set, frozenset) and len(obj) > MAX_ITEMS:
             continue
         try:
             stack.extend(part for _, part in parts(obj))
         except Exception:  # noqa: BLE001 - what cannot be taken apart is not walked
             continue
-    code_of = [f for cls in classes for f in _functions_of(cls).values()] + functions
-    names: Set[str] = set()
-    for function in code_of:
-        for code in _codes(function.__code__):
-            names.update(code.co_names)
-    for module in list(modules.values()):   # the user's modules those globals name
-        for name in names & set(vars(module)):
-            other = vars(module)[name]
-            if isinstance(other, types.ModuleType):
-                found = _users(other.__name__, system)
-                if found is not None:
-                    modules[found.__name__] = found
+    names, reached = _reached(entries, classes, modules, system)
     out: Dict[str, Dict[str, Any]] = {}
     for module_name, module in modules.items():
-        entries = {name: _token(value) for name, value in vars(module).items()
-                   if name in names and not name.startswith('__')}
+        found = {name: _token(value) for name, value in vars(module).items()
+                 if name in names and not name.startswith('__')}
         for cls in classes:
             if cls.__module__ == module_name:
-                entries.update({f'{cls.__qualname__}.{name}': _token(f)
-                                for name, f in _functions_of(cls).items()})
-        out[module_name] = {k: v for k, v in entries.items() if v is not None}
-    return out
+                found.update({f'{cls.__qualname__}.{name}': _token(f)
+                              for name, f in _functions_of(cls).items()
+                              if id(f) in reached})
+        out[module_name] = {k: v for k, v in found.items() if v is not None}
+    return {name: found for name, found in out.items() if found}
+
+
+def _reached(entries: List[Any], classes: List[type], modules: Dict[str, types.ModuleType],
+             system: Tuple[str, ...]) -> Tuple[Set[str], Set[int]]:
+    """The global and attribute names the code from ``entries`` reads, following the
+    methods of ``classes`` and the user's modules' functions it names (a helper method a
+    forward calls: ``self.helper`` names ``helper``), to a fixed point; and the ids of
+    the functions so reached. Adds the user's modules those names reach to ``modules``."""
+    names: Set[str] = set()
+    reached: Set[int] = set()
+    pending = list(entries)
+    while pending:
+        function = pending.pop()
+        if id(function) in reached:
+            continue
+        reached.add(id(function))
+        new: Set[str] = set()
+        for code in _codes(function.__code__):
+            new.update(code.co_names)
+        new -= names
+        names |= new
+        for cls in classes:
+            pending.extend(f for name, f in _functions_of(cls).items() if name in new)
+        for module in list(modules.values()):
+            for name in new & set(vars(module)):
+                value = vars(module)[name]
+                if type(value) is types.FunctionType and _users(value.__module__, system):
+                    pending.append(value)
+                elif issubclass(type(value), types.ModuleType):
+                    other = _users(_module_name(value), system)
+                    if other is not None and other.__name__ not in modules:
+                        modules[other.__name__] = other
+    return names, reached
 
 
 def differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
     """In a worker: what its own import of each module holds otherwise than the master's
-    ``expected`` (:func:`fingerprints`), in words."""
+    ``expected`` (:func:`fingerprints`), in words; nothing where it cannot tell."""
+    try:
+        return _differences(expected)
+    except Exception:  # noqa: BLE001 - a look, not a requirement
+        return ()
+
+
+def _differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
     out = []
     for module_name, entries in expected.items():
         try:
@@ -187,10 +286,10 @@ def differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
                 holder = getattr(holder, part, None)
             value = getattr(holder, key.split('.')[-1], _MISSING) if holder is not None \
                 else _MISSING
-            if isinstance(holder, type) and value is not _MISSING:
+            if issubclass(type(holder), type) and value is not _MISSING:
                 value = _functions_of(holder).get(key.split('.')[-1], value)
             mine = _MISSING if value is _MISSING else _token(value)
-            if mine != token:
+            if not _same(mine, token):
                 out.append(f'{module_name}.{key}: {_say(token)} in the master, '
                            f'{_say(mine)} in the worker')
     return tuple(out)
@@ -204,13 +303,32 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _say(token: Any) -> str:
-    if isinstance(token, tuple) and token and token[0] == 'function':
+def _plain(token: Any) -> Any:
+    """A token as the value it stands for, to show."""
+    if type(token) is not tuple or not token or type(token[0]) is not str:
+        return token
+    head = token[0]
+    if head == 'numpy':
+        return f'{token[1]}({token[2]!r})'
+    if head in ('list', 'tuple'):
+        items = [_plain(t) for t in token[1]]
+        return items if head == 'list' else tuple(items)
+    if head in ('dict', 'SimpleNamespace', 'Namespace'):
+        items = {k: _plain(t) for k, t in token[1]}
+        return items if head == 'dict' else f'{head}({items})'
+    if head == 'function':
         return f'function {token[1]}.{token[2]} (code {token[3]})'
-    if isinstance(token, tuple) and token and token[0] in ('class', 'module'):
-        return f'{token[0]} {".".join(str(t) for t in token[1:])}'
-    text = repr(token)
-    return text if len(text) <= 40 else text[:37] + '...'
+    if head in ('class', 'module'):
+        return f'{head} {".".join(str(t) for t in token[1:])}'
+    if head == 'partial':
+        return f'partial({_plain(token[1])}, ...)'
+    return token
+
+
+def _say(token: Any) -> str:
+    value = _plain(token)
+    text = value if type(value) is str and type(token) is tuple else repr(value)
+    return text if len(text) <= 60 else text[:57] + '...'
 
 
 def warn(found: Dict[int, Sequence[str]], stacklevel: int = 2) -> None:
