@@ -29,7 +29,9 @@ at most :data:`COST_SHARE` of the time between checks; the other updates read a 
 """
 from __future__ import annotations
 
+import copy
 import math
+import threading
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -79,8 +81,10 @@ class UnsentState:
         self.forward: set = set()
         #: paths already warned about (each is named once)
         self.named: List[str] = []
-        #: Chainer's configuration as sent to the workers at their start (_inherit)
-        self._config = config_values()
+        #: Chainer's configuration as sent to the workers at their start (_inherit), as
+        #: the thread that trains sees it (another one sees its own)
+        self._config = _copied(config_values())
+        self._config_thread = threading.get_ident()
 
     @property
     def watching(self) -> bool:
@@ -170,6 +174,8 @@ class UnsentState:
         """Chainer's configuration entries, against what the workers took at their start:
         one changed since is warned about, once (an extension that sets
         ``chainer.config.train`` or an entry a forward reads)."""
+        if threading.get_ident() != self._config_thread:
+            return   # (a finalize() from another thread: its configuration is its own)
         now = config_values()
         sent = self._config
         changed = [(name, sent.get(name, _UNSET), now.get(name, _UNSET))
@@ -336,6 +342,20 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an odd __eq__: count it as the same
         return True
+
+
+def _copied(values: Dict[str, Any]) -> Dict[str, Any]:
+    """Configuration values, a small container among them copied: one changed in place
+    (``chainer.config.curriculum['scale'] = 3``) is then told apart."""
+    out = {}
+    for name, value in values.items():
+        if type(value) in _CONTAINERS and len(value) <= MAX_ITEMS:
+            try:
+                value = copy.deepcopy(value)
+            except Exception:  # noqa: BLE001 - kept as it is: compared by equality
+                pass
+        out[name] = value
+    return out
 
 
 class _Unset:

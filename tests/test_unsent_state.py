@@ -339,3 +339,31 @@ def test_a_config_entry_changed_between_updates_is_named_once_and_a_scoped_one_n
             delattr(chainer.global_config, name)
         for name in ('mgpu_test_mine', 'mgpu_test_new'):
             delattr(chainer.config._local, name)
+
+
+def test_a_config_value_changed_in_place_is_named_and_another_threads_look_is_not():
+    """A curriculum kept in chainer.config (a dict an extension changes in place): the
+    watch held the live dict and saw no change. A finalize() from another thread reads
+    that thread's configuration, not the training thread's: nothing to name there."""
+    import threading
+    model = Annealed()
+    try:
+        chainer.global_config.mgpu_test_curriculum = {'scale': 1.0}
+        chainer.config.mgpu_test_mine = 'a'   # this thread's own
+        watch = UnsentState({'model': model})
+        _update(watch)
+        chainer.global_config.mgpu_test_curriculum['scale'] = 3.0
+        watch._next = 0.0
+        assert _update(watch) == ''
+        assert ("mgpu_test_curriculum: {'scale': 1.0} -> {'scale': 3.0}"
+                in _update(watch))
+        later = UnsentState({'model': model})
+        _update(later)
+        said = []
+        finisher = threading.Thread(target=lambda: said.append(_caught(later.finish)))
+        finisher.start()
+        finisher.join()
+        assert said == ['']
+    finally:
+        delattr(chainer.global_config, 'mgpu_test_curriculum')
+        delattr(chainer.config._local, 'mgpu_test_mine')
