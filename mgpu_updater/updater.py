@@ -262,7 +262,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: with worker processes: the plain values of the model, loss_func and converter
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
-        self._core_calls = 0   # of update_core (update: a subclass's must call it)
+        self._core_calls = 0   # of update_core (update: a subclass's must have called it)
         self._core_iteration: Optional[int] = None   # the iteration of its last success
         #: the main iterator's state at the end of the data (StopIteration), else None
         self._ended: Optional[Dict[str, Any]] = None
@@ -376,12 +376,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     # ------------------------------------------------------------------ one update
     def update(self) -> None:
         """One update (``StandardUpdater.update``), which must run this class's
-        :meth:`update_core`: a subclass's own ``update_core`` that does not call it
+        :meth:`update_core`: a subclass's own ``update_core`` that never calls it
         (``super().update_core()``) trains the master's model on the master's shard, as
-        ``StandardUpdater`` would, while the workers wait; raised after that update."""
-        calls = self._core_calls
+        ``StandardUpdater`` would, while the workers wait; raised after the first update
+        that did not (one that skips an update now and then, having called it before, is
+        left alone)."""
         self.update_core()
-        if self._core_calls == calls:
+        if not self._core_calls:
             raise RuntimeError(
                 f'{type(self).__name__}.update_core did not call '
                 'ParallelAccumulatingUpdater.update_core: whatever it did ran in the master '

@@ -138,6 +138,16 @@ class ClipsAfter(ParallelAccumulatingUpdater):
             np.clip(param.array, -0.05, 0.05, out=param.array)
 
 
+class SkipsNowAndThen(ParallelAccumulatingUpdater):
+    """Leaves every third iteration out (a schedule of its own): harmless, as under
+    StandardUpdater."""
+
+    def update_core(self):
+        if self.iteration % 3 == 2:
+            return
+        super().update_core()
+
+
 class ThreeCalls(ParallelAccumulatingUpdater):
     """A critic's several updates per iteration."""
 
@@ -172,7 +182,8 @@ def test_an_update_core_of_a_subclass_that_never_calls_this_ones_is_refused(devi
 def test_subclasses_that_call_this_update_core_train_as_it_does():
     clipped, tripled, plain = classifier(), classifier(), classifier()
     for cls, m, n in [(ClipsAfter, clipped, 2), (ThreeCalls, tripled, 2),
-                      (ParallelAccumulatingUpdater, plain, 6)]:
+                      (ParallelAccumulatingUpdater, plain, 6),
+                      (SkipsNowAndThen, classifier(), 4)]:
         updater = _subclassed(cls, m)
         try:
             run_updates(updater, m, n)
