@@ -407,6 +407,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         try:
             self._update()
             self._core_iteration = self.iteration
+            self._ended = None
         except StopIteration:
             if self._ended is None and self._replica is not None:
                 self._ended = capture_state(self.get_iterator('main'))
@@ -679,6 +680,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         notwithstanding), the iteration, the layout (number of devices,
         accumulate_steps), the step in flight (pipelined), the chunk sizes 'auto' found."""
         saving = _checkpoint.saving(serializer)
+        if saving and self._ended is not None:
+            self._new_pass_if_reset()   # a reset since the end: the replicas' new pass
         if saving:
             self._check_late()   # a snapshot holds no step whose loss was not looked at
         else:
@@ -694,9 +697,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             # Loading into a running updater: restart so every replica reads the new state.
             self._teardown(abort=False)
             self._finalized = False
-        _checkpoint.load_iterators(serializer, self.get_iterator('main'), self._worker_iterators)
+        main = self.get_iterator('main')
+        _checkpoint.load_iterators(serializer, main, self._worker_iterators)
         self._epoch = None
-        self._ended = None
+        # taken at the end of the data: a reset of the main iterator next starts a new pass
+        # on every replica, as after an end met here
+        self._ended = capture_state(main) if (
+            getattr(main, 'repeat', True) is False and getattr(main, 'epoch', 0) > 0) \
+            else None
 
     # ------------------------------------------------------------------ shutdown
     def _teardown(self, abort: bool) -> None:

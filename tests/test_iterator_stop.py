@@ -85,7 +85,7 @@ class SumsIds(chainer.Chain):
         return loss
 
 
-def _passes(devices, shuffle, passes=3):
+def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None):
     """The sums of the ids each update of each pass trained on, in a loop that calls update() itself and
     resets the main iterator at the end of the data (repeat=False)."""
     import numpy as np
@@ -94,14 +94,17 @@ def _passes(devices, shuffle, passes=3):
     data = chainer.datasets.TupleDataset(
         np.stack([np.arange(n), np.zeros(n)], axis=1).astype(np.float32),
         np.zeros(n, dtype=np.int32))
-    model = SumsIds()
-    its = shard_iterators(data, devices, 2, repeat=False, shuffle=shuffle, seed=0)
-    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                          devices=['@numpy'] * devices, accumulate_steps=2,
-                                          loss_reduction='sum')
+    def build():
+        model = SumsIds()
+        its = shard_iterators(data, devices, 2, repeat=False, shuffle=shuffle, seed=0)
+        return model, ParallelAccumulatingUpdater(
+            its, setup_optimizer('sgd', model), devices=['@numpy'] * devices,
+            accumulate_steps=2, loss_reduction='sum')
+
+    model, updater = build()
     out = []
     try:
-        for _ in range(passes):
+        for i in range(passes):
             sums = []
             while True:
                 try:
@@ -110,10 +113,24 @@ def _passes(devices, shuffle, passes=3):
                     break
                 sums.append(float(obs['main/loss']))
             out.append(sums)
+            if snapshot == 'before_reset' and i == 0:
+                model, updater = _resumed(build, updater, tmp_path)
             updater.get_iterator('main').reset()
+            if snapshot == 'after_reset' and i == 0:
+                model, updater = _resumed(build, updater, tmp_path)
     finally:
         updater.finalize()
     return out
+
+
+def _resumed(build, updater, tmp_path):
+    """The updater saved, finalized, and loaded into a new one (a run resumed)."""
+    path = str(tmp_path / 'between.npz')
+    chainer.serializers.save_npz(path, updater)
+    updater.finalize()
+    model, fresh = build()
+    chainer.serializers.load_npz(path, fresh)
+    return model, fresh
 
 
 @pytest.mark.parametrize('devices', [1, 2])
@@ -131,3 +148,13 @@ def test_a_reset_after_the_end_of_the_data_starts_a_new_pass_on_every_replica(de
         assert first == second == third
     else:
         assert first != second   # a new order, each replica from its own sampler
+
+
+@pytest.mark.parametrize('snapshot', ['before_reset', 'after_reset'])
+def test_a_pass_after_a_snapshot_between_passes_trains_on_every_replica(tmp_path, snapshot):
+    """Saved at the end of the data, before or after the main iterator's reset, and
+    resumed: the workers' iterators were saved as they ended, and the next pass trained
+    on the master's shard alone (7 of 13 samples)."""
+    first, second, third = _passes(2, True, snapshot=snapshot, tmp_path=tmp_path)
+    for ids in (first, second, third):
+        assert sum(ids) == sum(range(13))
