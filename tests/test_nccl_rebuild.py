@@ -171,10 +171,11 @@ class RestartingPool:
         self.dead = set()
         self.log = []
         self.gather_hook = None   # called as each Done is taken
+        self.replaced_ready = {}  # what each replacement's Ready said (nothing differs)
 
     def start(self, target, payloads, shm_names, timeout, before_ready=None):
         before_ready()
-        return {r: None for r in self.ranks}
+        return {r: () for r in self.ranks}   # each Ready's differences: none
 
     def gather(self, kind, timeout=None, what='update', ranks=None):
         self.check(what)
@@ -212,6 +213,7 @@ class RestartingPool:
         self.log.append(('replace', sorted(payloads)))
         self.dead.clear()
         before_ready()
+        self.replaced_ready = {rank: () for rank in payloads}
         return {rank: 5000 + rank for rank in payloads}
 
     def pids(self):
