@@ -22,6 +22,21 @@ def gone_within(pids, seconds):
     return False
 
 
+def children(pid):
+    """The running processes whose parent is ``pid`` (read from ``/proc``)."""
+    out = []
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                with open(f'/proc/{entry}/stat') as f:
+                    fields = f.read().rsplit(')', 1)[1].split()
+            except OSError:   # gone meanwhile
+                continue
+            if int(fields[1]) == pid and fields[0] not in ('Z', 'X'):
+                out.append(int(entry))
+    return out
+
+
 #: The environment for a child that runs MPI as a singleton (one rank, no ``mpiexec``).
 #: Such a rank talks to itself only; Open MPI's shared-memory transport, loaded all the
 #: same, leaves its segment (``/dev/shm/sm_segment.*``) behind when the child exits.

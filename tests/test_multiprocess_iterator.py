@@ -31,6 +31,7 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, _payload, shard_iterators
 
 from _models import classifier, dataset, params, run_updates, setup_optimizer
+from _processes import children
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,20 +179,6 @@ def _running(pid):
     except (FileNotFoundError, ProcessLookupError):
         return False
 
-
-def children(pid):
-    """Running processes whose parent is ``pid``."""
-    out = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[1]) == pid and fields[0] not in ('Z', 'X'):
-                out.append(int(entry))
-    return out
 
 
 def _wait_gone(pids, seconds):

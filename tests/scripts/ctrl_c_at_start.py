@@ -17,6 +17,7 @@ import mgpu_updater
 from chainer import training
 
 from _models import classifier, dataset, setup_optimizer
+from _processes import children
 
 AFTER_EXEC = 0.15   # seconds from the worker's process seen to the Ctrl-C
 
@@ -24,17 +25,13 @@ AFTER_EXEC = 0.15   # seconds from the worker's process seen to the Ctrl-C
 def workers(pid):
     """The spawned workers among pid's children (not multiprocessing's resource tracker)."""
     out = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ('Z', 'X'):
-                with open(f'/proc/{entry}/cmdline', 'rb') as f:
-                    if b'spawn_main' in f.read():
-                        out.append(int(entry))
+    for child in children(pid):
+        try:
+            with open(f'/proc/{child}/cmdline', 'rb') as f:
+                if b'spawn_main' in f.read():
+                    out.append(child)
+        except OSError:   # gone meanwhile
+            continue
     return out
 
 

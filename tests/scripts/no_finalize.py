@@ -7,26 +7,13 @@ processes), then exits with the updater still referenced. The workers are not da
 still exit at once, stopping them, instead of waiting for them forever.
 """
 import json
-import os
 
 import mgpu_updater
 from chainer.iterators import MultiprocessIterator
 
 from _models import classifier, dataset, setup_optimizer
+from _processes import children
 
-
-def children(pid):
-    out = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ('Z', 'X'):
-                out.append(int(entry))
-    return out
 
 
 def main():

@@ -19,6 +19,7 @@ import chainer
 from chainer.iterators import MultiprocessIterator
 
 from _models import classifier, dataset, setup_optimizer
+from _processes import children
 
 
 class StallingDataset:
@@ -33,19 +34,6 @@ class StallingDataset:
             time.sleep(60)
         return self.base[i]
 
-
-def children(pid):
-    out = []
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    fields = f.read().rsplit(')', 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ('Z', 'X'):
-                out.append(int(entry))
-    return out
 
 
 def main():
