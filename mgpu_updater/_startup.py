@@ -130,12 +130,24 @@ def chunking(s: Settings, index: int) -> Chunking:
     return Chunking(int(found) or None, auto=True)
 
 
+def _copy(model: chainer.Link) -> chainer.Link:
+    """A copy of the model for the workers' payload: ``copy.deepcopy``, or where that fails
+    on what the workers' pickling takes by reference (a module the model holds,
+    ``self.cfg = config``), a round trip through that pickling (cloudpickle), which gives
+    the workers what they would get anyway."""
+    try:
+        return copy.deepcopy(model)
+    except TypeError:
+        import cloudpickle
+        return cloudpickle.loads(cloudpickle.dumps(model))
+
+
 def _local_group(s: Settings) -> LocalGroup:
     """Worker processes on this host, one per extra device, each with its payload."""
     from . import comm
     backend = comm.backend_for(s.devices)
     try:
-        replica_model = copy.deepcopy(s.model)
+        replica_model = _copy(s.model)
     except Exception as exc:  # noqa: BLE001 - deepcopy raises what pickling raises
         from . import _pickle_path
         culprit = _pickle_path.find(s.model, 'model')

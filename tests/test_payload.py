@@ -299,3 +299,46 @@ def test_six_moves_through_the_updater_in_main():
         assert float(values['MAX_ABS_DIFF']) < 1e-6, (loss, proc.stdout)
         assert float(values['LOSS_DIFF']) < 1e-5, (loss, proc.stdout)
         assert float(values['MOVED']) > 1e-3, (loss, proc.stdout)
+
+
+class HoldsAModule(chainer.Chain):
+    """Keeps a module as an attribute (``self.cfg = config``), as configuration code does:
+    the workers' pickling takes it by reference; ``copy.deepcopy`` cannot copy it."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+        self.cfg = urllib.parse
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.l1(x), t)
+
+
+def test_a_model_that_holds_a_module_trains_as_standard_updater():
+    """The copy for the workers' payload was a deepcopy, which failed at the first update
+    with a TypeError that blamed lazy input sizes the model did not have."""
+    np.random.seed(0)
+    ours, theirs = HoldsAModule(), HoldsAModule()
+    theirs.copyparams(ours)
+    data = dataset(16, seed=1)
+    its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, _sgd(ours), devices=['@numpy'] * 2)
+    merged = [x for pair in zip(data[0::2], data[1::2]) for x in pair]
+    reference = StandardUpdater(chainer.iterators.SerialIterator(merged, 4, shuffle=False),
+                                _sgd(theirs))
+    try:
+        run_updates(updater, ours, 2)
+    finally:
+        updater.finalize()
+    run_updates(reference, theirs, 2)
+    assert ours.cfg is urllib.parse
+    for name, value in params(theirs).items():
+        np.testing.assert_allclose(params(ours)[name], value, rtol=0, atol=1e-6,
+                                   err_msg=name)
+
+
+def _sgd(model):
+    optimizer = chainer.optimizers.SGD(0.1)
+    optimizer.setup(model)
+    return optimizer
