@@ -4,30 +4,31 @@ The model, ``loss_func`` and the converter reach each worker pickled. What the s
 defines in its main module travels by value, with the globals its functions read; what
 an imported module of the user's defines (``models.py``'s ``Net``) travels by name, and
 the worker imports that module again from its file. A global the script set at run time
-in such a module (``config.SCALE = args.scale``, argparse style), a function replaced there
-(a monkeypatch), or the file edited since the master imported it (a worker restarted
-after an edit) then hold in the master only: the replicas compute otherwise, and nothing
-fails. Moving the model from ``train.py`` into ``models.py`` changed the result.
+in such a module (``config.SCALE = args.scale``, argparse style), a function replaced
+there (a monkeypatch), or a value in the file edited since the master imported it (a
+worker restarted after an edit) then hold in the master only: the replicas compute
+otherwise, and nothing fails. Moving the model from ``train.py`` into ``models.py``
+changed the result.
 
-So the master takes a fingerprint of what its copies' code reads in the user's modules
+So the master takes a fingerprint of what its copies' forward reads in the user's modules
 (:func:`fingerprints`): the modules that define the classes and functions the payload
 holds, and those their globals name, where a module is the user's when its file lies
 outside the standard library and the installed packages. The code read is that of the
 forward (``forward``, ``__call__``, the ``loss_func`` and converter where they are the
 user's module's) and of what it calls by name, followed name by name; of each module, the
-globals that code names (a plain value, a small container of them, a function's or
-class's identity and its code) and the code of those methods. Each worker compares them
-with its own import (:func:`differences`) and says what differs with ``Ready``; the master
-warns, naming each (:func:`warn`). Values computed at import (a time, an environment
-variable) differ too where the forward reads them: named all the same, since the replicas
-then compute with different values. The check never stops training: what it cannot read,
-it leaves out.
+globals that code names: a plain value, a small container of them, a numpy scalar, a
+``functools.partial``, and a function's, class's or module's identity (not its code: an
+import hook such as pytest's assertion rewriting changes the master's code and not the
+workers'). Each worker compares them with its own import (:func:`differences`) and says
+what differs with ``Ready``; the master warns, naming each (:func:`warn`). Values computed
+at import (a time, an environment variable) differ too where the forward reads them:
+named all the same, since the replicas then compute with different values. The check
+never stops training: what it cannot read, it leaves out.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import importlib
 import os
 import sys
@@ -79,25 +80,6 @@ def _codes(code: types.CodeType) -> List[types.CodeType]:
     return out
 
 
-def _const(value: Any) -> Any:
-    """A code constant, the same in every process (a frozenset's order is its hash
-    seed's)."""
-    if type(value) in (frozenset, set):
-        return ('frozenset', tuple(sorted(repr(_const(v)) for v in value)))
-    if type(value) is tuple:
-        return tuple(_const(v) for v in value)
-    return repr(value)
-
-
-def _code_digest(function: Any) -> str:
-    """The code a function runs, without its line numbers (an edit that only moves it
-    reads the same)."""
-    parts = [(c.co_code, c.co_names, tuple(_const(k) for k in c.co_consts
-                                             if type(k) is not types.CodeType))
-             for c in _codes(function.__code__)]
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
-
-
 def _token(value: Any, depth: int = 0) -> Any:
     """What a global is, comparably across processes; None: not compared. Reads only
     ``type(value)``, never ``value.__class__`` (a proxy's may raise)."""
@@ -122,7 +104,7 @@ def _token(value: Any, depth: int = 0) -> Any:
         return None if None in (inner, args, keywords) else ('partial', inner, args,
                                                               keywords)
     if kind is types.FunctionType:
-        return ('function', value.__module__, value.__qualname__, _code_digest(value))
+        return ('function', value.__module__, value.__qualname__)
     if issubclass(kind, type):
         return ('class', value.__module__, value.__qualname__)
     if issubclass(kind, types.ModuleType):
@@ -170,7 +152,7 @@ def _is_data(obj: Any) -> bool:
 
 
 def fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """Module name -> {global or Class.method: token}: what the forward code of ``roots``
+    """Module name -> {global: token}: what the forward code of ``roots``
     (the model, ``loss_func``, the converter) reads in the user's modules, as the master
     has it now; empty where it cannot tell (never an error)."""
     try:
@@ -216,26 +198,23 @@ def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             stack.extend(part for _, part in parts(obj))
         except Exception:  # noqa: BLE001 - what cannot be taken apart is not walked
             continue
-    names, reached = _reached(entries, classes, modules, system)
+    names = _reached(entries, classes, modules, system)
     out: Dict[str, Dict[str, Any]] = {}
     for module_name, module in modules.items():
+        # (a name that is no identifier is an import hook's: pytest's assertion rewriting
+        # adds '@py_builtins' to the master's modules, which a worker imports without it)
         found = {name: _token(value) for name, value in vars(module).items()
-                 if name in names and not name.startswith('__')}
-        for cls in classes:
-            if cls.__module__ == module_name:
-                found.update({f'{cls.__qualname__}.{name}': _token(f)
-                              for name, f in _functions_of(cls).items()
-                              if id(f) in reached})
+                 if name in names and name.isidentifier() and not name.startswith('__')}
         out[module_name] = {k: v for k, v in found.items() if v is not None}
     return {name: found for name, found in out.items() if found}
 
 
 def _reached(entries: List[Any], classes: List[type], modules: Dict[str, types.ModuleType],
-             system: Tuple[str, ...]) -> Tuple[Set[str], Set[int]]:
+             system: Tuple[str, ...]) -> Set[str]:
     """The global and attribute names the code from ``entries`` reads, following the
     methods of ``classes`` and the user's modules' functions it names (a helper method a
-    forward calls: ``self.helper`` names ``helper``), to a fixed point; and the ids of
-    the functions so reached. Adds the user's modules those names reach to ``modules``."""
+    forward calls: ``self.helper`` names ``helper``), to a fixed point. Adds the user's
+    modules those names reach to ``modules``."""
     names: Set[str] = set()
     reached: Set[int] = set()
     pending = list(entries)
@@ -260,7 +239,7 @@ def _reached(entries: List[Any], classes: List[type], modules: Dict[str, types.M
                     other = _users(_module_name(value), system)
                     if other is not None and other.__name__ not in modules:
                         modules[other.__name__] = other
-    return names, reached
+    return names
 
 
 def differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
@@ -281,13 +260,7 @@ def _differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
             out.append(f'{module_name}: not importable here ({type(exc).__name__}: {exc})')
             continue
         for key, token in entries.items():
-            holder: Any = module
-            for part in key.split('.')[:-1]:   # Class.method
-                holder = getattr(holder, part, None)
-            value = getattr(holder, key.split('.')[-1], _MISSING) if holder is not None \
-                else _MISSING
-            if issubclass(type(holder), type) and value is not _MISSING:
-                value = _functions_of(holder).get(key.split('.')[-1], value)
+            value = vars(module).get(key, _MISSING)
             mine = _MISSING if value is _MISSING else _token(value)
             if not _same(mine, token):
                 out.append(f'{module_name}.{key}: {_say(token)} in the master, '
@@ -316,9 +289,7 @@ def _plain(token: Any) -> Any:
     if head in ('dict', 'SimpleNamespace', 'Namespace'):
         items = {k: _plain(t) for k, t in token[1]}
         return items if head == 'dict' else f'{head}({items})'
-    if head == 'function':
-        return f'function {token[1]}.{token[2]} (code {token[3]})'
-    if head in ('class', 'module'):
+    if head in ('function', 'class', 'module'):
         return f'{head} {".".join(str(t) for t in token[1:])}'
     if head == 'partial':
         return f'partial({_plain(token[1])}, ...)'
@@ -342,8 +313,8 @@ def warn(found: Dict[int, Sequence[str]], stacklevel: int = 2) -> None:
         'the worker processes import your modules again from their files, and their copies '
         'of the model, loss_func and converter read there what the master\'s do not: '
         f'{"; ".join(listed[:MAX_NAMED])}{more}. The replicas compute with different values '
-        'or code. A value the script sets at run time in a module (config.SCALE = ...) '
+        'or functions. A value the script sets at run time in a module (config.SCALE = ...) '
         'reaches them only as an argument of the model (or a persistent of it); a '
-        'function replaced in a module at run time, or a file edited since, does not '
-        'reach them at all',
+        'function replaced in a module at run time, or a value in a file edited since, '
+        'does not reach them at all',
         RuntimeWarning, stacklevel=stacklevel)
