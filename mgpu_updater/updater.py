@@ -376,7 +376,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     # ------------------------------------------------------------------ one update
     def update(self) -> None:
         """One update (``StandardUpdater.update``), which must run this class's
-        :meth:`update_core`: a subclass's own ``update_core`` that never calls it
+        ``update_core``: a subclass's own ``update_core`` that never calls it
         (``super().update_core()``) trains the master's model on the master's shard, as
         ``StandardUpdater`` would, while the workers wait; raised after the first update
         that did not (one that skips an update now and then, having called it before, is
