@@ -52,10 +52,8 @@ class _Mixed16:
 def master_config() -> Dict[str, Any]:
     """The configuration entries the calling thread sees, to apply in a worker."""
     import cloudpickle
-    names = config_entry_names()
     entries: Dict[str, Any] = {}
-    for name in sorted(names - _NOT_SENT):
-        value = getattr(chainer.config, name)
+    for name, value in sorted(config_values().items()):
         if value is chainer.mixed16:
             entries[name] = _Mixed16()
             continue
@@ -116,8 +114,8 @@ def apply_thread_settings(settings: Any) -> None:
 
 
 def config_values() -> Dict[str, Any]:
-    """The entries :func:`master_config` sends, as the calling thread sees them now,
-    unpickled (to tell a later change: ``_unsent_state``)."""
+    """The entries :func:`master_config` sends, as the calling thread sees them now, as
+    they are (what it sends, and what ``_unsent_state`` compares to tell a later change)."""
     return {name: getattr(chainer.config, name)
             for name in config_entry_names() - _NOT_SENT}
 
