@@ -215,8 +215,11 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     observers(reporter, model)
     try:
         arrays = call_converter(converter, batch, device)
-        with chainer.using_config('train', False), chainer.no_backprop_mode(), \
-                reporter.scope({}):
+        # without @static_graph's schedule, which holds what cannot be copied (modules,
+        # weak references): each replica builds its own at its first training call
+        with chainer.using_config('train', False), \
+                chainer.using_config('use_static_graph', False), \
+                chainer.no_backprop_mode(), reporter.scope({}):
             if isinstance(arrays, tuple):
                 func(*arrays)
             elif isinstance(arrays, dict):

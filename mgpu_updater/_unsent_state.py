@@ -13,10 +13,11 @@ training is just different.
 :class:`UnsentState` makes that loud. It collects every plain value (numbers, strings,
 None, numpy arrays) reachable from them the way the workers' payload pickled them
 (:func:`mgpu_updater._pickle_path.parts`), leaving out what every update sends
-(parameters, which are Variables, and persistents), Variables (a forward's results),
-Chainer's own bookkeeping (the private attributes of its classes: a link hook's scratch
-vectors), Chainer's datasets and iterators, and what lies inside a container of more than
-:data:`MAX_ITEMS` items (its length counts). It takes them after the master's first
+(parameters, which are Variables, their arrays wherever else they are held, and
+persistents), Variables (a forward's results), Chainer's own bookkeeping (the private
+attributes of its classes: a link hook's scratch vectors; ``@static_graph``'s
+schedules), Chainer's datasets and iterators, and what lies inside a container of more
+than :data:`MAX_ITEMS` items (its length counts). It takes them after the master's first
 window, then, now and then, at the start of an update, after its window and at the start
 of the next: what the window changed is the forward's, which every replica does to its
 own copy (a counter of calls), and is never named; what changed otherwise since the last
@@ -239,6 +240,8 @@ class UnsentState:
                 continue
             if _is_data(obj):
                 continue   # a dataset a closure holds is no value a forward reads
+            if _is_static_graph(kind):
+                continue   # each replica's own schedules, built by its own forward
             if kind in _CONTAINERS and len(obj) > MAX_ITEMS:
                 out[path] = (kind.__name__, len(obj))   # too many to look into each time
                 continue
@@ -304,6 +307,12 @@ def _is_data(obj: Any) -> bool:
         type(obj).__module__.startswith('chainer.datasets')
 
 
+def _is_static_graph(kind: type) -> bool:
+    """Whether ``kind`` is ``@static_graph``'s machinery, which Chainer keeps on the chain
+    (``schedule_manager``, ``static_schedule``): each replica's forward builds its own."""
+    return (getattr(kind, '__module__', '') or '').startswith('chainer.graph_optimizations')
+
+
 def _of_chainer(kind: type) -> bool:
     """Whether ``kind`` is Chainer's own (its private attributes are its bookkeeping:
     a link hook's scratch vectors, an optimizer's hook table)."""
@@ -312,14 +321,18 @@ def _of_chainer(kind: type) -> bool:
 
 
 def _sent_every_update(roots: Dict[str, Any]) -> set:
-    """ids of what every update sends: the persistents' values of every link reached
-    from a root that is a link (parameters are Variables, left out anyway)."""
+    """ids of what every update sends or makes on every replica: the persistents' values
+    of every link reached from a root that is a link, and its parameters' arrays and
+    gradients (the Variables are left out anyway; these arrays may be held elsewhere too,
+    as ``@static_graph``'s schedules hold them)."""
     out = set()
     for obj in roots.values():
         if isinstance(obj, chainer.Link):
             for _, value in named_persistents(obj):
                 if value is not None and type(value) not in _PLAIN:
                     out.add(id(value))
+            for param in obj.params():
+                out.update(id(a) for a in (param.array, param.grad) if a is not None)
     return out
 
 

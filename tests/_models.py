@@ -310,3 +310,31 @@ class BufferInForward(chainer.Chain):
         if self.buf is None:
             self.buf = np.zeros(3, np.float32)
         return self.inner(x, t)
+
+
+class StaticLazyMLP(chainer.Chain):
+    """Chainer's static-graph MNIST model in small: ``@static_graph`` on a forward whose
+    links have lazy input sizes (``L.Linear(None, n)``)."""
+
+    def __init__(self, n_units=8, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(None, n_units)
+            self.l2 = L.Linear(None, n_out)
+
+    @chainer.static_graph
+    def forward(self, x):
+        return self.l2(F.relu(self.l1(x)))
+
+
+class StaticLazyClassifier(chainer.Chain):
+    """``L.Classifier(StaticLazyMLP())`` without the accuracy report, as a chain of its own
+    (the test builds two alike)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.predictor = StaticLazyMLP()
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.predictor(x), t)

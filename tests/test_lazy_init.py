@@ -17,32 +17,32 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (BufferInForward, LazyPairs, LazyRaisesInTestMode, TrainOnlyHead,
-                     dataset, params, setup_optimizer)
+from _models import (BufferInForward, LazyPairs, LazyRaisesInTestMode, StaticLazyClassifier,
+                     TrainOnlyHead, dataset, params, setup_optimizer)
 
 B, UPDATES = 4, 2
 
 
-def _shards(n):
-    return [dataset(B * UPDATES, seed=70 + r) for r in range(n)]
+def _shards(n, updates=UPDATES):
+    return [dataset(B * updates, seed=70 + r) for r in range(n)]
 
 
-def _ours(model, devices):
+def _ours(model, devices, updates=UPDATES):
     optimizer = setup_optimizer('sgd', model)
     its = [chainer.iterators.SerialIterator(d, B, shuffle=False)
-           for d in _shards(len(devices))]
+           for d in _shards(len(devices), updates)]
     return ParallelAccumulatingUpdater(its, optimizer, devices=devices)
 
 
-def _reference(model, n):
+def _reference(model, n, updates=UPDATES):
     """StandardUpdater on the batches the n replicas' micro-batches make together."""
     optimizer = setup_optimizer('sgd', model)
-    shards = _shards(n)
-    batches = sum([sum((d[i:i + B] for d in shards), []) for i in range(0, B * UPDATES, B)],
+    shards = _shards(n, updates)
+    batches = sum([sum((d[i:i + B] for d in shards), []) for i in range(0, B * updates, B)],
                   [])
     updater = StandardUpdater(chainer.iterators.SerialIterator(batches, n * B, shuffle=False),
                               optimizer)
-    for _ in range(UPDATES):
+    for _ in range(updates):
         updater.update()
     return params(model)
 
@@ -55,13 +55,13 @@ def _run(updater, n=UPDATES):
         updater.finalize()
 
 
-def _trains_as_standard_updater(make, devices, rtol):
+def _trains_as_standard_updater(make, devices, rtol, updates=UPDATES):
     model, reference_model = make(), make()
-    updater = _ours(model, devices)
+    updater = _ours(model, devices, updates)
     np.random.seed(5)   # the lazy weights are drawn at the first forward
-    _run(updater)
+    _run(updater, updates)
     np.random.seed(5)
-    reference = _reference(reference_model, len(devices))
+    reference = _reference(reference_model, len(devices), updates)
     for name, value in params(model).items():
         np.testing.assert_allclose(value, reference[name], rtol=rtol, err_msg=name)
 
@@ -98,3 +98,28 @@ def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
     with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None when the "
                                            r"replicas were copied"):
         _run(updater, 1)
+
+
+def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
+    """``@static_graph`` (Chainer's static-graph MNIST example): the initialising pass runs
+    define-by-run (``use_static_graph`` off), so that no schedule is built on the master
+    before the copies, which could not take them (it holds modules and weak references);
+    each replica builds its own at its first training call. The schedules, Chainer's
+    bookkeeping, are not named as values the workers miss, also where an evaluation
+    between updates runs the master's (warnings are errors here)."""
+    updates = 4
+    model, reference_model = StaticLazyClassifier(), StaticLazyClassifier()
+    updater = _ours(model, ['@numpy', '@numpy'], updates)
+    x = np.asarray([d[0] for d in dataset(B, seed=9)])
+    np.random.seed(5)   # the lazy weights are drawn at the first forward
+    try:
+        for _ in range(updates):
+            updater.update()
+            with chainer.using_config('train', False), chainer.no_backprop_mode():
+                model.predictor(x)   # what an Evaluator does
+    finally:
+        updater.finalize()
+    np.random.seed(5)
+    reference = _reference(reference_model, 2, updates)
+    for name, value in params(model).items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-5, err_msg=name)

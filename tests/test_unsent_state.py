@@ -86,11 +86,14 @@ def test_what_every_update_sends_is_not_named():
     link = model.inner.predictor
     link.add_persistent('mean', np.zeros(3, np.float32))
     model.alias = link.mean                 # the same array, held where no link says so
+    link.l1.W.grad = np.zeros_like(link.l1.W.array)
+    model.held = [link.l1.W.array, link.l1.W.grad]   # a parameter's arrays held elsewhere
     watch = UnsentState({'model': model})
     _update(watch)
     model.beta = 2.0                        # a persistent scalar
     link.mean[...] = 1.0                    # a persistent array, in place (and the alias)
-    link.l1.W.array[...] = 3.0              # a parameter
+    link.l1.W.array[...] = 3.0              # a parameter (and the list's)
+    link.l1.W.grad[...] = 1.0               # its gradient (and the list's)
     model.shape = model.shape               # the same value
     assert _update(watch) == '' and _update(watch) == ''
     assert _caught(watch.finish) == ''

@@ -164,7 +164,7 @@ def main():
     # Set up a trainer
     updater = mgpu_updater.ParallelAccumulatingUpdater(  # CHANGED
         mgpu_updater.shard_iterators(train, 2, args.batchsize // 2), optimizer,
-        devices=['@numpy', '@numpy'])
+        devices=['@numpy', '@numpy'], report_times=True)
     trainer = training.Trainer(updater, (args.epoch, 'epoch'), out=args.out)
 
     # Evaluate the model with the test dataset for each epoch
