@@ -5,7 +5,7 @@ Every message names the argument, echoes the value and says what to do.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy
 
