@@ -20,6 +20,7 @@ and that no other module of the package uses these names.
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
+| `@static_graph`'s wrapper, its schedules and how its backward sets gradients | _replica, _unsent_state | chainer/graph_optimizations/static_graph.py:667-669, 914-918, 1274-1275, 1308-1317 | none |
 | reporter's "not registered" KeyError | _replica | chainer/reporter.py:172-173 | none |
 | Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
 | `SubDataset._dataset`, `._start`, `._order`; `TupleDataset._datasets`; `DictDataset._datasets`; `TransformDataset._dataset`, `._transform` | _iterators | chainer/datasets/sub_dataset.py:50-59, 64-76; chainer/datasets/tuple_dataset.py:38, 41-48; chainer/datasets/dict_dataset.py:27, 30-38; chainer/datasets/transform_dataset.py:44-45, 50-52 | none (i) |
@@ -401,6 +402,42 @@ def is_unregistered_observer_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the ``KeyError`` ``Reporter.report`` raises for an observer (a
     link) it was not given (chainer/reporter.py:172-173)."""
     return isinstance(exc, KeyError) and 'not registered to the reporter' in str(exc)
+
+
+# --------------------------------------------------------------------------------------
+# Static graphs (``@static_graph``)
+
+
+def _static_graph_module() -> str:
+    from chainer.graph_optimizations import static_graph
+    return static_graph.__name__
+
+
+def is_static_graph_machinery(kind: type) -> bool:
+    """Whether ``kind`` is a class of ``@static_graph``'s, which keeps its schedules on the
+    chain it decorates (``chain.schedule_manager``, ``chain.static_schedule``:
+    chainer/graph_optimizations/static_graph.py:1308-1317)."""
+    return (getattr(kind, '__module__', '') or '') == _static_graph_module()
+
+
+def static_graph_links(model: chainer.Link) -> List[chainer.Link]:
+    """The links of ``model`` whose ``forward`` or ``__call__`` is ``@static_graph``'s
+    wrapper (chainer/graph_optimizations/static_graph.py:1274-1275). Each backward through
+    such a link *sets* its parameters' gradients instead of adding to them: the first
+    call's with ``chainer.grad(..., set_grad=True)`` (static_graph.py:914-918), the later
+    calls' schedule by pointing each gradient at an array of its own
+    (static_graph.py:667-669). Two backward passes without ``cleargrads`` leave the
+    second's gradient alone."""
+    module = _static_graph_module()
+    found = []
+    for link in model.links():
+        for name in ('forward', '__call__'):
+            method = getattr(type(link), name, None)
+            if getattr(method, '__module__', None) == module and \
+                    getattr(method, '__name__', '') == 'wrapped_func':
+                found.append(link)
+                break
+    return found
 
 
 # The metaclass of every Link (and of its base DeviceResident, chainer/device_resident.py:29):

@@ -16,7 +16,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import backward_scaled, is_unregistered_observer_error
+from ._chainer_private import backward_scaled, is_unregistered_observer_error, static_graph_links
 from ._chunks import Chunking, split
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
@@ -253,6 +253,9 @@ class Replica:
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
+        #: parameters whose backward sets their gradient instead of adding to it
+        #: (``@static_graph``): a window of several backward passes sums them itself
+        self._set_by_backward = _set_by_backward(model)
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
 
@@ -324,6 +327,7 @@ class Replica:
         sum_loss = scaling.loss_reduction == 'sum'
         chunk = self.chunking.size
         largest = 0
+        own_sum = _GradientSum(self._set_by_backward) if self._set_by_backward else None
         # one reporter scope for the window, a fresh observation per micro-batch (what
         # Reporter.scope does, without its generator per micro-batch)
         outer = reporter.observation
@@ -354,6 +358,8 @@ class Replica:
                     if loss_scale is not None:
                         scale *= loss_scale
                     backward_scaled(loss, scale)   # the leaves' stamps stay None
+                    if own_sum is not None:
+                        own_sum.add()
                     loss_array = loss.array
                     terms.append((None, loss_array, size))
                     if keep_graphs:   # the first chunk's graphs only
@@ -378,6 +384,8 @@ class Replica:
         times['compute'] += compute
         if not cleared:   # no micro-batch: the window leaves no gradient
             model.cleargrads()
+        if own_sum is not None:
+            own_sum.put()
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
@@ -593,6 +601,41 @@ _LOSS_FUNC_FIX = (
     'method, a closure, a partial, an attribute) means the replica in each worker; one '
     'that reaches the model another way (a global variable) computes with its own copy in '
     'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
+
+
+def _set_by_backward(model: chainer.Link) -> List[chainer.Parameter]:
+    """The parameters of the model's ``@static_graph`` links, each once."""
+    found: Dict[int, chainer.Parameter] = {}
+    for link in static_graph_links(model):
+        for param in link.params():
+            found.setdefault(id(param), param)
+    return list(found.values())
+
+
+class _GradientSum:
+    """A window's gradient of parameters whose every backward sets it instead of adding
+    to it (``@static_graph``: :func:`mgpu_updater._chainer_private.static_graph_links`):
+    summed here after each backward, and put back at the window's end, so that the window
+    holds the sum over its micro-batches, as for every other parameter."""
+
+    def __init__(self, params: List[chainer.Parameter]) -> None:
+        self.params = params
+        self.sums: List[Any] = [None] * len(params)
+
+    def add(self) -> None:
+        for i, param in enumerate(self.params):
+            grad = param.grad
+            if grad is None:
+                continue
+            if self.sums[i] is None:
+                self.sums[i] = grad.copy()
+            else:
+                self.sums[i] += grad
+
+    def put(self) -> None:
+        for param, total in zip(self.params, self.sums):
+            if total is not None:
+                param.grad = total
 
 
 def model_signature(model: chainer.Link) -> Tuple[Tuple[str, Tuple[Any, ...]], ...]:

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import chainer
 import numpy
 
-from ._chainer_private import named_persistents, persistent_names
+from ._chainer_private import is_static_graph_machinery, named_persistents, persistent_names
 from ._inherit import config_values
 from ._pickle_path import parts
 
@@ -240,7 +240,7 @@ class UnsentState:
                 continue
             if _is_data(obj):
                 continue   # a dataset a closure holds is no value a forward reads
-            if _is_static_graph(kind):
+            if is_static_graph_machinery(kind):
                 continue   # each replica's own schedules, built by its own forward
             if kind in _CONTAINERS and len(obj) > MAX_ITEMS:
                 out[path] = (kind.__name__, len(obj))   # too many to look into each time
@@ -305,12 +305,6 @@ def _is_data(obj: Any) -> bool:
     """A Chainer dataset or iterator (the iterators travel on their own)."""
     return isinstance(obj, (chainer.dataset.DatasetMixin, chainer.dataset.Iterator)) or \
         type(obj).__module__.startswith('chainer.datasets')
-
-
-def _is_static_graph(kind: type) -> bool:
-    """Whether ``kind`` is ``@static_graph``'s machinery, which Chainer keeps on the chain
-    (``schedule_manager``, ``static_schedule``): each replica's forward builds its own."""
-    return (getattr(kind, '__module__', '') or '').startswith('chainer.graph_optimizations')
 
 
 def _of_chainer(kind: type) -> bool:

@@ -338,3 +338,17 @@ class StaticLazyClassifier(chainer.Chain):
 
     def forward(self, x, t):
         return F.softmax_cross_entropy(self.predictor(x), t)
+
+
+class PartlyStatic(chainer.Chain):
+    """A ``@static_graph`` body under a plain head: a backward sets the body's gradients
+    and adds to the head's."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.body = StaticLazyMLP()
+            self.head = L.Linear(3, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.head(self.body(x)), t)

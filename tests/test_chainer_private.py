@@ -67,6 +67,12 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/datasets/tuple_dataset.py', '41-48'):
         'batches = [dataset[index] for dataset in self._datasets]',
     ('chainer/device_resident.py', '29'): 'class DeviceResident(utils.enable_final(',
+    ('chainer/graph_optimizations/static_graph.py', '667-669'):
+        'self.params_list[params_list_index].grad = \\',
+    ('chainer/graph_optimizations/static_graph.py', '914-918'): 'set_grad=True,',
+    ('chainer/graph_optimizations/static_graph.py', '1274-1275'): 'def wrapped_func(',
+    ('chainer/graph_optimizations/static_graph.py', '1308-1317'):
+        'chain.schedule_manager = ScheduleManager(',
     ('chainer/iterators/multithread_iterator.py', '76-77'): 'self._previous_epoch_detail = -1.',
     ('chainer/iterators/multithread_iterator.py', '124-137'): 'self._next = None',
     ('chainer/iterators/multithread_iterator.py', '159-160'): 'self._state = self._next_state',
@@ -609,6 +615,37 @@ def test_transform_dataset_parts_are_what_get_example_calls():
     found, function = private.transform_dataset_parts(dataset)
     assert found is base and function is transform
     np.testing.assert_array_equal(dataset[3], function(found[3]))
+
+
+def test_static_graph_links_are_the_decorated_ones_and_their_backward_sets_gradients():
+    """Chainer's ``@static_graph``: a backward sets the decorated link's gradients, at its
+    first call and at the schedule's later ones, and adds to the others'; its schedules
+    are the machinery's own classes."""
+    import chainer.links as L
+    from _models import PartlyStatic
+
+    model = PartlyStatic()
+    assert private.static_graph_links(model) == [model.body]
+    assert private.static_graph_links(L.Classifier(L.Linear(2, 2))) == []
+    rng = np.random.RandomState(0)
+    x, t = rng.randn(4, 5).astype(np.float32), rng.randint(0, 3, 4).astype(np.int32)
+    for call in range(3):   # the define-by-run first call, then the schedule's
+        model.cleargrads()
+        model(x[:2], t[:2]).backward()
+        first = {name: p.grad.copy() for name, p in model.namedparams()}
+        model(x[2:], t[2:]).backward()
+        model_second = {name: p.grad.copy() for name, p in model.namedparams()}
+        model.cleargrads()
+        model(x[2:], t[2:]).backward()
+        alone = {name: p.grad for name, p in model.namedparams()}
+        for name in first:
+            expected = alone[name] if name.startswith('/body/') else first[name] + alone[name]
+            np.testing.assert_allclose(model_second[name], expected, rtol=1e-6, atol=1e-7,
+                                       err_msg=f'{name}, call {call}')
+    assert private.is_static_graph_machinery(type(model.body.schedule_manager))
+    assert private.is_static_graph_machinery(type(model.body.static_schedule))
+    assert not private.is_static_graph_machinery(type(model.body))
+    assert not private.is_static_graph_machinery(int)
 
 
 # --------------------------------------------------------------------------------------
