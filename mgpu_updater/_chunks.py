@@ -9,7 +9,10 @@ see :class:`mgpu_updater._replica.Scaling`) keeps the update exact.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple, Optional, Tuple
+import random
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Tuple
+
+import numpy
 
 
 class Chunking(NamedTuple):
@@ -27,6 +30,60 @@ def split(arrays: Any, size: int, chunk: Optional[int]) -> Iterator[Tuple[int, A
     for start in range(0, size, chunk):
         stop = min(start + chunk, size)
         yield stop - start, _cut(arrays, size, start, stop)
+
+
+def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size: int,
+                chunk: int) -> None:
+    """Raise if the first chunk :func:`split` cuts from ``arrays`` (the converter's output
+    for the list ``examples``) is not laid out as the converter's own output for the
+    first ``chunk`` examples: the same elements or keys, each as long. A value whose first
+    axis is no sample axis (a time-major ``(T, B)`` array, a flat tuple of one array per
+    sample) would otherwise be cut where its length only happens to equal the batch's.
+    ``convert(examples)`` runs once, with numpy's and Python's global generators set back
+    after it (a converter that draws must not move the training's draws). Batches the
+    iterator gave as columns, not a list, are not checked."""
+    if not isinstance(examples, list) or len(examples) != size:
+        return
+    states = numpy.random.get_state(), random.getstate()
+    try:
+        alone = convert(examples[:chunk])
+    finally:
+        numpy.random.set_state(states[0])
+        random.setstate(states[1])
+    cut = _cut(arrays, size, 0, chunk)
+    if _layout(cut) != _layout(alone):
+        raise TypeError(
+            f'micro_batch_size cannot split this batch of {size} samples: cut into chunks '
+            f'of {chunk} along the first axis of what the converter returned, the first '
+            f'chunk is {_describe(cut)}, but the converter given those {chunk} samples '
+            f'returns {_describe(alone)}: what it returns does not hold one entry per '
+            'sample along its first axis (a time-major array, a flat tuple of one array '
+            'per sample). Use micro_batch_size=None, or a converter that returns '
+            'per-sample arrays (a tuple or dict of them, samples first)')
+
+
+def _length(value: Any) -> Optional[int]:
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+def _layout(arrays: Any) -> Any:
+    if isinstance(arrays, tuple):
+        return ('tuple', tuple(_length(a) for a in arrays))
+    if isinstance(arrays, dict):
+        return ('dict', tuple(sorted((str(k), _length(a)) for k, a in arrays.items())))
+    return ('one', _length(arrays))
+
+
+def _describe(arrays: Any) -> str:
+    kind, lengths = _layout(arrays)
+    if kind == 'tuple':
+        return f'a tuple of {len(lengths)} elements of lengths {list(lengths)}'
+    if kind == 'dict':
+        return 'a dict of lengths ' + ', '.join(f'{k!r}: {n}' for k, n in lengths)
+    return f'{type(arrays).__name__} of length {lengths}'
 
 
 def _cut(arrays: Any, size: int, start: int, stop: int) -> Any:

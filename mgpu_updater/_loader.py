@@ -62,6 +62,7 @@ class Batch(NamedTuple):
     arrays: Any          # what the converter returned
     epoch: Any           # the iterator's bookkeeping right after this batch: an
     #                      EpochInfo, or the iterator itself (Loader.get's live_epoch)
+    examples: Any = None   # what the iterator returned, which the converter was given
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
@@ -120,7 +121,12 @@ class Loader:
             arrays = call_converter(self.converter, batch, self.converter_device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
             arrays = stager.stage(call_converter(self.converter, batch, None))
-        return Batch(sample_count(batch), arrays, epoch)
+        return Batch(sample_count(batch), arrays, epoch, batch)
+
+    def convert(self, examples: Any) -> Any:
+        """The converter's output for ``examples``, as a batch of them is converted (here,
+        in the caller's thread: on a GPU, straight to the device)."""
+        return call_converter(self.converter, examples, self.converter_device)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
@@ -147,7 +153,8 @@ class Loader:
             it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
             it.is_new_epoch)
         return Batch(sample_count(batch),
-                     call_converter(self.converter, batch, self.converter_device), epoch)
+                     call_converter(self.converter, batch, self.converter_device), epoch,
+                     batch)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)

@@ -17,7 +17,7 @@ import numpy
 import chainer
 
 from ._chainer_private import backward_scaled, is_unregistered_observer_error, static_graph_links
-from ._chunks import Chunking, split
+from ._chunks import Chunking, check_split, split
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 
@@ -251,6 +251,7 @@ class Replica:
         self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
+        self._split_checked = False   # ... and the first chunked batch (check_split)
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         #: parameters whose backward sets their gradient instead of adding to it
@@ -328,6 +329,7 @@ class Replica:
         chunk = self.chunking.size
         largest = 0
         own_sum = _GradientSum(self._set_by_backward) if self._set_by_backward else None
+        losses: Optional[List[chainer.Variable]] = None if self._gradients_checked else []
         # one reporter scope for the window, a fresh observation per micro-batch (what
         # Reporter.scope does, without its generator per micro-batch)
         outer = reporter.observation
@@ -343,8 +345,14 @@ class Replica:
                 size = batch.size
                 if size > largest:
                     largest = size
-                pieces = ((size, batch.arrays),) if chunk is None or chunk >= size else \
-                    split(batch.arrays, size, chunk)
+                if chunk is None or chunk >= size:
+                    pieces: Any = ((size, batch.arrays),)
+                else:
+                    if not self._split_checked:
+                        check_split(self.loader.convert, batch.examples, batch.arrays,
+                                    size, chunk)
+                        self._split_checked = True
+                    pieces = split(batch.arrays, size, chunk)
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = {}
                     reporter.observation = observation
@@ -360,6 +368,8 @@ class Replica:
                     backward_scaled(loss, scale)   # the leaves' stamps stay None
                     if own_sum is not None:
                         own_sum.add()
+                    if losses is not None:
+                        losses.append(loss)
                     loss_array = loss.array
                     terms.append((None, loss_array, size))
                     if keep_graphs:   # the first chunk's graphs only
@@ -389,8 +399,8 @@ class Replica:
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
-            if not self._gradients_checked:
-                self._check_gradients()
+            if losses is not None:
+                self._check_gradients(losses)
             factor = scaling.window(count)
             if factor != 1.0:
                 scale_gradients(unique_params(model), factor)   # a tied one once
@@ -470,9 +480,9 @@ class Replica:
             scale *= loss_scale
         backward_scaled(loss, scale)   # the leaves' stamps stay None
         loss_array = loss.array
-        del loss
         if not self._gradients_checked:
-            self._check_gradients()
+            self._check_gradients([loss])
+        del loss
         if not self.read_values:
             value = loss_array   # as it is: only the step's late check looks at it
         elif type(loss_array) is numpy.ndarray:
@@ -576,12 +586,16 @@ class Replica:
                     'from an extension')
         return exc
 
-    def _check_gradients(self) -> None:
+    def _check_gradients(self, losses: List[chainer.Variable]) -> None:
         """A window that left no parameter with a gradient computed with another model
-        (checked in the first window that ran a micro-batch: the loss_func's binding does
-        not change)."""
+        (checked in the first window whose losses reached a parameter: the loss_func's
+        binding does not change). Losses that reached none (a constant: a detection loss
+        over images without objects) leave no gradient, as under ``StandardUpdater``,
+        whose step then sees zeros; the next window is checked instead."""
         if any(p.grad is not None for p in self.model.params()):
             self._gradients_checked = True
+            return
+        if chainer.config.enable_backprop and not _reach_a_parameter(losses):
             return
         if not chainer.config.enable_backprop:
             raise RuntimeError(
@@ -594,6 +608,24 @@ class Replica:
             f'micro-batches, so its share of the gradient would be zeros. Most likely '
             f'loss_func ({_describe(self.loss_func)}) computes with a different copy of the '
             f'model than this replica\'s. {_LOSS_FUNC_FIX}')
+
+
+def _reach_a_parameter(losses: List[chainer.Variable]) -> bool:
+    """Whether the graph of any of ``losses`` has a :class:`chainer.Parameter` among its
+    leaves (of whichever model)."""
+    stack = [loss.creator_node for loss in losses]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for leaf_or_not in node.inputs:
+            if leaf_or_not.creator_node is not None:
+                stack.append(leaf_or_not.creator_node)
+            elif isinstance(leaf_or_not.get_variable_or_none(), chainer.Parameter):
+                return True
+    return False
 
 
 _LOSS_FUNC_FIX = (

@@ -352,3 +352,21 @@ class PartlyStatic(chainer.Chain):
 
     def forward(self, x, t):
         return F.softmax_cross_entropy(self.head(self.body(x)), t)
+
+
+class ConstantWhenEmpty(chainer.Chain):
+    """A loss that is 0 for samples labelled -1 (nothing to find there), summed over the
+    others and divided by the batch size; a batch of nothing but such samples gives the
+    constant 0, with no graph, as chainercv's ``multibox_loss`` does for images without
+    objects."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        if (t < 0).all():
+            return chainer.Variable(self.xp.zeros((), np.float32))
+        loss = F.softmax_cross_entropy(self.l1(x), t, reduce='no')   # 0 where t == -1
+        return F.sum(loss) / len(t)

@@ -11,6 +11,9 @@
   alone); under ``pipelined=True``, two calls in one iteration.
 - An optimizer set up on another model after the first update (the replicas are copies of
   the first); training without backprop, named as such.
+- A window whose losses reach no parameter at all (a constant loss: a detection batch
+  without objects) is no sign of a loss_func bound to another model: it trains as
+  ``StandardUpdater`` does, and the next window is checked instead.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import chainer.links as L
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import GrowsInForward, classifier, dataset, run_updates, setup_optimizer
+from _models import (ConstantWhenEmpty, GrowsInForward, classifier, dataset, params,
+                     run_updates, setup_optimizer)
 
 
 def _updater(model, n=2, **kwargs):
@@ -234,3 +238,37 @@ def test_training_without_backprop_says_so(devices):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def _nothing_to_find_first(n, seed):
+    """dataset(n, seed) whose first 4 samples are labelled -1."""
+    x, t = (np.array(c) for c in zip(*dataset(n, seed=seed)))
+    t[:4] = -1
+    return chainer.datasets.TupleDataset(x, t)
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices):
+    """Each replica's first micro-batch of 4 has nothing to find: its loss is a constant
+    with no graph, and no parameter gets a gradient. StandardUpdater steps on zeros there
+    (momentum and weight decay still move the parameters); so does this updater, over
+    the same samples, and the replicas' later windows are checked as before."""
+    shards = [_nothing_to_find_first(12, seed=40 + r) for r in range(devices)]
+    np.random.seed(0)
+    model, reference = ConstantWhenEmpty(), ConstantWhenEmpty()
+    reference.copyparams(model)
+    its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in shards]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('momentum+decay', model),
+                                          devices=['@numpy'] * devices)
+    try:
+        run_updates(updater, model, 3)
+    finally:
+        updater.finalize()
+    batches = [x for u in range(3) for d in shards for x in d[u * 4:(u + 1) * 4]]
+    standard = chainer.training.updaters.StandardUpdater(
+        chainer.iterators.SerialIterator(batches, 4 * devices, shuffle=False),
+        setup_optimizer('momentum+decay', reference))
+    run_updates(standard, reference, 3)
+    for name, value in params(reference).items():
+        np.testing.assert_allclose(params(model)[name], value, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)

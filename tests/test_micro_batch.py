@@ -111,6 +111,81 @@ def test_a_batch_that_cannot_be_split_says_why():
         updater.finalize()
 
 
+def _time_major(batch, device=None):
+    """Features time-major: (5, b), whose first axis only is as long as the batch when
+    b is 5."""
+    x, t = chainer.dataset.concat_examples(batch, device)
+    return x.T, t
+
+
+def _flat_tuple(batch, device=None):
+    """One array per sample, then the labels: a tuple of b + 1 elements, each of
+    length 5 (the features), and the labels, of length b."""
+    x, t = chainer.dataset.concat_examples(batch, device)
+    return tuple(x) + (t,)
+
+
+class _TimeMajorNet(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(5, 3)
+
+    def forward(self, *inputs):
+        x = inputs[0].T if len(inputs) == 2 else np.stack(inputs[:-1])
+        return chainer.functions.softmax_cross_entropy(self.l1(x), inputs[-1])
+
+
+@pytest.mark.parametrize('converter,seen,alone', [
+    (_time_major, r'a tuple of 2 elements of lengths \[2, 2\]',
+     r'a tuple of 2 elements of lengths \[5, 2\]'),
+    (_flat_tuple, r'a tuple of 6 elements of lengths \[2, 2, 2, 2, 2, 2\]',
+     r'a tuple of 3 elements of lengths \[5, 5, 2\]')])
+def test_a_first_axis_as_long_as_the_batch_by_chance_is_not_cut(converter, seen, alone):
+    """A batch of 5 samples whose converter's output is 5 long along a first axis that is
+    no sample axis (time-major features; a flat tuple of one array per sample, each 5
+    features long): every length checks out, so the cut alone cannot tell. The first
+    chunk is compared with the converter's own output for its samples, and differs."""
+    model = _TimeMajorNet()
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(10, seed=0), 5)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], micro_batch_size=2,
+                                          converter=converter)
+    try:
+        with pytest.raises(TypeError, match=r'micro_batch_size cannot split this batch of 5 '
+                                            r'samples: cut into chunks of 2 along the first '
+                                            r'axis of what the converter returned, the first '
+                                            r'chunk is ' + seen + r', but the converter given '
+                                            r'those 2 samples returns ' + alone):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+def _drawing_converter(batch, device=None):
+    """concat_examples plus a draw from numpy's global generator (noise on the
+    features), as an augmenting converter does."""
+    x, t = chainer.dataset.concat_examples(batch, device)
+    return x + np.random.normal(0, 0.1, x.shape).astype(x.dtype), t
+
+
+def test_the_split_check_does_not_move_a_drawing_converters_draws():
+    """The check calls the converter once more on the first chunk's samples; numpy's
+    generator is set back after it, so a converter that draws gives StandardUpdater's
+    noise."""
+    b, k, m = 5, 1, 2
+    datasets = [dataset(b * k * UPDATES, seed=150)]
+    ours, ref = seeded(lambda: CappedMLP(cap=m), 4), seeded(lambda: CappedMLP(cap=99), 4)
+    np.random.seed(9)
+    _run(ours, datasets, b, k, 'sgd', micro_batch_size=m, converter=_drawing_converter,
+         prefetch=0)
+    np.random.seed(9)
+    opt = setup_optimizer('sgd', ref)
+    it = chainer.iterators.SerialIterator(datasets[0], b, shuffle=False)
+    run_updates(StandardUpdater(it, opt, converter=_drawing_converter), ref, UPDATES)
+    _assert_params(ours, ref)
+
+
 @pytest.mark.parametrize('value,error,shown', [
     (0, ValueError, r'\(0 given\)'), (-3, ValueError, r'\(-3 given\)'),
     (2.5, TypeError, r'\(2.5 of type float given\)'),
