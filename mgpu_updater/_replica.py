@@ -329,7 +329,7 @@ class Replica:
         chunk = self.chunking.size
         largest = 0
         own_sum = _GradientSum(self._set_by_backward) if self._set_by_backward else None
-        losses: Optional[List[chainer.Variable]] = None if self._gradients_checked else []
+        unchecked = not self._gradients_checked
         # one reporter scope for the window, a fresh observation per micro-batch (what
         # Reporter.scope does, without its generator per micro-batch)
         outer = reporter.observation
@@ -368,8 +368,8 @@ class Replica:
                     backward_scaled(loss, scale)   # the leaves' stamps stay None
                     if own_sum is not None:
                         own_sum.add()
-                    if losses is not None:
-                        losses.append(loss)
+                    if unchecked:
+                        unchecked = self._check_gradients(loss)
                     loss_array = loss.array
                     terms.append((None, loss_array, size))
                     if keep_graphs:   # the first chunk's graphs only
@@ -399,8 +399,6 @@ class Replica:
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
-            if losses is not None:
-                self._check_gradients(losses)
             factor = scaling.window(count)
             if factor != 1.0:
                 scale_gradients(unique_params(model), factor)   # a tied one once
@@ -481,7 +479,7 @@ class Replica:
         backward_scaled(loss, scale)   # the leaves' stamps stay None
         loss_array = loss.array
         if not self._gradients_checked:
-            self._check_gradients([loss])
+            self._check_gradients(loss)
         del loss
         if not self.read_values:
             value = loss_array   # as it is: only the step's late check looks at it
@@ -586,17 +584,18 @@ class Replica:
                     'from an extension')
         return exc
 
-    def _check_gradients(self, losses: List[chainer.Variable]) -> None:
-        """A window that left no parameter with a gradient computed with another model
-        (checked in the first window whose losses reached a parameter: the loss_func's
-        binding does not change). Losses that reached none (a constant: a detection loss
-        over images without objects) leave no gradient, as under ``StandardUpdater``,
-        whose step then sees zeros; the next window is checked instead."""
+    def _check_gradients(self, loss: chainer.Variable) -> bool:
+        """After a backward of ``loss`` that left no parameter with a gradient: raise if it
+        was computed with another model (checked until the first backward that gave this
+        model a gradient: the loss_func's binding does not change). A loss that reached no
+        parameter at all (a constant: a detection loss over images without objects) leaves
+        no gradient, as under ``StandardUpdater``, whose step then sees zeros; the next
+        backward is checked instead. Returns whether the check is still to be made."""
         if any(p.grad is not None for p in self.model.params()):
             self._gradients_checked = True
-            return
-        if chainer.config.enable_backprop and not _reach_a_parameter(losses):
-            return
+            return False
+        if chainer.config.enable_backprop and not _reaches_a_parameter(loss):
+            return True
         if not chainer.config.enable_backprop:
             raise RuntimeError(
                 f'{self.name}: no parameter of its model got a gradient from this update\'s '
@@ -610,10 +609,10 @@ class Replica:
             f'model than this replica\'s. {_LOSS_FUNC_FIX}')
 
 
-def _reach_a_parameter(losses: List[chainer.Variable]) -> bool:
-    """Whether the graph of any of ``losses`` has a :class:`chainer.Parameter` among its
-    leaves (of whichever model)."""
-    stack = [loss.creator_node for loss in losses]
+def _reaches_a_parameter(loss: chainer.Variable) -> bool:
+    """Whether the graph of ``loss`` has a :class:`chainer.Parameter` among its leaves (of
+    whichever model)."""
+    stack = [loss.creator_node]
     seen = set()
     while stack:
         node = stack.pop()

@@ -247,26 +247,29 @@ def _nothing_to_find_first(n, seed):
     return chainer.datasets.TupleDataset(x, t)
 
 
-@pytest.mark.parametrize('devices', [1, 2])
-def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices):
+@pytest.mark.parametrize('devices, k', [(1, 1), (2, 1), (1, 2)])
+def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices, k):
     """Each replica's first micro-batch of 4 has nothing to find: its loss is a constant
-    with no graph, and no parameter gets a gradient. StandardUpdater steps on zeros there
-    (momentum and weight decay still move the parameters); so does this updater, over
-    the same samples, and the replicas' later windows are checked as before."""
-    shards = [_nothing_to_find_first(12, seed=40 + r) for r in range(devices)]
+    with no graph, and no parameter gets a gradient from it. StandardUpdater steps on
+    zeros there (momentum and weight decay still move the parameters); so does this
+    updater, over the same samples, and the replicas' later backward passes are checked
+    as before."""
+    n = 3 * 4 * k
+    shards = [_nothing_to_find_first(n, seed=40 + r) for r in range(devices)]
     np.random.seed(0)
     model, reference = ConstantWhenEmpty(), ConstantWhenEmpty()
     reference.copyparams(model)
     its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in shards]
     updater = ParallelAccumulatingUpdater(its, setup_optimizer('momentum+decay', model),
-                                          devices=['@numpy'] * devices)
+                                          devices=['@numpy'] * devices, accumulate_steps=k)
     try:
         run_updates(updater, model, 3)
     finally:
         updater.finalize()
-    batches = [x for u in range(3) for d in shards for x in d[u * 4:(u + 1) * 4]]
+    w = 4 * k
+    batches = [x for u in range(3) for d in shards for x in d[u * w:(u + 1) * w]]
     standard = chainer.training.updaters.StandardUpdater(
-        chainer.iterators.SerialIterator(batches, 4 * devices, shuffle=False),
+        chainer.iterators.SerialIterator(batches, w * devices, shuffle=False),
         setup_optimizer('momentum+decay', reference))
     run_updates(standard, reference, 3)
     for name, value in params(reference).items():
