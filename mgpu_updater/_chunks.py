@@ -21,6 +21,12 @@ class Chunking(NamedTuple):
     auto: bool = False           # halve ``size`` and redo the window on out-of-memory
 
 
+def splits(chunking: Optional[Chunking]) -> bool:
+    """Whether a replica chunking so may split a batch (and check its first cut against
+    the batch's examples, which its loader then keeps)."""
+    return chunking is not None and (chunking.size is not None or chunking.auto)
+
+
 def split(arrays: Any, size: int, chunk: Optional[int]) -> Iterator[Tuple[int, Any]]:
     """``(samples, arrays)`` of each chunk of the ``size`` samples in ``arrays``, in order;
     the whole batch when ``chunk`` is None or not smaller than ``size``."""
@@ -33,7 +39,7 @@ def split(arrays: Any, size: int, chunk: Optional[int]) -> Iterator[Tuple[int, A
 
 
 def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size: int,
-                chunk: int) -> None:
+                chunk: int) -> bool:
     """Raise if the first chunk :func:`split` cuts from ``arrays`` (the converter's output
     for the list ``examples``) is not laid out as the converter's own output for the
     first ``chunk`` examples: the same elements or keys, each as long. A value whose first
@@ -41,9 +47,12 @@ def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size:
     sample) would otherwise be cut where its length only happens to equal the batch's.
     ``convert(examples)`` runs once, with numpy's and Python's global generators set back
     after it (a converter that draws must not move the training's draws). Batches the
-    iterator gave as columns, not a list, are not checked."""
+    iterator gave as columns, not a list, are not checked. Returns False where the
+    examples were not kept (``None``: a batch loaded before they were asked for)."""
+    if examples is None:
+        return False
     if not isinstance(examples, list) or len(examples) != size:
-        return
+        return True
     states = numpy.random.get_state(), random.getstate()
     try:
         alone = convert(examples[:chunk])
@@ -60,6 +69,7 @@ def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size:
             'sample along its first axis (a time-major array, a flat tuple of one array '
             'per sample). Use micro_batch_size=None, or a converter that returns '
             'per-sample arrays (a tuple or dict of them, samples first)')
+    return True
 
 
 def _length(value: Any) -> Optional[int]:

@@ -62,7 +62,7 @@ class Batch(NamedTuple):
     arrays: Any          # what the converter returned
     epoch: Any           # the iterator's bookkeeping right after this batch: an
     #                      EpochInfo, or the iterator itself (Loader.get's live_epoch)
-    examples: Any = None   # what the iterator returned, which the converter was given
+    examples: Any = None   # what the iterator returned, where Loader.keep_examples
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
@@ -90,7 +90,8 @@ class RepeatingIteratorStopped(RuntimeError):
 class Loader:
     """Synchronous loader (``prefetch=0``): loads in the caller's thread."""
 
-    def __init__(self, iterator: Any, converter: Callable, device: Any) -> None:
+    def __init__(self, iterator: Any, converter: Callable, device: Any,
+                 keep_examples: bool = False) -> None:
         self.iterator = iterator
         self.converter = converter
         self.device = device
@@ -101,6 +102,9 @@ class Loader:
                                          and not _is_gpu(device)) else device
         self._exhausted = False
         self._closed = False
+        #: whether each Batch holds the examples it was converted from as well (where a
+        #: replica splits its batches, until it has checked a cut: _chunks.check_split)
+        self.keep_examples = keep_examples
 
     def _read(self) -> Optional[Tuple[Any, EpochInfo]]:
         """The iterator's next batch as it gave it, with its epoch bookkeeping after it;
@@ -121,7 +125,8 @@ class Loader:
             arrays = call_converter(self.converter, batch, self.converter_device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
             arrays = stager.stage(call_converter(self.converter, batch, None))
-        return Batch(sample_count(batch), arrays, epoch, batch)
+        return Batch(sample_count(batch), arrays, epoch,
+                     batch if self.keep_examples else None)
 
     def convert(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
@@ -154,7 +159,7 @@ class Loader:
             it.is_new_epoch)
         return Batch(sample_count(batch),
                      call_converter(self.converter, batch, self.converter_device), epoch,
-                     batch)
+                     batch if self.keep_examples else None)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
@@ -200,8 +205,9 @@ class Prefetcher(Loader):
     """
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
-                 gated: bool = False, load_here: bool = True, trial: Any = None) -> None:
-        super().__init__(iterator, converter, device)
+                 gated: bool = False, load_here: bool = True, trial: Any = None,
+                 keep_examples: bool = False) -> None:
+        super().__init__(iterator, converter, device, keep_examples)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
         self.load_here = load_here
@@ -487,9 +493,10 @@ def reads_in_caller_safely(iterator: Any) -> bool:
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
-                gated: bool = False, load_here: bool = True, trial: bool = False) -> Loader:
+                gated: bool = False, load_here: bool = True, trial: bool = False,
+                keep_examples: bool = False) -> Loader:
     if depth <= 0:
-        return Loader(iterator, converter, device)
+        return Loader(iterator, converter, device, keep_examples)
     from ._load_trial import LoadTrial
     return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here,
-                      trial=LoadTrial() if trial else None)
+                      trial=LoadTrial() if trial else None, keep_examples=keep_examples)

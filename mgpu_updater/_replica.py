@@ -348,10 +348,10 @@ class Replica:
                 if chunk is None or chunk >= size:
                     pieces: Any = ((size, batch.arrays),)
                 else:
-                    if not self._split_checked:
-                        check_split(self.loader.convert, batch.examples, batch.arrays,
-                                    size, chunk)
+                    if not self._split_checked and check_split(
+                            self.loader.convert, batch.examples, batch.arrays, size, chunk):
                         self._split_checked = True
+                        self.loader.keep_examples = False
                     pieces = split(batch.arrays, size, chunk)
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = {}

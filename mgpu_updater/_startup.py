@@ -23,7 +23,7 @@ import chainer
 from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
                                set_persistent)
-from ._chunks import Chunking
+from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
 from ._loader import Loader, make_loader, plan, reads_in_caller_safely
@@ -79,15 +79,16 @@ def start(s: Settings) -> Started:
     """Build the master's loader, replica and group (see the module docstring)."""
     master_device = s.devices[0]
     depth, gated, trial = loader_plan(s)
+    own_index = 0 if s.communicator is None else s.communicator.rank
     loader = make_loader(s.iterator, s.converter, master_device, depth, gated, trial=trial,
-                         load_here=reads_in_caller_safely(s.iterator))
+                         load_here=reads_in_caller_safely(s.iterator),
+                         keep_examples=splits(chunking(s, own_index)))
     try:
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
             initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter,
                                    master_device)
-        own_index = 0 if s.communicator is None else s.communicator.rank
         nominal = s.nominal_samples
         group: Group = SoloGroup(s.model)
         if s.communicator is not None:

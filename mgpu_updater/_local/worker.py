@@ -265,9 +265,11 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
 
 def _make_loader(init: 'WorkerInit', device: Any) -> Any:
     """The replica's loader over ``init.iterator``, as its payload says."""
+    from .._chunks import splits
     from .._loader import make_loader
     return make_loader(init.iterator, init.converter, device, init.prefetch,
-                       init.prefetch_gated, trial=init.prefetch_trial)
+                       init.prefetch_gated, trial=init.prefetch_trial,
+                       keep_examples=splits(init.chunking))
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,
