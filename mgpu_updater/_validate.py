@@ -5,6 +5,7 @@ Every message names the argument, echoes the value and says what to do.
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy
@@ -208,6 +209,27 @@ def optimizer(value: Any) -> chainer.Link:
                          'is nothing to train; check that its links are registered '
                          'inside init_scope()')
     return target
+
+
+def gradient_reallocation(optimizer: chainer.Optimizer, summed: bool) -> None:
+    """Warn, at construction, where the optimizer overrides ``reallocate_cleared_grads``
+    (Chainer's docstring suggests a blank one for an optimizer that wants a parameter
+    without a gradient left as it is) and the step is on a summed gradient (several
+    replicas, ``pipelined``, MPI): there every parameter has one, zeros where no replica
+    computed any, so weight decay and momentum move it as under Chainer's own
+    ``reallocate_cleared_grads``, whatever the override does."""
+    base = getattr(chainer.optimizer.GradientMethod, 'reallocate_cleared_grads', None)
+    own = getattr(type(optimizer), 'reallocate_cleared_grads', base)
+    if not summed or base is None or own is base:
+        return
+    warnings.warn(
+        f'the optimizer ({type(optimizer).__name__}) overrides reallocate_cleared_grads, '
+        'which decides what a parameter without a gradient steps on; with several '
+        'replicas, pipelined=True or MPI ranks the step is on a summed gradient that every '
+        'parameter has (zeros where no replica computed one), so such a parameter moves as '
+        "under Chainer's own reallocate_cleared_grads (weight decay, momentum). A "
+        'parameter that must not move: link.disable_update() or '
+        'param.update_rule.enabled = False', RuntimeWarning, stacklevel=3)
 
 
 _CALLABLE_HINTS = {

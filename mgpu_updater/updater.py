@@ -241,6 +241,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         _validate.callable_or_none('loss_func', loss_func)
         communicator = _validate.communicator(communicator)
         _validate.one_device_per_rank(communicator, self.device_labels)
+        _validate.gradient_reallocation(optimizer, summed=len(self._devices) > 1 or
+                                        self.pipelined or communicator is not None)
         if communicator is not None and self.max_worker_restarts:
             raise ValueError(
                 f'max_worker_restarts={self.max_worker_restarts} does not apply across MPI '

@@ -8,9 +8,13 @@ every update compared with a single-process ``StandardUpdater`` on one batch of 
 samples (the contract of ``tests/test_equivalence.py``). Before its step Chainer's
 optimizer gives a parameter without a gradient one of zeros
 (``GradientMethod.reallocate_cleared_grads``), so weight decay and momentum still move
-it; a parameter no sample reaches moves exactly as much under both.
+it; a parameter no sample reaches moves exactly as much under both. An optimizer that
+overrides that method (to leave such a parameter as it is) is warned about at
+construction where the step is on a summed gradient, which every parameter has.
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -151,3 +155,33 @@ def test_a_parameter_without_a_gradient_trains_as_under_standard_updater(thresho
             np.testing.assert_array_equal(ours[name], start[name], err_msg=name)
     else:   # reached, or decayed: it moved
         assert not np.array_equal(ours['/predictor/extra/W'], start['/predictor/extra/W'])
+
+
+class _LeavesMissingGradients(chainer.optimizers.MomentumSGD):
+    """Chainer's docstring: an optimizer that needs no zeros for missing gradients may
+    override ``reallocate_cleared_grads`` with a blank one."""
+
+    def reallocate_cleared_grads(self):
+        pass
+
+
+@pytest.mark.parametrize('devices, pipelined, warned', [
+    (1, False, False), (1, True, True), (2, False, True)])
+def test_an_optimizer_that_leaves_missing_gradients_is_warned_about_where_it_cannot(
+        devices, pipelined, warned):
+    model = classifier(seed=0)
+    opt = _LeavesMissingGradients(0.1)
+    opt.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(8, seed=r), 4) for r in range(devices)]
+    # (warnings are errors here: where none is expected, one would fail the test)
+    with pytest.warns(RuntimeWarning) if warned else contextlib.nullcontext() as record:
+        updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * devices,
+                                              pipelined=pipelined)
+    updater.finalize()
+    if warned:
+        message = str(record[0].message)
+        assert message.startswith('the optimizer (_LeavesMissingGradients) overrides '
+                                  'reallocate_cleared_grads'), message
+        assert 'link.disable_update()' in message
+        assert record[0].filename == __file__   # pointed at the caller
+
