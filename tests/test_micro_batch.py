@@ -96,19 +96,25 @@ def _opaque_converter(batch, device=None):
     return x, t, 'not per sample'
 
 
-def test_a_batch_that_cannot_be_split_says_why():
-    model = CappedMLP(cap=99)
+def _first_update_refuses_to_split(model, b, converter, match):
+    """The first update of ``model`` on batches of ``b`` with ``micro_batch_size=2``
+    raises a TypeError matching ``match``."""
     opt = setup_optimizer('sgd', model)
-    it = chainer.iterators.SerialIterator(dataset(8, seed=0), 4)
+    it = chainer.iterators.SerialIterator(dataset(2 * b, seed=0), b)
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], micro_batch_size=2,
-                                          converter=_opaque_converter)
+                                          converter=converter)
     try:
-        with pytest.raises(TypeError, match=r'micro_batch_size cannot split this batch of 4 '
-                                            r'samples: the converter returned element 2 as '
-                                            r'str of length 14'):
+        with pytest.raises(TypeError, match=match):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def test_a_batch_that_cannot_be_split_says_why():
+    _first_update_refuses_to_split(
+        CappedMLP(cap=99), 4, _opaque_converter,
+        r'micro_batch_size cannot split this batch of 4 samples: the converter returned '
+        r'element 2 as str of length 14')
 
 
 def _time_major(batch, device=None):
@@ -146,20 +152,11 @@ def test_a_first_axis_as_long_as_the_batch_by_chance_is_not_cut(converter, seen,
     no sample axis (time-major features; a flat tuple of one array per sample, each 5
     features long): every length checks out, so the cut alone cannot tell. The first
     chunk is compared with the converter's own output for its samples, and differs."""
-    model = _TimeMajorNet()
-    opt = setup_optimizer('sgd', model)
-    it = chainer.iterators.SerialIterator(dataset(10, seed=0), 5)
-    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], micro_batch_size=2,
-                                          converter=converter)
-    try:
-        with pytest.raises(TypeError, match=r'micro_batch_size cannot split this batch of 5 '
-                                            r'samples: cut into chunks of 2 along the first '
-                                            r'axis of what the converter returned, the first '
-                                            r'chunk is ' + seen + r', but the converter given '
-                                            r'those 2 samples returns ' + alone):
-            run_updates(updater, model, 1)
-    finally:
-        updater.finalize()
+    _first_update_refuses_to_split(
+        _TimeMajorNet(), 5, converter,
+        r'micro_batch_size cannot split this batch of 5 samples: cut into chunks of 2 along '
+        r'the first axis of what the converter returned, the first chunk is ' + seen +
+        r', but the converter given those 2 samples returns ' + alone)
 
 
 def _drawing_converter(batch, device=None):
