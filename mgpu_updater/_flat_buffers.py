@@ -120,7 +120,9 @@ class ModelLayouts:
     - ``grad``: every parameter's gradient (reduced, summed, onto the master);
     - ``stat``: float array persistents (reduced with weight 1/N: averaged);
     - ``state``: every parameter and array persistent (broadcast from the master; its
-      buffers keep the wire name ``param/<dtype>``).
+      buffers keep the wire name ``param/<dtype>``), a parameter that holds another's
+      very array (``copy(mode='share')``, ``repeat(n, mode='share')``) once, under the
+      other's name (:attr:`ModelIndex.aliases`).
     """
 
     def __init__(self, link: chainer.Link, double_buffered: bool = False) -> None:
@@ -134,7 +136,9 @@ class ModelLayouts:
         self.grad = FlatLayout('grad', params)
         self.stat = FlatLayout('stat', [(n, a) for n, a in persist
                                         if numpy.dtype(a.dtype).kind == 'f'])
-        self.state = FlatLayout('param', params + persist)
+        aliases = self.index.aliases
+        self.state = FlatLayout('param', [(n, a) for n, a in params if n not in aliases]
+                                + persist)
         self._grad_sets: Dict[Optional[int], FlatLayout] = {None: self.grad}
         if double_buffered:
             for parity in (0, 1):
@@ -172,11 +176,24 @@ class ModelIndex:
     changing afterwards (a link, parameter or persistent added or removed), which the
     flat layouts built from it (:class:`ModelLayouts`) do not follow either. A parameter
     registered in several links is indexed once (:func:`unique_params`).
+
+    :attr:`aliases`: parameters of their own that hold the very array of one indexed
+    before (Chainer's ``copy(mode='share')``, ``repeat(n, mode='share')``): name -> that
+    one's name. Each has its own gradient and update rule, which step the one array in
+    turn, so the array is one entry of the ``state`` layout and one view of its slot.
     """
 
     def __init__(self, link: chainer.Link) -> None:
         self.link = link
         self.params: List[Tuple[str, chainer.Parameter]] = unique_params(link)
+        first: Dict[int, str] = {}
+        #: name -> the name of the parameter indexed first whose array it holds
+        self.aliases: Dict[str, str] = {}
+        for name, param in self.params:
+            if param.array is not None:
+                held = first.setdefault(id(param.array), name)
+                if held != name:
+                    self.aliases[name] = held
         self.persistents = persistent_slots(link)   # (path, owner, name)
         self._owners = {path.rpartition('/')[0] or '/': owner
                         for path, owner, _ in self.persistents}

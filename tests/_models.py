@@ -370,3 +370,17 @@ class ConstantWhenEmpty(chainer.Chain):
             return chainer.Variable(self.xp.zeros((), np.float32))
         loss = F.softmax_cross_entropy(self.l1(x), t, reduce='no')   # 0 where t == -1
         return F.sum(loss) / len(t)
+
+
+class SharedCopies(chainer.Chain):
+    """Chainer's ``repeat(3, mode='share')``: three blocks whose parameters are objects of
+    their own over one array each (each with its own gradient and update rule)."""
+
+    def __init__(self, n=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.mid = chainer.Sequential(L.Linear(n, n), F.tanh).repeat(3, mode='share')
+            self.out = L.Linear(n, n_out)
+
+    def forward(self, x):
+        return self.out(self.mid(x))

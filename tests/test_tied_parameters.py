@@ -1,12 +1,15 @@
 """Tied parameters train as under StandardUpdater, with the defaults.
 
 A :class:`chainer.Parameter` registered in two links (``self.l3.W = self.l2.W``), one used
-twice in forward (an embedding matrix as the output layer), and one shared with a model
-that is not trained: two ``'@numpy'`` replicas, each update compared with a single-process
+twice in forward (an embedding matrix as the output layer), one shared with a model
+that is not trained, and parameters of their own over one array (Chainer's
+``repeat(n, mode='share')``, whose update rules step the array in turn): two ``'@numpy'`` replicas, each update compared with a single-process
 ``StandardUpdater`` on one batch of the same samples (the contract of
 ``tests/test_equivalence.py``).
 """
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -18,7 +21,8 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater._flat_buffers import ModelLayouts
 
-from _models import MLP, TiedEmbedding, TiedMLP, dataset, params, run_updates, setup_optimizer
+from _models import (MLP, SharedCopies, TiedEmbedding, TiedMLP, dataset, params, run_updates,
+                     setup_optimizer)
 
 UPDATES, N, B = 4, 2, 4
 
@@ -36,6 +40,10 @@ def _make(kind, seed):
         return L.Classifier(TiedMLP())
     if kind == 'tied_embedding':
         return L.Classifier(TiedEmbedding())
+    if kind == 'shared_arrays':
+        # a deep copy, as a worker's replica is: Chainer's share mode leaves the copies
+        # one Variable storage (setting one's array sets all); a copy keeps only the array
+        return copy.deepcopy(L.Classifier(SharedCopies()))
     raise ValueError(kind)
 
 
@@ -63,7 +71,7 @@ def _train_both(kind, opt_kind):
     return ours, ref
 
 
-@pytest.mark.parametrize('kind', ['tied_links', 'tied_embedding'])
+@pytest.mark.parametrize('kind', ['tied_links', 'tied_embedding', 'shared_arrays'])
 @pytest.mark.parametrize('opt_kind', ['sgd', 'adam'])
 def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
     ours, ref = _train_both(kind, opt_kind)
@@ -74,6 +82,9 @@ def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
         assert not np.allclose(value, start[name]), f'{name} did not move'
     if kind == 'tied_links':   # still one parameter after training
         assert ours.predictor.l3.W is ours.predictor.l2.W
+    if kind == 'shared_arrays':   # still one array after training and finalize
+        blocks = ours.predictor.mid
+        assert blocks[1][0].W.array is blocks[0][0].W.array is blocks[2][0].W.array
 
 
 def test_a_tied_parameter_travels_once():
@@ -84,6 +95,18 @@ def test_a_tied_parameter_travels_once():
     names = [e.name for group in layouts.grad.groups.values() for e in group]
     assert '/predictor/l2/W' in names and '/predictor/l3/W' not in names
     assert len(names) == len({id(p) for p in model.params()})
+
+
+def test_parameters_over_one_array_share_its_slot():
+    """Parameters of their own that hold one array travel as that array, once; each
+    keeps its gradient."""
+    model = copy.deepcopy(L.Classifier(SharedCopies()))
+    layouts = ModelLayouts(model)
+    state = {e.name for group in layouts.state.groups.values() for e in group}
+    grads = {e.name for group in layouts.grad.groups.values() for e in group}
+    assert '/predictor/mid/0/0/W' in state and '/predictor/mid/1/0/W' not in state
+    assert layouts.index.aliases['/predictor/mid/2/0/W'] == '/predictor/mid/0/0/W'
+    assert {'/predictor/mid/0/0/W', '/predictor/mid/1/0/W'} <= grads
 
 
 def test_a_parameter_shared_with_another_model_is_its_trained_array_after_finalize():

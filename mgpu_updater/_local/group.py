@@ -470,10 +470,11 @@ class SlotParams:
     def detach(self) -> None:
         """Parameters that are still views of the slot become copies, and the views go
         (as :meth:`SummedGrads.detach`)."""
+        copies: Dict[int, Any] = {}   # one copy of a view several parameters hold
         for name, view in self.views.items():
             param = self.params[name]
             if param.array is view:
-                param.array = view.copy()
+                param.array = copies.setdefault(id(view), view.copy())
         self.views, self._pairs = {}, []
 
 

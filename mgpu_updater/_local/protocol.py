@@ -522,7 +522,11 @@ def slot_views(comm: Any, layouts: ModelLayouts,
     shared = {dtype for dtype, name in layouts.state.buffer_names().items()
               if comm.shared_slot(name)}
     params = {name: p for name, p in model.namedparams() if numpy.dtype(p.dtype).str in shared}
-    return params, layouts.state.views(comm.buffer, params)
+    views = layouts.state.views(comm.buffer, params)
+    for name, held in layouts.index_of(model).aliases.items():
+        if held in views and name in params:
+            views[name] = views[held]   # one array, as the model holds it: one view
+    return params, views
 
 
 class ParamViews:
