@@ -16,7 +16,8 @@ import numpy
 
 import chainer
 
-from ._chainer_private import backward_scaled, is_unregistered_observer_error, static_graph_links
+from ._chainer_private import (backward_scaled, is_static_graph_machinery,
+                               is_unregistered_observer_error, static_graph_links)
 from ._chunks import Chunking, check_split, split
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
@@ -611,13 +612,18 @@ class Replica:
 
 def _reaches_a_parameter(loss: chainer.Variable) -> bool:
     """Whether the graph of ``loss`` has a :class:`chainer.Parameter` among its leaves (of
-    whichever model)."""
+    whichever model), or is one, or runs a ``@static_graph`` schedule (whose node lists
+    only its chain's inputs, not the chain's parameters it reaches)."""
+    if isinstance(loss, chainer.Parameter):
+        return True
     stack = [loss.creator_node]
     seen = set()
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
+        if is_static_graph_machinery(type(node)):
+            return True
         seen.add(id(node))
         for leaf_or_not in node.inputs:
             if leaf_or_not.creator_node is not None:

@@ -213,13 +213,14 @@ def optimizer(value: Any) -> chainer.Link:
 
 def gradient_reallocation(optimizer: chainer.Optimizer, summed: bool) -> None:
     """Warn, at construction, where the optimizer overrides ``reallocate_cleared_grads``
-    (Chainer's docstring suggests a blank one for an optimizer that wants a parameter
+    (in its class or on itself; Chainer's docstring suggests a blank one for an optimizer that wants a parameter
     without a gradient left as it is) and the step is on a summed gradient (several
     replicas, ``pipelined``, MPI): there every parameter has one, zeros where no replica
     computed any, so weight decay and momentum move it as under Chainer's own
     ``reallocate_cleared_grads``, whatever the override does."""
     base = getattr(chainer.optimizer.GradientMethod, 'reallocate_cleared_grads', None)
-    own = getattr(type(optimizer), 'reallocate_cleared_grads', base)
+    own = getattr(optimizer, 'reallocate_cleared_grads', None)
+    own = getattr(own, '__func__', own)   # a method's function; set on the instance: itself
     if not summed or base is None or own is base:
         return
     warnings.warn(

@@ -13,7 +13,7 @@ import numpy as np
 import chainer
 import chainer.functions as F
 
-from _models import MLP
+from _models import MLP, StaticLazyClassifier
 
 
 class SelfLoss(chainer.Chain):
@@ -172,10 +172,20 @@ def global_reporting_loss(x, t):
     return GLOBAL_MODEL(x, t)
 
 
+# The same through a @static_graph model, whose graph node lists none of its parameters.
+GLOBAL_STATIC = None
+
+
+def global_static_loss(x, t):
+    return F.softmax_cross_entropy(GLOBAL_STATIC.predictor(x), t)
+
+
 def _global_model_for_workers():
-    global GLOBAL_MODEL
+    global GLOBAL_MODEL, GLOBAL_STATIC
     if GLOBAL_MODEL is None:
         GLOBAL_MODEL = SelfLoss()
+    if GLOBAL_STATIC is None:
+        GLOBAL_STATIC = StaticLazyClassifier()
 
 
 _global_model_for_workers()

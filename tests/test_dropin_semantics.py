@@ -22,7 +22,7 @@ from mgpu_updater import _loss_binding, _startup
 import _dropin_models
 from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
                             seeded)
-from _models import dataset, params, setup_optimizer
+from _models import StaticLazyClassifier, dataset, params, setup_optimizer
 
 N, K, B, UPDATES = 2, 2, 4, 2
 
@@ -190,14 +190,20 @@ def test_closure_over_the_model_trains_as_standard_updater(closure_payloads):
                                [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
 
 
+@pytest.mark.parametrize('model_kind', ['plain', 'static_graph'])
 def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros(
-        monkeypatch):
-    """The loss reaches the model through a module global: in a worker, another model."""
-    model = SelfLoss()
-    monkeypatch.setattr(_dropin_models, 'GLOBAL_MODEL', model)
+        monkeypatch, model_kind):
+    """The loss reaches the model through a module global: in a worker, another model
+    (also one whose forward is a ``@static_graph`` schedule)."""
+    if model_kind == 'plain':
+        model, name, loss = SelfLoss(), 'GLOBAL_MODEL', _dropin_models.global_loss
+    else:
+        model, name = StaticLazyClassifier(), 'GLOBAL_STATIC'
+        loss = _dropin_models.global_static_loss
+    monkeypatch.setattr(_dropin_models, name, model)
     with pytest.raises(WorkerError, match=r'(?s)replica 1 .*no parameter of its model got '
-                                          r'a gradient.*loss_func \(global_loss\)'):
-        _ours(model, lambda m: _dropin_models.global_loss, _datasets())
+                                          r'a gradient.*loss_func \(' + loss.__name__):
+        _ours(model, lambda m: loss, _datasets())
 
 
 def test_worker_whose_loss_func_reports_through_another_model_says_so(monkeypatch):

@@ -167,10 +167,15 @@ class _LeavesMissingGradients(chainer.optimizers.MomentumSGD):
 
 @pytest.mark.parametrize('devices, pipelined, warned', [
     (1, False, False), (1, True, True), (2, False, True)])
+@pytest.mark.parametrize('where', ['class', 'instance'])
 def test_an_optimizer_that_leaves_missing_gradients_is_warned_about_where_it_cannot(
-        devices, pipelined, warned):
+        devices, pipelined, warned, where):
     model = classifier(seed=0)
-    opt = _LeavesMissingGradients(0.1)
+    if where == 'class':
+        opt = _LeavesMissingGradients(0.1)
+    else:
+        opt = chainer.optimizers.MomentumSGD(0.1)
+        opt.reallocate_cleared_grads = lambda: None
     opt.setup(model)
     its = [chainer.iterators.SerialIterator(dataset(8, seed=r), 4) for r in range(devices)]
     # (warnings are errors here: where none is expected, one would fail the test)
@@ -180,7 +185,7 @@ def test_an_optimizer_that_leaves_missing_gradients_is_warned_about_where_it_can
     updater.finalize()
     if warned:
         message = str(record[0].message)
-        assert message.startswith('the optimizer (_LeavesMissingGradients) overrides '
+        assert message.startswith(f'the optimizer ({type(opt).__name__}) overrides '
                                   'reallocate_cleared_grads'), message
         assert 'link.disable_update()' in message
         assert record[0].filename == __file__   # pointed at the caller
