@@ -45,8 +45,9 @@ def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size:
     first ``chunk`` examples: the same elements or keys, each as long. A value whose first
     axis is no sample axis (a time-major ``(T, B)`` array, a flat tuple of one array per
     sample) would otherwise be cut where its length only happens to equal the batch's.
-    ``convert(examples)`` runs once, with numpy's and Python's global generators set back
-    after it (a converter that draws must not move the training's draws). Batches the
+    ``convert(examples)`` runs once (a copy of the converter, where one can be made: see
+    ``Loader.convert_aside``), with numpy's and Python's global generators set back after
+    it (a converter that draws must not move the training's draws). Batches the
     iterator gave as columns, not a list, are not checked. Returns False where the
     examples were not kept (``None``: a batch loaded before they were asked for)."""
     if examples is None:
@@ -56,6 +57,12 @@ def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size:
     states = numpy.random.get_state(), random.getstate()
     try:
         alone = convert(examples[:chunk])
+    except Exception as exc:
+        exc.add_note(f'(raised by the converter given the first {chunk} of a batch of {size} '
+                     f'samples, which micro_batch_size={chunk} compares with its first cut '
+                     'of the whole batch: a converter that takes only whole batches cannot '
+                     'be split; use micro_batch_size=None)')
+        raise
     finally:
         numpy.random.set_state(states[0])
         random.setstate(states[1])

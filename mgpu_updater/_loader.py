@@ -32,6 +32,7 @@ within 0.2 ms, not the interpreter's 5 ms (:mod:`mgpu_updater._gil_handoff`).
 from __future__ import annotations
 
 import collections
+import copy
 import queue
 import threading
 import time
@@ -128,10 +129,16 @@ class Loader:
         return Batch(sample_count(batch), arrays, epoch,
                      batch if self.keep_examples else None)
 
-    def convert(self, examples: Any) -> Any:
+    def convert_aside(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
-        in the caller's thread: on a GPU, straight to the device)."""
-        return call_converter(self.converter, examples, self.converter_device)
+        in the caller's thread: on a GPU, straight to the device), by a copy of the
+        converter where one can be made: a converter object that keeps a generator (or a
+        counter) of its own keeps it as it was."""
+        try:
+            converter = copy.deepcopy(self.converter)
+        except Exception:  # noqa: BLE001 - what cannot be copied is called itself
+            converter = self.converter
+        return call_converter(converter, examples, self.converter_device)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what

@@ -350,7 +350,8 @@ class Replica:
                     pieces: Any = ((size, batch.arrays),)
                 else:
                     if not self._split_checked and check_split(
-                            self.loader.convert, batch.examples, batch.arrays, size, chunk):
+                            self.loader.convert_aside, batch.examples, batch.arrays, size,
+                            chunk):
                         self._split_checked = True
                         self.loader.keep_examples = False
                     pieces = split(batch.arrays, size, chunk)

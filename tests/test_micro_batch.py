@@ -96,18 +96,19 @@ def _opaque_converter(batch, device=None):
     return x, t, 'not per sample'
 
 
-def _first_update_refuses_to_split(model, b, converter, match):
+def _first_update_refuses_to_split(model, b, converter, match, error=TypeError):
     """The first update of ``model`` on batches of ``b`` with ``micro_batch_size=2``
-    raises a TypeError matching ``match``."""
+    raises ``error`` matching ``match``; its ExceptionInfo."""
     opt = setup_optimizer('sgd', model)
     it = chainer.iterators.SerialIterator(dataset(2 * b, seed=0), b)
     updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], micro_batch_size=2,
                                           converter=converter)
     try:
-        with pytest.raises(TypeError, match=match):
+        with pytest.raises(error, match=match) as info:
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+    return info
 
 
 def test_a_batch_that_cannot_be_split_says_why():
@@ -159,6 +160,31 @@ def test_a_first_axis_as_long_as_the_batch_by_chance_is_not_cut(converter, seen,
         r', but the converter given those 2 samples returns ' + alone)
 
 
+class _OwnGenerator:
+    """A converter object that draws noise from a generator of its own."""
+
+    def __init__(self):
+        self.rng = np.random.RandomState(0)
+
+    def __call__(self, batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + self.rng.normal(0, 0.1, x.shape).astype(x.dtype), t
+
+
+class _WholeBatchesOnly:
+    def __call__(self, batch, device=None):
+        if len(batch) != 4:
+            raise ValueError(f'this converter takes batches of 4, not {len(batch)}')
+        return chainer.dataset.concat_examples(batch, device)
+
+
+def test_a_converter_that_takes_whole_batches_only_is_named_with_the_check():
+    info = _first_update_refuses_to_split(CappedMLP(cap=99), 4, _WholeBatchesOnly(),
+                                          'takes batches of 4, not 2', ValueError)
+    assert any('micro_batch_size=2 compares with its first cut' in note
+               for note in info.value.__notes__)
+
+
 def _drawing_converter(batch, device=None):
     """concat_examples plus a draw from numpy's global generator (noise on the
     features), as an augmenting converter does."""
@@ -166,20 +192,22 @@ def _drawing_converter(batch, device=None):
     return x + np.random.normal(0, 0.1, x.shape).astype(x.dtype), t
 
 
-def test_the_split_check_does_not_move_a_drawing_converters_draws():
-    """The check calls the converter once more on the first chunk's samples; numpy's
-    generator is set back after it, so a converter that draws gives StandardUpdater's
-    noise."""
+@pytest.mark.parametrize('make_converter', [lambda: _drawing_converter, _OwnGenerator],
+                         ids=['numpy_global', 'own_generator'])
+def test_the_split_check_does_not_move_a_drawing_converters_draws(make_converter):
+    """The check calls the converter once more on the first chunk's samples: a copy of a
+    converter object (its own generator stays as it was), numpy's generator set back
+    after it; so a converter that draws gives StandardUpdater's noise."""
     b, k, m = 5, 1, 2
     datasets = [dataset(b * k * UPDATES, seed=150)]
     ours, ref = seeded(lambda: CappedMLP(cap=m), 4), seeded(lambda: CappedMLP(cap=99), 4)
     np.random.seed(9)
-    _run(ours, datasets, b, k, 'sgd', micro_batch_size=m, converter=_drawing_converter,
+    _run(ours, datasets, b, k, 'sgd', micro_batch_size=m, converter=make_converter(),
          prefetch=0)
     np.random.seed(9)
     opt = setup_optimizer('sgd', ref)
     it = chainer.iterators.SerialIterator(datasets[0], b, shuffle=False)
-    run_updates(StandardUpdater(it, opt, converter=_drawing_converter), ref, UPDATES)
+    run_updates(StandardUpdater(it, opt, converter=make_converter()), ref, UPDATES)
     _assert_params(ours, ref)
 
 
