@@ -18,7 +18,7 @@ import chainer
 
 from ._chainer_private import (backward_scaled, is_static_graph_machinery,
                                is_unregistered_observer_error, static_graph_links)
-from ._chunks import Chunking, check_split, split
+from ._chunks import Chunking, check_split, split, splits
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 
@@ -258,6 +258,8 @@ class Replica:
         #: parameters whose backward sets their gradient instead of adding to it
         #: (``@static_graph``): a window of several backward passes sums them itself
         self._set_by_backward = _set_by_backward(model)
+        if self._set_by_backward and (accumulate_steps > 1 or splits(chunking)):
+            _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
 
@@ -648,6 +650,26 @@ def _set_by_backward(model: chainer.Link) -> List[chainer.Parameter]:
         for param in link.params():
             found.setdefault(id(param), param)
     return list(found.values())
+
+
+def _refuse_tied_across_static(model: chainer.Link, name: str) -> None:
+    """Raise where a parameter of a ``@static_graph`` link is also one of a link outside
+    every static one: each backward through the static link sets its gradient, dropping
+    what the other link added, so no sum over backward passes is the whole batch's."""
+    static = static_graph_links(model)
+    inside = {id(link) for s in static for link in s.links()}
+    held = {id(p) for s in static for p in s.params()}
+    tied = sorted(path.rstrip('/') + sub for path, link in model.namedlinks()
+                  if id(link) not in inside
+                  for sub, p in link.namedparams() if sub.count('/') == 1 and id(p) in held)
+    if tied:
+        raise ValueError(
+            f'{name}: parameters {tied} are registered both in a @static_graph link and '
+            'outside it. Each backward through the static link sets their gradient, '
+            "dropping what the other link added, so a window of several backward passes "
+            '(accumulate_steps > 1, micro_batch_size) cannot sum them to the whole '
+            "batch's: use accumulate_steps=1 and micro_batch_size=None, or tie them inside "
+            'the static link only')
 
 
 class _GradientSum:

@@ -384,3 +384,20 @@ class SharedCopies(chainer.Chain):
 
     def forward(self, x):
         return self.out(self.mid(x))
+
+
+class TiedAcrossStatic(chainer.Chain):
+    """A ``@static_graph`` body whose last weight is also a plain head's (``head.W =
+    body.l2.W``)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.body = StaticLazyMLP(n_units=3)
+            self.head = L.Linear(3, 3)
+        self.body.l2.W.initialize((3, 3))
+        with self.head.init_scope():
+            self.head.W = self.body.l2.W
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.head(self.body(x)), t)

@@ -16,7 +16,8 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import PartlyStatic, StaticLazyClassifier, dataset, params, setup_optimizer
+from _models import (PartlyStatic, StaticLazyClassifier, TiedAcrossStatic, dataset, params,
+                     setup_optimizer)
 
 B, UPDATES = 4, 3
 
@@ -55,6 +56,23 @@ def _train(make, n, k, **kwargs):
 ], ids=['one_replica_k2', 'two_replicas_k2', 'two_replicas_chunked', 'one_replica_chunked'])
 def test_a_window_of_several_backward_passes_trains_as_standard_updater(make, n, k, kwargs):
     ours, reference = _train(make, n, k, **kwargs)
+    for name, value in ours.items():
+        np.testing.assert_allclose(value, reference[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize('k, kwargs', [(2, {}), (1, {'micro_batch_size': 2})])
+def test_a_parameter_tied_across_a_static_link_is_refused_where_windows_sum(k, kwargs):
+    """Each backward through the static body sets the tied weight's gradient, dropping
+    what the plain head added: no sum over backward passes is the whole batch's."""
+    with pytest.raises(ValueError, match=r"replica 0 \(@numpy\): parameters "
+                                         r"\['/head/W'\] are registered both in a "
+                                         r'@static_graph link and outside it'):
+        _train(TiedAcrossStatic, 1, k, **kwargs)
+
+
+def test_a_parameter_tied_across_a_static_link_trains_with_one_backward_per_window():
+    ours, reference = _train(TiedAcrossStatic, 2, 1)
     for name, value in ours.items():
         np.testing.assert_allclose(value, reference[name], rtol=1e-5, atol=1e-7,
                                    err_msg=name)
