@@ -12,10 +12,11 @@ from . import _compat
 _compat.apply()
 
 from ._iterators import shard_iterators  # noqa: E402
-from .errors import (NonFiniteLossError, StallWarning, WorkerError,  # noqa: E402
-                     WorkerRestartWarning)
+from .errors import (NonFiniteGradientError, NonFiniteLossError, StallWarning,  # noqa: E402
+                     WorkerError, WorkerRestartWarning)
 from .updater import ParallelAccumulatingUpdater  # noqa: E402
 
 __all__ = ['ParallelAccumulatingUpdater', 'shard_iterators', 'WorkerError',
-           'NonFiniteLossError', 'StallWarning', 'WorkerRestartWarning']
+           'NonFiniteLossError', 'NonFiniteGradientError', 'StallWarning',
+           'WorkerRestartWarning']
 __version__ = '0.1.0'

@@ -123,7 +123,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             arrays on the device, as StandardUpdater reports device arrays (workers and
             MPI ranks read theirs, to send them, and check before the step). With dynamic
             loss scaling (``optimizer.loss_scaling()``) Chainer itself skips such steps
-            and lowers the scale, so the policy does not apply.
+            and lowers the scale, so the policy does not apply. Under a static loss scale
+            (``optimizer.loss_scaling(scale=...)``, on which Chainer steps unchecked) a
+            finite loss whose summed gradient is not finite is held to the same policy
+            (:class:`NonFiniteGradientError`, a :class:`NonFiniteLossError`); ``'ignore'``
+            steps on it, as StandardUpdater does.
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
             t is reduced into a second set of buffers and applied one update late, so
             update t+1's gradient was computed on parameters one step stale (no
