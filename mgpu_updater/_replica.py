@@ -253,6 +253,7 @@ class Replica:
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
         self._split_checked = False   # ... and the first chunked batch (check_split)
+        self._forward_checked = False   # ... and a forward after a backward (below)
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         #: parameters whose backward sets their gradient instead of adding to it
@@ -360,7 +361,10 @@ class Replica:
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = {}
                     reporter.observation = observation
-                    loss = self._forward(arrays)
+                    if cleared and not self._forward_checked:
+                        loss = self._forward_leaving_gradients(arrays)
+                    else:
+                        loss = self._forward(arrays)
                     if not self._loss_checked:
                         self._check_loss(loss)
                     if not cleared:
@@ -502,6 +506,27 @@ class Replica:
                 'or input, float16, or a device with more memory') from exc
         return self.chunking._replace(size=current // 2)
 
+    def _forward_leaving_gradients(self, arrays: Any) -> chainer.Variable:
+        """:meth:`_forward`, once, where a backward of the window ran before it: raise if
+        it changed the parameters' gradients (a forward that calls ``backward()`` or
+        ``cleargrads()`` itself, to read a gradient). Under ``StandardUpdater`` the
+        optimizer clears what a forward left there; here the gradients the window summed
+        so far are there, and such a forward would change them."""
+        marks = _gradient_marks(self.model)
+        loss = self._forward(arrays)
+        if _gradient_marks(self.model) != marks:
+            raise RuntimeError(
+                f'{self.name}: the forward ({_describe(self.loss_func)}) changed the '
+                "parameters' gradients (it calls backward() or cleargrads() itself, e.g. "
+                'to read a gradient norm). Under StandardUpdater the optimizer clears what '
+                'a forward leaves there; here, with several micro-batches a window '
+                '(accumulate_steps > 1, micro_batch_size), the gradients of its earlier '
+                'micro-batches are there during the later forwards, and would change. '
+                'Compute such a gradient with chainer.grad(...), which leaves param.grad '
+                'as it is, or use accumulate_steps=1 and micro_batch_size=None')
+        self._forward_checked = True
+        return loss
+
     def _forward(self, arrays: Any) -> chainer.Variable:
         try:
             if isinstance(arrays, tuple):
@@ -641,6 +666,12 @@ _LOSS_FUNC_FIX = (
     'method, a closure, a partial, an attribute) means the replica in each worker; one '
     'that reaches the model another way (a global variable) computes with its own copy in '
     'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
+
+
+def _gradient_marks(model: chainer.Link) -> List[Any]:
+    """Each parameter's gradient: which array, and its sum (read on the host)."""
+    return [None if p.grad is None else (id(p.grad), float(p.grad.sum()))
+            for _, p in unique_params(model)]
 
 
 def _set_by_backward(model: chainer.Link) -> List[chainer.Parameter]:

@@ -401,3 +401,20 @@ class TiedAcrossStatic(chainer.Chain):
 
     def forward(self, x, t):
         return F.softmax_cross_entropy(self.head(self.body(x)), t)
+
+
+class ReadsItsGradient(chainer.Chain):
+    """A forward that back-propagates its own loss to read a gradient's norm (reported),
+    as a model that logs or penalises it may: ``cleargrads()`` then ``backward()``."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        loss = F.softmax_cross_entropy(self.l1(x), t)
+        self.cleargrads()
+        loss.backward()
+        chainer.report({'grad_norm': float(np.sqrt((self.l1.W.grad ** 2).sum()))}, self)
+        return loss

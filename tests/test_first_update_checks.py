@@ -11,6 +11,8 @@
   alone); under ``pipelined=True``, two calls in one iteration.
 - An optimizer set up on another model after the first update (the replicas are copies of
   the first); training without backprop, named as such.
+- A forward that calls ``backward()`` or ``cleargrads()`` itself, in a window of several
+  micro-batches (it would change the gradients the window summed so far), is refused.
 - A window whose losses reach no parameter at all (a constant loss: a detection batch
   without objects) is no sign of a loss_func bound to another model: it trains as
   ``StandardUpdater`` does, and the next window is checked instead.
@@ -26,8 +28,8 @@ import chainer.links as L
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (ConstantWhenEmpty, GrowsInForward, classifier, dataset, params,
-                     run_updates, setup_optimizer)
+from _models import (ConstantWhenEmpty, GrowsInForward, ReadsItsGradient, classifier, dataset,
+                     params, run_updates, setup_optimizer)
 
 
 def _updater(model, n=2, **kwargs):
@@ -272,6 +274,40 @@ def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devi
         chainer.iterators.SerialIterator(batches, w * devices, shuffle=False),
         setup_optimizer('momentum+decay', reference))
     run_updates(standard, reference, 3)
+    for name, value in params(reference).items():
+        np.testing.assert_allclose(params(model)[name], value, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize('n, k, kwargs', [(1, 2, {}), (2, 1, {'micro_batch_size': 2})])
+def test_a_forward_that_changes_the_gradients_is_refused_in_a_window_of_several(n, k,
+                                                                              kwargs):
+    updater = _updater(ReadsItsGradient(), n=n, accumulate_steps=k, **kwargs)
+    try:
+        with pytest.raises(RuntimeError, match=r"replica 0 \(@numpy\): the forward "
+                                               r"\(ReadsItsGradient\) changed the parameters' "
+                                               r'gradients .*chainer\.grad'):
+            run_updates(updater, updater.get_optimizer('main').target, 1)
+    finally:
+        updater.finalize()
+
+
+def test_a_forward_that_changes_the_gradients_trains_alone_in_its_window():
+    """One micro-batch a window: what the forward left is cleared before the backward,
+    as under StandardUpdater."""
+    np.random.seed(0)
+    model, reference = ReadsItsGradient(), ReadsItsGradient()
+    reference.copyparams(model)
+    updater = _updater(model, n=2)
+    try:
+        run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+    batches = [x for u in range(2) for r in range(2) for x in dataset(16, seed=r)[u * 4:u * 4 + 4]]
+    standard = chainer.training.updaters.StandardUpdater(
+        chainer.iterators.SerialIterator(batches, 8, shuffle=False),
+        setup_optimizer('sgd', reference))
+    run_updates(standard, reference, 2)
     for name, value in params(reference).items():
         np.testing.assert_allclose(params(model)[name], value, rtol=1e-5, atol=1e-7,
                                    err_msg=name)
