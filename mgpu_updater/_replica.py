@@ -253,7 +253,10 @@ class Replica:
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
         self._gradients_checked = False   # ... and the first gradient (_check_gradients)
         self._split_checked = False   # ... and the first chunked batch (check_split)
-        self._forward_checked = False   # ... and a forward after a backward (below)
+        #: whether a forward after a backward has had its full look (below): from then
+        #: on, which gradient arrays the parameters hold is compared only
+        self._forward_checked = False
+        self._own_params: Optional[List[chainer.Parameter]] = None
         #: reported key -> Variable of the last window's first micro-batch (see keep_graphs)
         self.graph_roots: Dict[str, chainer.Variable] = {}
         #: parameters whose backward sets their gradient instead of adding to it
@@ -361,7 +364,7 @@ class Replica:
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = {}
                     reporter.observation = observation
-                    if cleared and not self._forward_checked:
+                    if cleared:
                         loss = self._forward_leaving_gradients(arrays)
                     else:
                         loss = self._forward(arrays)
@@ -507,14 +510,20 @@ class Replica:
         return self.chunking._replace(size=current // 2)
 
     def _forward_leaving_gradients(self, arrays: Any) -> chainer.Variable:
-        """:meth:`_forward`, once, where a backward of the window ran before it: raise if
-        it changed the parameters' gradients (a forward that calls ``backward()`` or
-        ``cleargrads()`` itself, to read a gradient). Under ``StandardUpdater`` the
-        optimizer clears what a forward left there; here the gradients the window summed
-        so far are there, and such a forward would change them."""
-        marks = _gradient_marks(self.model)
+        """:meth:`_forward` where a backward of the window ran before it: raise if it
+        changed the parameters' gradients (a forward that calls ``cleargrads()`` and
+        ``backward()`` itself, to read a gradient, now and then). Under
+        ``StandardUpdater`` the optimizer clears what a forward left there; here the
+        gradients the window summed so far are there, and such a forward would change
+        them. The first time, each gradient's array and sum are compared (a backward
+        without ``cleargrads()`` adds in place); then the arrays only (a few
+        microseconds a micro-batch, no read of a device)."""
+        full = not self._forward_checked
+        if self._own_params is None:   # found once (a walk of the links costs ~50 us)
+            self._own_params = [p for _, p in unique_params(self.model)]
+        marks = _gradient_marks(self._own_params, full)
         loss = self._forward(arrays)
-        if _gradient_marks(self.model) != marks:
+        if _gradient_marks(self._own_params, full) != marks:
             raise RuntimeError(
                 f'{self.name}: the forward ({_describe(self.loss_func)}) changed the '
                 "parameters' gradients (it calls backward() or cleargrads() itself, e.g. "
@@ -668,10 +677,17 @@ _LOSS_FUNC_FIX = (
     'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
 
 
-def _gradient_marks(model: chainer.Link) -> List[Any]:
-    """Each parameter's gradient: which array, and its sum (read on the host)."""
-    return [None if p.grad is None else (id(p.grad), float(p.grad.sum()))
-            for _, p in unique_params(model)]
+def _gradient_marks(params: List[chainer.Parameter], full: bool) -> List[Any]:
+    """Each parameter's gradient: which array, and (``full``) its sum, read on the host
+    (NaN as a string: one NaN sum is not unequal to another)."""
+    if not full:
+        return [id(p.grad) for p in params]
+    return [None if p.grad is None else (id(p.grad), _equal_if_nan(float(p.grad.sum())))
+            for p in params]
+
+
+def _equal_if_nan(value: float) -> Any:
+    return value if value == value else 'nan'
 
 
 def _set_by_backward(model: chainer.Link) -> List[chainer.Parameter]:
@@ -687,11 +703,17 @@ def _refuse_tied_across_static(model: chainer.Link, name: str) -> None:
     """Raise where a parameter of a ``@static_graph`` link is also one of a link outside
     every static one: each backward through the static link sets its gradient, dropping
     what the other link added, so no sum over backward passes is the whole batch's."""
-    static = static_graph_links(model)
-    inside = {id(link) for s in static for link in s.links()}
-    held = {id(p) for s in static for p in s.params()}
-    tied = sorted(path.rstrip('/') + sub for path, link in model.namedlinks()
-                  if id(link) not in inside
+    static = {id(link) for link in static_graph_links(model)}
+    held = {id(p) for link in static_graph_links(model) for p in link.params()}
+    named = list(model.namedlinks())
+    roots = [path.rstrip('/') + '/' for path, link in named if id(link) in static]
+
+    def inside(path: str) -> bool:   # at or under a static link's path
+        return any((path.rstrip('/') + '/').startswith(root) for root in roots)
+
+    # a parameter of a static link's that a link outside registers (also the very link,
+    # registered outside too: ``self.head = self.body.l2``)
+    tied = sorted(path.rstrip('/') + sub for path, link in named if not inside(path)
                   for sub, p in link.namedparams() if sub.count('/') == 1 and id(p) in held)
     if tied:
         raise ValueError(

@@ -418,3 +418,33 @@ class ReadsItsGradient(chainer.Chain):
         loss.backward()
         chainer.report({'grad_norm': float(np.sqrt((self.l1.W.grad ** 2).sum()))}, self)
         return loss
+
+
+class ReadsItsGradientNowAndThen(ReadsItsGradient):
+    """:class:`ReadsItsGradient` that reads it at every third call only (logging now and
+    then); the other calls are plain."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x, t):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            return super().forward(x, t)
+        return F.softmax_cross_entropy(self.l1(x), t)
+
+
+class LinkTiedAcrossStatic(chainer.Chain):
+    """A ``@static_graph`` body whose last link is also a plain head (``self.head =
+    self.body.l2``, registered in both)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.body = StaticLazyMLP(n_units=3)
+            self.body.l2.W.initialize((3, 3))
+            self.head = self.body.l2
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.head(self.body(x)), t)

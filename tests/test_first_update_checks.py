@@ -28,7 +28,8 @@ import chainer.links as L
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (ConstantWhenEmpty, GrowsInForward, ReadsItsGradient, classifier, dataset,
+from _models import (ConstantWhenEmpty, GrowsInForward, ReadsItsGradient,
+                     ReadsItsGradientNowAndThen, classifier, dataset,
                      params, run_updates, setup_optimizer)
 
 
@@ -279,15 +280,17 @@ def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devi
                                    err_msg=name)
 
 
+@pytest.mark.parametrize('make', [ReadsItsGradient, ReadsItsGradientNowAndThen])
 @pytest.mark.parametrize('n, k, kwargs', [(1, 2, {}), (2, 1, {'micro_batch_size': 2})])
-def test_a_forward_that_changes_the_gradients_is_refused_in_a_window_of_several(n, k,
-                                                                              kwargs):
-    updater = _updater(ReadsItsGradient(), n=n, accumulate_steps=k, **kwargs)
+def test_a_forward_that_changes_the_gradients_is_refused_in_a_window_of_several(
+        make, n, k, kwargs):
+    """Also where it does so now and then only, after windows that passed the check."""
+    updater = _updater(make(), n=n, accumulate_steps=k, **kwargs)
     try:
         with pytest.raises(RuntimeError, match=r"replica 0 \(@numpy\): the forward "
-                                               r"\(ReadsItsGradient\) changed the parameters' "
-                                               r'gradients .*chainer\.grad'):
-            run_updates(updater, updater.get_optimizer('main').target, 1)
+                                               r'\(' + make.__name__ + r"\) changed the "
+                                               r"parameters' gradients .*chainer\.grad"):
+            run_updates(updater, updater.get_optimizer('main').target, 3)
     finally:
         updater.finalize()
 

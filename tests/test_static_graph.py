@@ -16,8 +16,8 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (PartlyStatic, StaticLazyClassifier, TiedAcrossStatic, dataset, params,
-                     setup_optimizer)
+from _models import (LinkTiedAcrossStatic, PartlyStatic, StaticLazyClassifier, TiedAcrossStatic,
+                     dataset, params, setup_optimizer)
 
 B, UPDATES = 4, 3
 
@@ -61,14 +61,18 @@ def test_a_window_of_several_backward_passes_trains_as_standard_updater(make, n,
                                    err_msg=name)
 
 
+@pytest.mark.parametrize('make, tied', [(TiedAcrossStatic, "'/head/W'"),
+                                         (LinkTiedAcrossStatic, "'/head/W', '/head/b'")])
 @pytest.mark.parametrize('k, kwargs', [(2, {}), (1, {'micro_batch_size': 2})])
-def test_a_parameter_tied_across_a_static_link_is_refused_where_windows_sum(k, kwargs):
+def test_a_parameter_tied_across_a_static_link_is_refused_where_windows_sum(make, tied, k,
+                                                                            kwargs):
     """Each backward through the static body sets the tied weight's gradient, dropping
-    what the plain head added: no sum over backward passes is the whole batch's."""
+    what the plain head added: no sum over backward passes is the whole batch's. (Also
+    where the very link is registered outside too.)"""
     with pytest.raises(ValueError, match=r"replica 0 \(@numpy\): parameters "
-                                         r"\['/head/W'\] are registered both in a "
+                                         r"\[" + tied + r"\] are registered both in a "
                                          r'@static_graph link and outside it'):
-        _train(TiedAcrossStatic, 1, k, **kwargs)
+        _train(make, 1, k, **kwargs)
 
 
 def test_a_parameter_tied_across_a_static_link_trains_with_one_backward_per_window():
