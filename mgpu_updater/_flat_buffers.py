@@ -236,6 +236,40 @@ class ModelIndex:
         return arrays
 
 
+def overlapping(index: 'ModelIndex') -> List[str]:
+    """Parameters (by name) whose numpy array shares memory with another parameter's or
+    an array persistent's, other than the very array an alias holds
+    (:attr:`ModelIndex.aliases`): a view (``b.W.array = a.W.array.T``), a persistent that
+    holds a parameter's array. Bound to a slice of the broadcast slot of its own, such a
+    parameter would no longer share that memory; left as it is, its values are copied
+    into the slot each update and the sharing stays."""
+    arrays = [(n, a) for n, a in index.param_arrays().items() if n not in index.aliases]
+    arrays += index.persistent_arrays()
+    spans = []
+    for name, array in arrays:
+        if isinstance(array, numpy.ndarray) and array.size:
+            low, high = _byte_bounds(array)
+            spans.append((low, high, name, array))
+    spans.sort(key=lambda span: span[0])
+    params = set(index.param_arrays())
+    out = set()
+    for i, (low, high, name, array) in enumerate(spans):
+        for low2, _, other, array2 in spans[i + 1:]:
+            if low2 >= high:
+                break
+            if array2 is array or numpy.shares_memory(array, array2):
+                out.update(n for n in (name, other) if n in params)
+    return sorted(out)
+
+
+def _byte_bounds(array: numpy.ndarray) -> Tuple[int, int]:
+    bounds = getattr(numpy, 'byte_bounds', None)
+    if bounds is None:   # numpy 2 moved it
+        from numpy.lib.array_utils import byte_bounds as bounds
+    low, high = bounds(array)
+    return int(low), int(high)
+
+
 def unique_params(link: chainer.Link) -> List[Tuple[str, chainer.Parameter]]:
     """``link.namedparams()`` with each :class:`chainer.Parameter` once, under the first
     name Chainer gives it: a parameter registered in several links (tied weights,

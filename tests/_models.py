@@ -448,3 +448,19 @@ class LinkTiedAcrossStatic(chainer.Chain):
 
     def forward(self, x, t):
         return F.softmax_cross_entropy(self.head(self.body(x)), t)
+
+
+class ViewTied(chainer.Chain):
+    """Two square layers, the second's weight a view of the first's, transposed
+    (``l2.W.array = l1.W.array.T``): parameters of their own over one memory."""
+
+    def __init__(self, n=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n, n)
+            self.l2 = L.Linear(n, n)
+            self.out = L.Linear(n, n_out)
+        self.l2.W.array = self.l1.W.array.T
+
+    def forward(self, x):
+        return self.out(F.tanh(self.l2(F.tanh(self.l1(x)))))

@@ -3,7 +3,8 @@
 A :class:`chainer.Parameter` registered in two links (``self.l3.W = self.l2.W``), one used
 twice in forward (an embedding matrix as the output layer), one shared with a model
 that is not trained, and parameters of their own over one array (Chainer's
-``repeat(n, mode='share')``, whose update rules step the array in turn): two ``'@numpy'`` replicas, each update compared with a single-process
+``repeat(n, mode='share')``, whose update rules step the array in turn; or a view of
+it): two ``'@numpy'`` replicas, each update compared with a single-process
 ``StandardUpdater`` on one batch of the same samples (the contract of
 ``tests/test_equivalence.py``).
 """
@@ -21,8 +22,8 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater._flat_buffers import ModelLayouts
 
-from _models import (MLP, SharedCopies, TiedEmbedding, TiedMLP, dataset, params, run_updates,
-                     setup_optimizer)
+from _models import (MLP, SharedCopies, TiedEmbedding, TiedMLP, ViewTied, dataset, params,
+                     run_updates, setup_optimizer)
 
 UPDATES, N, B = 4, 2, 4
 
@@ -40,6 +41,8 @@ def _make(kind, seed):
         return L.Classifier(TiedMLP())
     if kind == 'tied_embedding':
         return L.Classifier(TiedEmbedding())
+    if kind == 'view_of_another':
+        return L.Classifier(ViewTied())
     if kind == 'shared_arrays':
         # a deep copy, as a worker's replica is: Chainer's share mode leaves the copies
         # one Variable storage (setting one's array sets all); a copy keeps only the array
@@ -71,7 +74,8 @@ def _train_both(kind, opt_kind):
     return ours, ref
 
 
-@pytest.mark.parametrize('kind', ['tied_links', 'tied_embedding', 'shared_arrays'])
+@pytest.mark.parametrize('kind', ['tied_links', 'tied_embedding', 'shared_arrays',
+                                  'view_of_another'])
 @pytest.mark.parametrize('opt_kind', ['sgd', 'adam'])
 def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
     ours, ref = _train_both(kind, opt_kind)
@@ -85,6 +89,8 @@ def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
     if kind == 'shared_arrays':   # still one array after training and finalize
         blocks = ours.predictor.mid
         assert blocks[1][0].W.array is blocks[0][0].W.array is blocks[2][0].W.array
+    if kind == 'view_of_another':   # still one memory
+        assert np.shares_memory(ours.predictor.l1.W.array, ours.predictor.l2.W.array)
 
 
 def test_a_tied_parameter_travels_once():

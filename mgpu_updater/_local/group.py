@@ -15,7 +15,7 @@ import numpy
 from .. import _cuda, _payload
 from .. import comm as comm_module
 from .._checkpoint import capture_state
-from .._flat_buffers import ModelLayouts, grad_arrays
+from .._flat_buffers import ModelLayouts, grad_arrays, overlapping
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._module_globals import warn as warn_module_differences
 from .._replica import WindowResult
@@ -448,6 +448,8 @@ class SlotParams:
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
         self.params, self.views = slot_views(comm, layouts, model)
+        for name in overlapping(layouts.index_of(model)):
+            self.views.pop(name, None)   # copied into the slot each update instead
         self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
         self._every = frozenset(self.views)
 
