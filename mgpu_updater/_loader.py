@@ -34,8 +34,10 @@ from __future__ import annotations
 import collections
 import copy
 import queue
+import random
 import threading
 import time
+import types
 from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
 
 import numpy
@@ -131,14 +133,11 @@ class Loader:
 
     def convert_aside(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
-        in the caller's thread: on a GPU, straight to the device), by a copy of the
-        converter where one can be made: a converter object that keeps a generator (or a
-        counter) of its own keeps it as it was."""
-        try:
-            converter = copy.deepcopy(self.converter)
-        except Exception:  # noqa: BLE001 - what cannot be copied is called itself
-            converter = self.converter
-        return call_converter(converter, examples, self.converter_device)
+        in the caller's thread: on a GPU, straight to the device), by a shallow copy of a
+        converter object with copies of the random generators among its attributes: its
+        own generator, and a counter it rebinds, stay as they were, and the data it holds
+        (a vocabulary, a table) is not copied."""
+        return call_converter(_aside(self.converter), examples, self.converter_device)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
@@ -497,6 +496,25 @@ def reads_in_caller_safely(iterator: Any) -> bool:
     whole (see :meth:`Prefetcher.close`). Workers ignore SIGINT and may always load here."""
     import chainer
     return getattr(type(iterator), 'next', None) is chainer.iterators.SerialIterator.next
+
+
+_GENERATORS = (numpy.random.RandomState, numpy.random.Generator, random.Random)
+
+
+def _aside(converter: Any) -> Any:
+    """``converter`` for a call whose draws and counts must not stay (see
+    :meth:`Loader.convert_aside`); a function as it is."""
+    if not isinstance(getattr(converter, '__dict__', None), dict) or \
+            isinstance(converter, (types.FunctionType, types.MethodType)):
+        return converter
+    try:
+        clone = copy.copy(converter)
+        for name, value in vars(clone).items():
+            if isinstance(value, _GENERATORS):
+                setattr(clone, name, copy.deepcopy(value))
+    except Exception:  # noqa: BLE001 - what cannot be copied is called itself
+        return converter
+    return clone
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
