@@ -57,6 +57,7 @@ import numpy
 import chainer
 from chainer.dataset import convert
 from chainer.device_resident import DeviceResident
+from chainer.graph_optimizations import static_graph
 
 
 # --------------------------------------------------------------------------------------
@@ -408,16 +409,16 @@ def is_unregistered_observer_error(exc: BaseException) -> bool:
 # Static graphs (``@static_graph``)
 
 
-def _static_graph_module() -> str:
-    from chainer.graph_optimizations import static_graph
-    return static_graph.__name__
+#: the module of ``@static_graph``, its wrapper and its schedules' classes
+_STATIC_GRAPH_MODULE = static_graph.__name__
 
 
 def is_static_graph_machinery(kind: type) -> bool:
     """Whether ``kind`` is a class of ``@static_graph``'s, which keeps its schedules on the
     chain it decorates (``chain.schedule_manager``, ``chain.static_schedule``:
-    chainer/graph_optimizations/static_graph.py:1308-1317)."""
-    return (getattr(kind, '__module__', '') or '') == _static_graph_module()
+    chainer/graph_optimizations/static_graph.py:1308-1317). (Asked of every object a
+    walk of the unsent state meets: a string comparison.)"""
+    return getattr(kind, '__module__', None) == _STATIC_GRAPH_MODULE
 
 
 def static_graph_links(model: chainer.Link) -> List[chainer.Link]:
@@ -428,7 +429,7 @@ def static_graph_links(model: chainer.Link) -> List[chainer.Link]:
     calls' schedule by pointing each gradient at an array of its own
     (static_graph.py:667-669). Two backward passes without ``cleargrads`` leave the
     second's gradient alone."""
-    module = _static_graph_module()
+    module = _STATIC_GRAPH_MODULE
     found = []
     for link in model.links():
         for name in ('forward', '__call__'):

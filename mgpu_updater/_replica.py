@@ -703,8 +703,9 @@ def _refuse_tied_across_static(model: chainer.Link, name: str) -> None:
     """Raise where a parameter of a ``@static_graph`` link is also one of a link outside
     every static one: each backward through the static link sets its gradient, dropping
     what the other link added, so no sum over backward passes is the whole batch's."""
-    static = {id(link) for link in static_graph_links(model)}
-    held = {id(p) for link in static_graph_links(model) for p in link.params()}
+    links = static_graph_links(model)
+    static = {id(link) for link in links}
+    held = {id(p) for link in links for p in link.params()}
     named = list(model.namedlinks())
     roots = [path.rstrip('/') + '/' for path, link in named if id(link) in static]
 

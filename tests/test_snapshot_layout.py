@@ -31,10 +31,10 @@ from _models import classifier, dataset, params, run_updates, setup_optimizer
 ITERATIONS = 3
 
 
-def _snapshot(out, updater):
-    """Run ``updater`` in a Trainer for ITERATIONS updates, snapshotting at the end."""
-    trainer = training.Trainer(updater, (ITERATIONS, 'iteration'), out=str(out))
-    trainer.extend(extensions.snapshot(filename='snap'), trigger=(ITERATIONS, 'iteration'))
+def _snapshot(out, updater, iterations=ITERATIONS):
+    """Run ``updater`` in a Trainer for ``iterations`` updates, snapshotting at the end."""
+    trainer = training.Trainer(updater, (iterations, 'iteration'), out=str(out))
+    trainer.extend(extensions.snapshot(filename='snap'), trigger=(iterations, 'iteration'))
     try:
         trainer.run()
     finally:
@@ -226,16 +226,10 @@ def _resumed_run(tmp_path, make, at, total):
         run_updates(straight, straight.get_optimizer('main').target, total)
     finally:
         straight.finalize()
-    first = make()
-    trainer = training.Trainer(first, (at, 'iteration'), out=str(tmp_path))
-    trainer.extend(extensions.snapshot(filename='snap'), trigger=(at, 'iteration'))
-    try:
-        trainer.run()
-    finally:
-        first.finalize()
+    path = _snapshot(tmp_path, make(), at)
     second = make(seed=5)   # another model: all of it comes from the snapshot
     trainer = training.Trainer(second, (total, 'iteration'))
-    chainer.serializers.load_npz(str(tmp_path / 'snap'), trainer)
+    chainer.serializers.load_npz(path, trainer)
     try:
         run_updates(second, second.get_optimizer('main').target, total - at)
     finally:
