@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
@@ -147,7 +148,7 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
     """Each local replica's cores under ``bind_cores`` (``'auto'``, True or False): a
     disjoint share of this process's affinity per replica, in rank order, or None to bind
     nothing. ``'auto'`` binds CPU replicas (``on_cpu``); True any; neither where fewer
-    cores than replicas are there (a share would be empty) or on one replica.
+    cores than replicas are there (a share would be empty; True warns) or on one replica.
 
     Why: on a 2-core VM two CPU replicas, left to the scheduler, often ran on one core
     (a worker waiting for its next message looks for it for a while, and the master waits
@@ -161,6 +162,12 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
     except (AttributeError, OSError):   # not Linux
         return None
     if len(cores) < replicas:
+        if setting is True:   # asked for, and not done: said, not silent
+            warnings.warn(
+                f'bind_cores=True binds nothing: {replicas} replica processes on this host '
+                f'and {len(cores)} core(s) in its affinity ({sorted(cores)}), so a share '
+                'would be empty. Give the process more cores (taskset), use fewer '
+                "replicas, or pass bind_cores='auto' or False", RuntimeWarning)
         return None
     share = len(cores) // replicas
     return [tuple(cores[r * share:(r + 1) * share]) for r in range(replicas)]

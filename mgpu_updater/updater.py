@@ -163,9 +163,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             this host runs on a share of the cores of its own (the master: its main
             thread, while the updater runs; restored by :meth:`finalize`). ``'auto'``:
             CPU replicas, where every replica gets at least one core of this process's
-            affinity; True: GPU replicas too. Left to the scheduler, two CPU replicas
-            of a 2-core VM often shared one core. Several trainings on one host: give
-            each its own cores (``taskset``), which are then shared, or pass False.
+            affinity; True: GPU replicas too (a warning where a share would be empty).
+            Left to the scheduler, two CPU replicas of a 2-core VM often shared one
+            core. Several trainings on one host: give each its own cores (``taskset``),
+            which are then shared, or pass False.
         max_worker_restarts: how many times over the run a worker process that dies (a
             signal such as SIGKILL or SIGSEGV, the out-of-memory killer) is replaced
             instead of ending the run with :class:`~mgpu_updater.WorkerError` (default 0:
