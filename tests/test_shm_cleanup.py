@@ -9,6 +9,7 @@ them at once.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -81,3 +82,49 @@ def test_a_start_that_fails_before_the_workers_leaves_no_segment(monkeypatch, wh
     finally:
         updater.finalize()
     assert updater.worker_pids() == []
+
+
+FORKSERVER_SCRIPT = r'''
+import os
+from multiprocessing import shared_memory
+import chainer
+from mgpu_updater import ParallelAccumulatingUpdater
+from _models import classifier, dataset, setup_optimizer
+made = []
+_init = shared_memory.SharedMemory.__init__
+def _recording(self, name=None, create=False, size=0, **kwargs):
+    _init(self, name, create, size, **kwargs)
+    if create:
+        made.append(self.name)
+shared_memory.SharedMemory.__init__ = _recording
+if __name__ == '__main__':
+    model = classifier()
+    its = [chainer.iterators.SerialIterator(dataset(8, seed=r), 2) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, start_method='forkserver')
+    try:
+        updater.update()
+    except OSError as exc:
+        print('ERROR', exc)
+    finally:
+        updater.finalize()
+    print('PIDS', updater.worker_pids())
+    print('MADE', len(made), 'LEFT', [n for n in made if os.path.exists('/dev/shm/' + n)])
+'''
+
+
+def test_forkserver_under_a_temporary_directory_too_long_for_a_socket_says_so(tmp_path):
+    """Python's forkserver listens on a socket under the temporary directory, whose path
+    may have 107 characters; past that Python says only 'AF_UNIX path too long'."""
+    long_dir = tmp_path / ('t' * 60) / ('m' * 60)
+    long_dir.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, 'tests')]),
+               TMPDIR=str(long_dir))
+    proc = subprocess.run([sys.executable, '-c', FORKSERVER_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = next(line for line in proc.stdout.splitlines() if line.startswith('ERROR '))
+    assert f"the temporary directory ('{long_dir}', {len(str(long_dir))} characters)" in error
+    assert 'Set TMPDIR to a shorter directory' in error and 'AF_UNIX path too long' in error
+    assert 'PIDS []' in proc.stdout
+    assert re.search(r'MADE [1-9]\d* LEFT \[\]', proc.stdout), proc.stdout

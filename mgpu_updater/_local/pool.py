@@ -32,6 +32,7 @@ import multiprocessing.util   # its atexit hook (join non-daemonic children) mus
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -206,7 +207,19 @@ class WorkerPool:
         proc = self._ctx.Process(target=target, args=args,
                                  name=f'mgpu-worker-{rank}', daemon=False)
         with _sigint_held(self._start_method == 'spawn'):
-            proc.start()
+            try:
+                proc.start()
+            except OSError as exc:
+                if 'AF_UNIX path too long' not in str(exc):
+                    raise
+                # forkserver's socket lies in a folder under the temporary directory
+                raise OSError(
+                    f"start_method={self._start_method!r} could not start worker {rank}: "
+                    f"its server's socket lies under the temporary directory "
+                    f"({tempfile.gettempdir()!r}, {len(tempfile.gettempdir())} characters), "
+                    'and a socket path may have at most 107 (Python said: '
+                    f"{exc}). Set TMPDIR to a shorter directory, or pass "
+                    "start_method='spawn'") from exc
             self._procs[rank] = proc
             self._conns[rank] = parent
             self._exits[rank] = _exit_handle(proc)
