@@ -649,9 +649,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         observation = combine(results) if own.sums or len(results) > 1 else {}
         if self.micro_batch_size == 'auto':
             sizes = [r.micro_batch_size or 0 for r in results]
-            self.micro_batch_sizes = sizes
-            if any(sizes):
+            if any(sizes):   # this update's micro-batches
                 observation['main/micro_batch_size'] = min(s for s in sizes if s)
+            # a replica whose window was empty (its shard ran out) keeps the size it found
+            before = self.micro_batch_sizes
+            self.micro_batch_sizes = [
+                s or (before[i] if i < len(before) else 0) for i, s in enumerate(sizes)]
         roots = self._replica.graph_roots
         if roots:
             for key, root in roots.items():

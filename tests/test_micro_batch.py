@@ -288,6 +288,25 @@ def test_auto_replicas_settle_at_their_own_sizes_and_resume_there(tmp_path):
         np.testing.assert_allclose(params(resumed_model)[name], value, rtol=1e-6)
 
 
+def test_auto_keeps_the_size_of_a_replica_whose_shard_ran_out():
+    """repeat=False, the worker's shard one update shorter than the master's: in the last
+    update the worker's window is empty, and the size it found stays (a snapshot then
+    keeps it; 0 would start a resumed run from the whole batch again)."""
+    b = 8
+    model = seeded(lambda: CappedMLP(cap=5, worker_cap=2), 5)
+    opt = setup_optimizer('sgd', model)
+    its = [chainer.iterators.SerialIterator(dataset(n, seed=165 + r), b, repeat=False,
+                                            shuffle=False) for r, n in enumerate((2 * b, b))]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
+                                          micro_batch_size='auto')
+    try:
+        obs = run_updates(updater, model, 2)
+        assert updater.micro_batch_sizes == [4, 2]
+        assert [o['main/micro_batch_size'] for o in obs] == [2, 4]
+    finally:
+        updater.finalize()
+
+
 def test_auto_when_one_sample_does_not_fit_says_so():
     model = seeded(lambda: CappedMLP(cap=0), 6)
     updater = _updater(model, [dataset(8, seed=0)], 4, 1, micro_batch_size='auto')
