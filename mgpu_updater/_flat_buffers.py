@@ -240,9 +240,9 @@ def overlapping(index: 'ModelIndex') -> List[str]:
     """Parameters (by name) whose numpy array shares memory with another parameter's or
     an array persistent's, other than the very array an alias holds
     (:attr:`ModelIndex.aliases`): a view (``b.W.array = a.W.array.T``), a persistent that
-    holds a parameter's array. Bound to a slice of the broadcast slot of its own, such a
-    parameter would no longer share that memory; left as it is, its values are copied
-    into the slot each update and the sharing stays."""
+    holds a parameter's array; and the aliases of those. Bound to a slice of the
+    broadcast slot of its own, such a parameter would no longer share that memory; left
+    as it is, its values are copied into the slot each update and the sharing stays."""
     arrays = [(n, a) for n, a in index.param_arrays().items() if n not in index.aliases]
     arrays += index.persistent_arrays()
     spans = []
@@ -259,6 +259,9 @@ def overlapping(index: 'ModelIndex') -> List[str]:
                 break
             if array2 is array or numpy.shares_memory(array, array2):
                 out.update(n for n in (name, other) if n in params)
+    # an alias holds the very array of one left unbound: bound, it would take that one's
+    # array with it (Chainer's share mode: one storage) or part from it
+    out.update(alias for alias, held in index.aliases.items() if held in out)
     return sorted(out)
 
 

@@ -450,6 +450,41 @@ class LinkTiedAcrossStatic(chainer.Chain):
         return F.softmax_cross_entropy(self.head(self.body(x)), t)
 
 
+class ShareThenView(chainer.Chain):
+    """``b = a.copy(mode='share')`` (parameters of their own over one array) and a third
+    layer whose weight is a view of that array, transposed."""
+
+    def __init__(self, n=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.a = L.Linear(n, n)
+            self.b = self.a.copy(mode='share')
+            self.c = L.Linear(n, n)
+            self.out = L.Linear(n, n_out)
+        self.c.W.array = self.a.W.array.T
+
+    def forward(self, x):
+        return self.out(F.tanh(self.c(F.tanh(self.b(F.tanh(self.a(x)))))))
+
+
+class SameArrayThenView(chainer.Chain):
+    """Two layers that hold the very same weight array (``l2.W.array = l1.W.array``) and a
+    third whose weight is a view of it, transposed."""
+
+    def __init__(self, n=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n, n)
+            self.l2 = L.Linear(n, n)
+            self.l3 = L.Linear(n, n)
+            self.out = L.Linear(n, n_out)
+        self.l2.W.array = self.l1.W.array
+        self.l3.W.array = self.l1.W.array.T
+
+    def forward(self, x):
+        return self.out(F.tanh(self.l3(F.tanh(self.l2(F.tanh(self.l1(x)))))))
+
+
 class ViewTied(chainer.Chain):
     """Two square layers, the second's weight a view of the first's, transposed
     (``l2.W.array = l1.W.array.T``): parameters of their own over one memory."""

@@ -4,7 +4,7 @@ A :class:`chainer.Parameter` registered in two links (``self.l3.W = self.l2.W``)
 twice in forward (an embedding matrix as the output layer), one shared with a model
 that is not trained, and parameters of their own over one array (Chainer's
 ``repeat(n, mode='share')``, whose update rules step the array in turn; or a view of
-it): two ``'@numpy'`` replicas, each update compared with a single-process
+it; or both): two ``'@numpy'`` replicas, each update compared with a single-process
 ``StandardUpdater`` on one batch of the same samples (the contract of
 ``tests/test_equivalence.py``).
 """
@@ -22,8 +22,8 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater._flat_buffers import ModelLayouts
 
-from _models import (MLP, SharedCopies, TiedEmbedding, TiedMLP, ViewTied, dataset, params,
-                     run_updates, setup_optimizer)
+from _models import (MLP, SameArrayThenView, SharedCopies, ShareThenView, TiedEmbedding,
+                     TiedMLP, ViewTied, dataset, params, run_updates, setup_optimizer)
 
 UPDATES, N, B = 4, 2, 4
 
@@ -43,6 +43,10 @@ def _make(kind, seed):
         return L.Classifier(TiedEmbedding())
     if kind == 'view_of_another':
         return L.Classifier(ViewTied())
+    if kind == 'share_then_view':
+        return L.Classifier(ShareThenView())
+    if kind == 'same_array_then_view':
+        return L.Classifier(SameArrayThenView())
     if kind == 'shared_arrays':
         # a deep copy, as a worker's replica is: Chainer's share mode leaves the copies
         # one Variable storage (setting one's array sets all); a copy keeps only the array
@@ -75,7 +79,8 @@ def _train_both(kind, opt_kind):
 
 
 @pytest.mark.parametrize('kind', ['tied_links', 'tied_embedding', 'shared_arrays',
-                                  'view_of_another'])
+                                  'view_of_another', 'share_then_view',
+                                  'same_array_then_view'])
 @pytest.mark.parametrize('opt_kind', ['sgd', 'adam'])
 def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
     ours, ref = _train_both(kind, opt_kind)
@@ -91,6 +96,14 @@ def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
         assert blocks[1][0].W.array is blocks[0][0].W.array is blocks[2][0].W.array
     if kind == 'view_of_another':   # still one memory
         assert np.shares_memory(ours.predictor.l1.W.array, ours.predictor.l2.W.array)
+    if kind == 'share_then_view':   # one array, and a view of it
+        net = ours.predictor
+        assert net.b.W.array is net.a.W.array
+        assert np.shares_memory(net.a.W.array, net.c.W.array)
+    if kind == 'same_array_then_view':
+        net = ours.predictor
+        assert net.l2.W.array is net.l1.W.array
+        assert np.shares_memory(net.l1.W.array, net.l3.W.array)
 
 
 def test_a_tied_parameter_travels_once():
