@@ -520,7 +520,11 @@ class Replica:
         microseconds a micro-batch, no read of a device)."""
         full = not self._forward_checked
         if self._own_params is None:   # found once (a walk of the links costs ~50 us)
-            self._own_params = [p for _, p in unique_params(self.model)]
+            # not those of @static_graph links: their schedule sets their gradients in
+            # its forward too, and the window sums those after each backward (_GradientSum)
+            static = {id(p) for p in self._set_by_backward}
+            self._own_params = [p for _, p in unique_params(self.model)
+                                if id(p) not in static]
         marks = _gradient_marks(self._own_params, full)
         loss = self._forward(arrays)
         if _gradient_marks(self._own_params, full) != marks:

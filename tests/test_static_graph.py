@@ -53,7 +53,9 @@ def _train(make, n, k, **kwargs):
                          ids=['static', 'static_body_plain_head'])
 @pytest.mark.parametrize('n, k, kwargs', [
     (1, 2, {}), (2, 2, {}), (2, 1, {'micro_batch_size': 2}), (1, 1, {'micro_batch_size': 1}),
-], ids=['one_replica_k2', 'two_replicas_k2', 'two_replicas_chunked', 'one_replica_chunked'])
+    (1, 1, {'micro_batch_size': 3}),   # chunks of 3 and 1: a schedule per input shape
+], ids=['one_replica_k2', 'two_replicas_k2', 'two_replicas_chunked', 'one_replica_chunked',
+        'one_replica_uneven_chunks'])
 def test_a_window_of_several_backward_passes_trains_as_standard_updater(make, n, k, kwargs):
     ours, reference = _train(make, n, k, **kwargs)
     for name, value in ours.items():
