@@ -57,6 +57,7 @@ import numpy
 import chainer
 from chainer.dataset import convert
 from chainer.device_resident import DeviceResident
+from chainer.functions.util.forget import Forget
 from chainer.graph_optimizations import static_graph
 
 
@@ -397,6 +398,15 @@ def cuda_resolution_error() -> Optional[BaseException]:
     """
     from chainer.backends import cuda
     return getattr(cuda, '_resolution_error', None)
+
+
+def hides_its_graph(node: Any) -> bool:
+    """Whether a function node of a loss's graph reaches parameters that its ``inputs``
+    do not list: ``F.forget``'s, which keeps only its inputs and calls its function again
+    in backward, back-propagating through what it builds then
+    (chainer/functions/util/forget.py:30-57); a ``@static_graph`` schedule's, which lists
+    only its chain's inputs."""
+    return isinstance(node, Forget) or is_static_graph_machinery(type(node))
 
 
 def is_unregistered_observer_error(exc: BaseException) -> bool:

@@ -16,7 +16,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import (backward_scaled, is_static_graph_machinery,
+from ._chainer_private import (backward_scaled, hides_its_graph,
                                is_unregistered_observer_error, static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
@@ -653,8 +653,9 @@ class Replica:
 
 def _reaches_a_parameter(loss: chainer.Variable) -> bool:
     """Whether the graph of ``loss`` has a :class:`chainer.Parameter` among its leaves (of
-    whichever model), or is one, or runs a ``@static_graph`` schedule (whose node lists
-    only its chain's inputs, not the chain's parameters it reaches)."""
+    whichever model), or is one, or has a node whose inputs do not list the parameters it
+    reaches (``F.forget``, a ``@static_graph`` schedule): as far as a walk can tell, the
+    loss may depend on parameters."""
     if isinstance(loss, chainer.Parameter):
         return True
     stack = [loss.creator_node]
@@ -663,7 +664,7 @@ def _reaches_a_parameter(loss: chainer.Variable) -> bool:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        if is_static_graph_machinery(type(node)):
+        if hides_its_graph(node):
             return True
         seen.add(id(node))
         for leaf_or_not in node.inputs:

@@ -168,6 +168,12 @@ def global_loss(x, t):
     return F.softmax_cross_entropy(GLOBAL_MODEL.net(x), t)
 
 
+def global_forgetting_loss(x, t):
+    """``global_loss`` under ``F.forget``, whose node lists only ``x``."""
+    return F.forget(lambda x_: F.softmax_cross_entropy(GLOBAL_MODEL.net(x_), t),
+                    chainer.Variable(x))
+
+
 def global_reporting_loss(x, t):
     return GLOBAL_MODEL(x, t)
 

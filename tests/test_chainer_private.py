@@ -648,6 +648,21 @@ def test_static_graph_links_are_the_decorated_ones_and_their_backward_sets_gradi
     assert not private.is_static_graph_machinery(int)
 
 
+def test_forgets_node_lists_its_inputs_only_and_its_backward_reaches_the_parameters():
+    """``F.forget``'s node has the inputs of the function it forgets, not the parameters
+    that function uses; its backward reaches them (hides_its_graph)."""
+    link = L.Linear(3, 2)
+    x = chainer.Variable(np.ones((4, 3), np.float32))
+    loss = F.forget(lambda x_: F.sum(link(x_)), x)
+    node = loss.creator_node
+    assert private.hides_its_graph(node)
+    assert [v.get_variable_or_none() for v in node.inputs] == [x]
+    loss.backward()
+    assert link.W.grad is not None and link.W.grad.any()
+    plain = F.sum(link(x))
+    assert not private.hides_its_graph(plain.creator_node)
+
+
 # --------------------------------------------------------------------------------------
 # No other module uses these names
 

@@ -190,13 +190,16 @@ def test_closure_over_the_model_trains_as_standard_updater(closure_payloads):
                                [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
 
 
-@pytest.mark.parametrize('model_kind', ['plain', 'static_graph'])
+@pytest.mark.parametrize('model_kind', ['plain', 'forget', 'static_graph'])
 def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros(
         monkeypatch, model_kind):
     """The loss reaches the model through a module global: in a worker, another model
-    (also one whose forward is a ``@static_graph`` schedule)."""
-    if model_kind == 'plain':
-        model, name, loss = SelfLoss(), 'GLOBAL_MODEL', _dropin_models.global_loss
+    (also through ``F.forget``, and one whose forward is a ``@static_graph`` schedule:
+    nodes whose inputs do not list the parameters they reach)."""
+    if model_kind in ('plain', 'forget'):
+        model, name = SelfLoss(), 'GLOBAL_MODEL'
+        loss = _dropin_models.global_loss if model_kind == 'plain' else \
+            _dropin_models.global_forgetting_loss
     else:
         model, name = StaticLazyClassifier(), 'GLOBAL_STATIC'
         loss = _dropin_models.global_static_loss
