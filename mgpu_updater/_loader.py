@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import queue
 import random
 import threading
 import time
 import types
-from typing import Any, Callable, Deque, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
 from chainer.dataset import convert
@@ -134,10 +135,17 @@ class Loader:
     def convert_aside(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
         in the caller's thread: on a GPU, straight to the device), by a shallow copy of a
-        converter object with copies of the random generators among its attributes: its
-        own generator, and a counter it rebinds, stay as they were, and the data it holds
-        (a vocabulary, a table) is not copied."""
-        return call_converter(_aside(self.converter), examples, self.converter_device)
+        converter object (or of the object of a bound method), with the state of every
+        random generator it reaches set back after the call: its generators (held
+        directly, deeper, or in a function's closure) and a counter it rebinds stay as
+        they were, and the data it holds (a vocabulary, a table) is not copied."""
+        converter, generators = _aside(self.converter)
+        states = [_generator_state(g) for g in generators]
+        try:
+            return call_converter(converter, examples, self.converter_device)
+        finally:
+            for generator, state in zip(generators, states):
+                _set_generator_state(generator, state)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
@@ -499,22 +507,93 @@ def reads_in_caller_safely(iterator: Any) -> bool:
 
 
 _GENERATORS = (numpy.random.RandomState, numpy.random.Generator, random.Random)
+_REACH_DEPTH = 4      # links from the converter to a generator it draws from, at most
+_REACH_OBJECTS = 2000  # objects looked at, at most (the look runs once per replica)
 
 
-def _aside(converter: Any) -> Any:
-    """``converter`` for a call whose draws and counts must not stay (see
-    :meth:`Loader.convert_aside`); a function as it is."""
-    if not isinstance(getattr(converter, '__dict__', None), dict) or \
-            isinstance(converter, (types.FunctionType, types.MethodType)):
-        return converter
+def _aside(converter: Any) -> Tuple[Any, List[Any]]:
+    """``converter`` for a call whose counts must not stay (see
+    :meth:`Loader.convert_aside`): a shallow copy of a converter object, or a bound method
+    of one (a function as it is); and the random generators it reaches, whose states the
+    caller sets back after the call."""
+    generators = _reachable_generators(converter)
+    target = converter.__self__ if isinstance(converter, types.MethodType) else converter
+    if isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)) or \
+            not isinstance(getattr(target, '__dict__', None), dict):
+        return converter, generators
     try:
-        clone = copy.copy(converter)
-        for name, value in vars(clone).items():
-            if isinstance(value, _GENERATORS):
-                setattr(clone, name, copy.deepcopy(value))
+        clone = copy.copy(target)
     except Exception:  # noqa: BLE001 - what cannot be copied is called itself
-        return converter
-    return clone
+        return converter, generators
+    if isinstance(converter, types.MethodType):
+        return types.MethodType(converter.__func__, clone), generators
+    return clone, generators
+
+
+def _reachable_generators(root: Any) -> List[Any]:
+    """The random generators (numpy's RandomState and Generator, Python's Random) that
+    ``root`` reaches within a few links: attributes, items of small containers, a bound
+    method's object, a function's closure and defaults, a partial's arguments. (Not
+    modules: numpy's and Python's global generators are set back by the caller.)"""
+    found: List[Any] = []
+    seen = set()
+    layer = [root]
+    for _ in range(_REACH_DEPTH + 1):
+        following: List[Any] = []
+        for obj in layer:
+            if id(obj) in seen or len(seen) >= _REACH_OBJECTS:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, _GENERATORS):
+                found.append(obj)
+            else:
+                following.extend(_links_of(obj))
+        layer = following
+    return found
+
+
+def _links_of(obj: Any) -> List[Any]:
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool, numpy.ndarray,
+                                       types.ModuleType, type)):
+        return []
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__, obj.__func__]
+    if isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _cell_is_set(c)]
+        return cells + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj) if len(obj) <= 64 else []
+    if isinstance(obj, dict):
+        return list(obj.values()) if len(obj) <= 64 else []
+    attributes = getattr(obj, '__dict__', None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
+
+
+def _cell_is_set(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:   # a cell not yet assigned
+        return False
+    return True
+
+
+def _generator_state(generator: Any) -> Any:
+    if isinstance(generator, numpy.random.Generator):
+        return generator.bit_generator.state
+    if isinstance(generator, numpy.random.RandomState):
+        return generator.get_state()
+    return generator.getstate()
+
+
+def _set_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, numpy.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, numpy.random.RandomState):
+        generator.set_state(state)
+    else:
+        generator.setstate(state)
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,

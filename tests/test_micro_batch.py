@@ -2,6 +2,9 @@
 update stays that of StandardUpdater on the global batch (issue 12)."""
 from __future__ import annotations
 
+import random
+import types
+
 import numpy as np
 import pytest
 
@@ -171,6 +174,40 @@ class _OwnGenerator:
         return x + self.rng.normal(0, 0.1, x.shape).astype(x.dtype), t
 
 
+class _NestedGenerator:
+    """A converter object whose generator sits in an object it holds (an augmentation
+    pipeline), in a list, drawn through a bound method of its own."""
+
+    def __init__(self):
+        self.steps = [types.SimpleNamespace(rng=np.random.default_rng(1))]
+
+    def convert(self, batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + self.steps[0].rng.normal(0, 0.1, x.shape).astype(x.dtype), t
+
+
+class _Counting:
+    """A converter object whose output depends on how many batches it converted (a
+    schedule it keeps itself)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, batch, device=None):
+        self.calls += 1
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x * np.float32(1 + self.calls / 10), t
+
+
+def _closing_over_a_generator():
+    rng = random.Random(2)
+
+    def convert(batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + np.float32(rng.gauss(0, 0.1)), t
+    return convert
+
+
 class _WholeBatchesOnly:
     def __call__(self, batch, device=None):
         if len(batch) != 4:
@@ -192,12 +229,15 @@ def _drawing_converter(batch, device=None):
     return x + np.random.normal(0, 0.1, x.shape).astype(x.dtype), t
 
 
-@pytest.mark.parametrize('make_converter', [lambda: _drawing_converter, _OwnGenerator],
-                         ids=['numpy_global', 'own_generator'])
+@pytest.mark.parametrize('make_converter', [
+    lambda: _drawing_converter, _OwnGenerator, lambda: _NestedGenerator().convert,
+    _closing_over_a_generator, _Counting], ids=['numpy_global', 'own_generator',
+                                                'method_nested_generator', 'closure',
+                                                'counter'])
 def test_the_split_check_does_not_move_a_drawing_converters_draws(make_converter):
     """The check calls the converter once more on the first chunk's samples: a copy of a
-    converter object (its own generator stays as it was), numpy's generator set back
-    after it; so a converter that draws gives StandardUpdater's noise."""
+    converter object (or of a bound method's), with every generator it reaches set back
+    after it, and numpy's; so a converter that draws gives StandardUpdater's noise."""
     b, k, m = 5, 1, 2
     datasets = [dataset(b * k * UPDATES, seed=150)]
     ours, ref = seeded(lambda: CappedMLP(cap=m), 4), seeded(lambda: CappedMLP(cap=99), 4)
