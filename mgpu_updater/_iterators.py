@@ -1,6 +1,7 @@
 """Building one iterator per device from one dataset; each worker gets only its shard."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, List, Optional
 
 import numpy
@@ -99,7 +100,9 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     contiguous pieces) whose sizes differ by at most one. ``batch_size`` is the
     micro-batch of each device; extra keyword arguments go to ``iterator_class``
     (``repeat``, ``n_processes`` for ``MultiprocessIterator``...). Each iterator shuffles
-    with its own seed derived from ``seed``, so runs are reproducible.
+    with its own seed derived from ``seed`` (an ``order_sampler``: Chainer's
+    ``SerialIterator``, ``MultithreadIterator`` and ``MultiprocessIterator`` take one), so
+    runs are reproducible; a class that takes no ``order_sampler`` gets ``shuffle``.
 
     Example: ``shard_iterators(train, 2, 32, iterator_class=MultiprocessIterator,
     n_processes=2)``.
@@ -131,11 +134,19 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     for i in range(n):
         sub = Shard(dataset, int(bounds[i]), int(bounds[i + 1]), order=order)
         kwargs = dict(iterator_kwargs)
-        if shuffle and seed is not None and iterator_class in (
-                chainer.iterators.SerialIterator, chainer.iterators.MultiprocessIterator):
+        if shuffle and seed is not None and _takes_order_sampler(iterator_class):
             kwargs.setdefault('order_sampler', chainer.iterators.ShuffleOrderSampler(
                 numpy.random.RandomState(seed + 1 + i)))
         else:
             kwargs.setdefault('shuffle', shuffle)
         shards.append(iterator_class(sub, batch_size, **kwargs))
     return shards
+
+
+def _takes_order_sampler(iterator_class: Any) -> bool:
+    """Whether ``iterator_class(dataset, batch_size, order_sampler=...)`` is accepted."""
+    try:
+        parameters = inspect.signature(iterator_class).parameters
+    except (TypeError, ValueError):   # no signature to read
+        return False
+    return 'order_sampler' in parameters

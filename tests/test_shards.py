@@ -66,3 +66,33 @@ def test_shard_iterators_batches_follow_the_shard_order():
     batch = it.next()
     within = it._state.order[:4]   # the iterator's own shuffle of its shard
     _same(batch, [data[int(order[8 + j])] for j in within])
+
+
+class _NoSampler(chainer.iterators.SerialIterator):
+    """An iterator class of one's own that takes no order_sampler."""
+
+    def __init__(self, dataset, batch_size, repeat=True, shuffle=None):
+        super().__init__(dataset, batch_size, repeat=repeat, shuffle=shuffle)
+
+
+@pytest.mark.parametrize('iterator_class', [
+    chainer.iterators.SerialIterator, chainer.iterators.MultithreadIterator,
+    chainer.iterators.MultiprocessIterator])
+def test_shard_iterators_shuffle_with_their_seed_whatever_chainer_iterator(iterator_class):
+    """The same seed gives the same batches, whatever numpy's global generator does
+    between the calls (MultithreadIterator shuffled with numpy's global generator)."""
+    firsts = []
+    for draw in range(2):
+        np.random.seed(draw)
+        its = shard_iterators(np.arange(40), 2, 4, iterator_class=iterator_class, seed=0)
+        try:
+            firsts.append([list(it.next()) for it in its for _ in range(3)])
+        finally:
+            for it in its:
+                it.finalize()
+    assert firsts[0] == firsts[1]
+
+
+def test_shard_iterators_give_a_class_without_order_sampler_shuffle():
+    its = shard_iterators(np.arange(40), 2, 4, iterator_class=_NoSampler, seed=0)
+    assert [it.order_sampler is not None for it in its] == [True, True]   # shuffle=True
