@@ -6,7 +6,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import chainer
 import numpy
@@ -22,7 +22,7 @@ from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import Replica, WindowResult, combine, scale_gradients, with_graph
 from ._restarts import RestartLog
-from ._unsent_state import UnsentState
+from ._unsent_state import HeldObjects, UnsentState
 from .errors import NonFiniteGradientError, NonFiniteLossError
 
 
@@ -269,6 +269,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: with worker processes: the plain values of the model, loss_func and converter
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
+        self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
         self._core_calls = 0   # of update_core (update: a subclass's must have called it)
         self._core_iteration: Optional[int] = None   # the iteration of its last success
         #: the main iterator's state at the end of the data (StopIteration), else None
@@ -374,7 +375,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if len(self._devices) > 1 and self._communicator is None:
             self._unsent = UnsentState({'model': self._optimizer.target,
                                         'loss_func': self.loss_func,
-                                        'converter': self.converter})
+                                        'converter': self.converter},
+                                       held=HeldObjects(self._optimizer.target,
+                                                        self._worker_iterators))
+        #: what every replica took at the start (the updater's attributes may be set anew)
+        self._taken_at_start = (self.converter, self.loss_func)
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
@@ -460,6 +465,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'the new model')
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
+        taken = self._taken_at_start
+        if taken is not None and (self.converter is not taken[0]
+                                  or self.loss_func is not taken[1]):
+            raise RuntimeError(self._replaced_message(taken))
         # This runs every update: where the host decides the speed, each call here is time
         # StandardUpdater does not spend (bench/overhead.py), hence plain clocks.
         clock = time.perf_counter
@@ -469,6 +478,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._update_direct(optimizer, loss_scale)
             return
         unsent = self._unsent
+        if unsent is not None:
+            unsent.check_held()   # raises where the workers' copies would train apart
         if unsent is not None and unsent.due():
             unsent.at_begin()   # now and then, between updates (_unsent_state)
         t0 = clock()
@@ -520,6 +531,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.auto_new_epoch and epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, times)
+
+    def _replaced_message(self, taken: Tuple[Any, Any]) -> str:
+        names = [name for name, now, then in (
+            ('converter', self.converter, taken[0]),
+            ('loss_func', self.loss_func, taken[1])) if now is not then]
+        return (f"updater.{' and updater.'.join(names)} was set anew after the first "
+                "update: every replica (the master's loader and window, each worker "
+                'process) took the one given at the start and computes with it, and a '
+                'batch may be converted ahead already. Set it before the first update, '
+                'or finalize this updater and build a new one with it')
 
     def _update_direct(self, optimizer: chainer.Optimizer,
                        loss_scale: Optional[float]) -> None:
