@@ -230,6 +230,17 @@ def save_iterators(serializer: Any, main_state: Dict[str, numpy.ndarray],
                     worker_states[rank] if rank in worker_states else capture_state(it))
 
 
+def keep_positions(main: Any, worker_iterators: List[Any],
+                   worker_states: Dict[int, Any]) -> None:
+    """Put the workers' iterator states (as of the last batch each used) into the
+    iterators the master holds for them, which never moved (their processes read copies):
+    what a snapshot taken later, or another updater built on them, reads."""
+    kept: Dict[str, Any] = {}
+    save_iterators(chainer.serializers.DictionarySerializer(kept), capture_state(main),
+                   worker_iterators, worker_states)
+    load_iterators(NpzDeserializer(kept), main, worker_iterators)
+
+
 def load_iterators(serializer: Any, main: Any, worker_iterators: List[Any]) -> None:
     """Every replica's iterator from ``iterator:main`` and ``iterator:replica<rank>``.
 

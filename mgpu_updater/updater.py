@@ -270,6 +270,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
         self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
+        #: why the workers' iterator positions are gone (an update failed: no snapshot
+        #: holds them after it), else None
+        self._positions_lost: Optional[str] = None
         self._core_calls = 0   # of update_core (update: a subclass's must have called it)
         self._core_iteration: Optional[int] = None   # the iteration of its last success
         #: the main iterator's state at the end of the data (StopIteration), else None
@@ -438,14 +441,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if _same_state(capture_state(main), self._ended):
             return   # still at its end: StopIteration again
         self._ended = None
-        ended: Dict[str, Any] = {}
-        _checkpoint.save_iterators(chainer.serializers.DictionarySerializer(ended),
-                                   capture_state(main), self._worker_iterators,
-                                   self._group.states())
-        self._teardown(abort=False)
+        self._teardown(abort=False)   # the workers' iterators as they ended, kept
         self._finalized = False
-        _checkpoint.load_iterators(chainer.serializers.NpzDeserializer(ended), main,
-                                   self._worker_iterators)
         for it in self._worker_iterators:
             it.reset()
         self._epoch = None
@@ -717,6 +714,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._check_late()   # a snapshot holds no step whose loss was not looked at
         else:
             self._late.drop()    # the run it belonged to is replaced
+        if saving and self._positions_lost is not None:
+            raise RuntimeError(
+                f"{self._positions_lost}, and the worker processes' iterator positions "
+                'went with it: a snapshot now would put replicas 1 and up back '
+                'at the start of their shards, and a run resumed from it would train on '
+                'other samples than the run it continues. Resume from a snapshot taken '
+                'before the failure')
         _checkpoint.serialize_counters(self, serializer)
         if saving:
             main = self._loader.state() if self._loader else capture_state(
@@ -730,6 +734,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._finalized = False
         main = self.get_iterator('main')
         _checkpoint.load_iterators(serializer, main, self._worker_iterators)
+        self._positions_lost = None
         self._epoch = None
         # taken at the end of the data: a reset of the main iterator next starts a new pass
         # on every replica, as after an end met here
@@ -748,6 +753,17 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         else:   # keep the gradient in flight, off the buffers that are about to go
             self._step.detach()
         group, self._group = self._group, ClosedGroup()
+        states = None   # the workers' iterator states, asked before they stop
+        if self._worker_iterators and not isinstance(group, ClosedGroup):
+            if abort:   # they went with the failed update
+                self._positions_lost = f'update {self.iteration + 1} failed'
+            else:
+                try:
+                    states = group.states()
+                except Exception as exc:  # noqa: BLE001 - a worker gone: stop the rest
+                    self._positions_lost = f'a worker did not give it at the end ({exc})'
+        # the main iterator as of the last batch used: one loading ahead read further
+        used = self._loader.state() if self._loader is not None else None
         try:
             group.close(abort=abort)
         finally:
@@ -759,6 +775,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._loader = None
             self._replica = None
             self._finalized = True
+        # Every iterator the master holds where its replica was (what StandardUpdater's
+        # would be): a snapshot taken now, or another updater built on them, reads them.
+        main = self.get_iterator('main')
+        if used is not None and not _same_state(capture_state(main), used):
+            _checkpoint.restore_state(main, used)
+        if states is not None:
+            _checkpoint.keep_positions(main, self._worker_iterators, states)
 
     def finalize(self) -> None:
         """Stop every worker (bounded), release shared memory, finalize the iterators.

@@ -282,6 +282,24 @@ class LazyPairs(chainer.Chain):
         return F.mean((h[0::2] - h[1::2]) ** 2) + 0.0 * F.sum(t.astype(np.float32))
 
 
+class RaisesAtCall(chainer.Chain):
+    """``classifier(0)``'s MLP whose forward raises at its ``at``-th call (each replica
+    counts its own)."""
+
+    def __init__(self, at):
+        super().__init__()
+        np.random.seed(0)
+        with self.init_scope():
+            self.net = MLP()
+        self.at, self.calls = at, 0
+
+    def forward(self, x, t):
+        self.calls += 1
+        if self.calls == self.at:
+            raise ValueError(f'forward call {self.calls}')
+        return F.softmax_cross_entropy(self.net(x), t)
+
+
 class LazyRaisesInTestMode(chainer.Chain):
     """A lazy model whose forward cannot run in test mode."""
 

@@ -1,0 +1,72 @@
+"""A snapshot taken once the updater has stopped holds what one taken before would.
+
+After ``finalize()`` (``trainer.run()`` returned) the worker processes are gone: their
+iterators' positions are put into the iterators the master holds for them, so a snapshot
+then, or another updater built on them, reads where each replica was. After an update
+failed they went with it: a snapshot (the Trainer's ``snapshot_on_error``) is refused
+rather than written with the workers back at the start of their shards.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import chainer
+from chainer.serializers import DictionarySerializer
+
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError, shard_iterators
+
+from _models import RaisesAtCall, classifier, dataset, run_updates, setup_optimizer
+
+B, K = 4, 2
+
+
+def _updater(model, n=2, **kwargs):
+    its = shard_iterators(dataset(40, seed=3), n, B, seed=1)
+    return ParallelAccumulatingUpdater(its, setup_optimizer('adam', model),
+                                       devices=['@numpy'] * n, accumulate_steps=K, **kwargs)
+
+
+def _saved(updater):
+    target = {}
+    updater.serialize(DictionarySerializer(target))
+    return target
+
+
+@pytest.mark.parametrize('n', [1, 2])
+@pytest.mark.parametrize('prefetch', ['auto', 0, 2])
+def test_a_snapshot_after_finalize_holds_every_replicas_position(n, prefetch):
+    """The workers' positions, and the main iterator's as of the last batch used (a
+    loader that loaded ahead read further)."""
+    model = classifier()
+    updater = _updater(model, n, prefetch=prefetch)
+    try:
+        run_updates(updater, model, 3)   # 24 samples of a shard: into its second epoch
+        live = _saved(updater)
+    finally:
+        updater.finalize()
+    after = _saved(updater)
+    keys = [k for k in live if k.startswith('iterator:')]
+    position = 'iterator:replica1/current_position' if n == 2 else \
+        'iterator:main/current_position'
+    assert int(live[position]) == 24 % (40 // n)
+    for key in keys:
+        np.testing.assert_array_equal(after[key], live[key], err_msg=key)
+
+
+def test_a_snapshot_after_a_failed_update_is_refused():
+    model = RaisesAtCall(at=5)   # the third update's first forward, on every replica
+    updater = _updater(model)
+    try:
+        run_updates(updater, model, 2)
+        with pytest.raises((ValueError, WorkerError), match='forward call 5'):
+            run_updates(updater, model, 1)
+        with pytest.raises(RuntimeError, match=r"^update 3 failed, and the worker "
+                                               r"processes' iterator positions went with "
+                                               r'it: a snapshot now would put replicas 1 '
+                                               r'and up back at the start'):
+            _saved(updater)
+    finally:
+        updater.finalize()
+    with pytest.raises(RuntimeError, match='^update 3 failed'):
+        chainer.serializers.save_npz('/dev/null', updater)
