@@ -400,13 +400,12 @@ def cuda_resolution_error() -> Optional[BaseException]:
     return getattr(cuda, '_resolution_error', None)
 
 
-def hides_its_graph(node: Any) -> bool:
-    """Whether a function node of a loss's graph reaches parameters that its ``inputs``
-    do not list: ``F.forget``'s, which keeps only its inputs and calls its function again
-    in backward, back-propagating through what it builds then
-    (chainer/functions/util/forget.py:30-57); a ``@static_graph`` schedule's, which lists
-    only its chain's inputs."""
-    return isinstance(node, Forget) or is_static_graph_machinery(type(node))
+def forgotten_function(node: Any) -> Optional[Callable]:
+    """The function an ``F.forget`` node calls again in backward, back-propagating through
+    what it builds then, where ``node`` is one (else None): its ``inputs`` list only the
+    function's inputs, not the parameters it reaches (chainer/functions/util/forget.py:35,
+    :55-57)."""
+    return node.func if isinstance(node, Forget) else None
 
 
 def is_unregistered_observer_error(exc: BaseException) -> bool:

@@ -6,18 +6,21 @@ scaled by (accumulation, ``loss_reduction``, ``replica_reduction``) is decided h
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import random
 import time
+import types
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
 
 import chainer
 
-from ._chainer_private import (backward_scaled, hides_its_graph,
-                               is_unregistered_observer_error, static_graph_links)
+from ._chainer_private import (backward_scaled, forgotten_function,
+                               is_static_graph_machinery, is_unregistered_observer_error,
+                               static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
@@ -654,8 +657,8 @@ class Replica:
 def _reaches_a_parameter(loss: chainer.Variable) -> bool:
     """Whether the graph of ``loss`` has a :class:`chainer.Parameter` among its leaves (of
     whichever model), or is one, or has a node whose inputs do not list the parameters it
-    reaches (``F.forget``, a ``@static_graph`` schedule): as far as a walk can tell, the
-    loss may depend on parameters."""
+    reaches: a ``@static_graph`` schedule, or ``F.forget`` of a function that holds a link
+    or a parameter (:func:`_holds_a_link`)."""
     if isinstance(loss, chainer.Parameter):
         return True
     stack = [loss.creator_node]
@@ -664,7 +667,10 @@ def _reaches_a_parameter(loss: chainer.Variable) -> bool:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        if hides_its_graph(node):
+        if is_static_graph_machinery(type(node)):
+            return True
+        forgotten = forgotten_function(node)
+        if forgotten is not None and _holds_a_link(forgotten):
             return True
         seen.add(id(node))
         for leaf_or_not in node.inputs:
@@ -673,6 +679,42 @@ def _reaches_a_parameter(loss: chainer.Variable) -> bool:
             elif isinstance(leaf_or_not.get_variable_or_none(), chainer.Parameter):
                 return True
     return False
+
+
+def _holds_a_link(func: Any) -> bool:
+    """Whether ``func`` reaches a :class:`chainer.Link` or :class:`chainer.Parameter`
+    through what it holds or names: a bound method's object, its closure, its defaults, a
+    partial's arguments, the globals its code (and the code nested in it) names. (A
+    forgotten function that reaches none computes no parameter's gradient.)"""
+    kinds = (chainer.Link, chainer.Parameter)
+    values: List[Any] = []
+    if isinstance(func, functools.partial):
+        values += [func.func, *func.args, *func.keywords.values()]
+        func = func.func
+    if isinstance(func, types.MethodType):
+        values.append(func.__self__)
+        func = func.__func__
+    if isinstance(func, kinds):   # a link called as the function
+        return True
+    code = getattr(func, '__code__', None)
+    if code is not None:
+        values += [c.cell_contents for c in func.__closure__ or () if _cell_is_set(c)]
+        values += list(func.__defaults__ or ())
+        names, codes = set(), [code]
+        while codes:
+            current = codes.pop()
+            names.update(current.co_names)
+            codes += [c for c in current.co_consts if isinstance(c, types.CodeType)]
+        values += [func.__globals__[n] for n in names if n in func.__globals__]
+    return any(isinstance(v, kinds) for v in values)
+
+
+def _cell_is_set(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:   # a cell not assigned yet
+        return False
+    return True
 
 
 _LOSS_FUNC_FIX = (

@@ -67,6 +67,9 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/datasets/tuple_dataset.py', '41-48'):
         'batches = [dataset[index] for dataset in self._datasets]',
     ('chainer/device_resident.py', '29'): 'class DeviceResident(utils.enable_final(',
+    ('chainer/functions/util/forget.py', '35'): 'self.func = func',
+    ('chainer/functions/util/forget.py', '55-57'):
+        'outs = _call_func(self.func, dummy_inputs)',
     ('chainer/graph_optimizations/static_graph.py', '667-669'):
         'self.params_list[params_list_index].grad = \\',
     ('chainer/graph_optimizations/static_graph.py', '914-918'): 'set_grad=True,',
@@ -650,17 +653,20 @@ def test_static_graph_links_are_the_decorated_ones_and_their_backward_sets_gradi
 
 def test_forgets_node_lists_its_inputs_only_and_its_backward_reaches_the_parameters():
     """``F.forget``'s node has the inputs of the function it forgets, not the parameters
-    that function uses; its backward reaches them (hides_its_graph)."""
+    that function uses; its backward calls that function again and reaches them."""
     link = L.Linear(3, 2)
     x = chainer.Variable(np.ones((4, 3), np.float32))
-    loss = F.forget(lambda x_: F.sum(link(x_)), x)
+
+    def forgotten(x_):
+        return F.sum(link(x_))
+    loss = F.forget(forgotten, x)
     node = loss.creator_node
-    assert private.hides_its_graph(node)
+    assert private.forgotten_function(node) is forgotten
     assert [v.get_variable_or_none() for v in node.inputs] == [x]
     loss.backward()
     assert link.W.grad is not None and link.W.grad.any()
     plain = F.sum(link(x))
-    assert not private.hides_its_graph(plain.creator_node)
+    assert private.forgotten_function(plain.creator_node) is None
 
 
 # --------------------------------------------------------------------------------------

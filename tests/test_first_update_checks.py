@@ -28,8 +28,8 @@ import chainer.links as L
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (ConstantWhenEmpty, GrowsInForward, ReadsItsGradient,
-                     ReadsItsGradientNowAndThen, classifier, dataset,
+from _models import (ConstantWhenEmpty, ConstantWhenEmptyForgotten, GrowsInForward,
+                     ReadsItsGradient, ReadsItsGradientNowAndThen, classifier, dataset,
                      params, run_updates, setup_optimizer)
 
 
@@ -250,8 +250,10 @@ def _nothing_to_find_first(n, seed):
     return chainer.datasets.TupleDataset(x, t)
 
 
+@pytest.mark.parametrize('make', [ConstantWhenEmpty, ConstantWhenEmptyForgotten],
+                         ids=['no_graph', 'forgotten'])
 @pytest.mark.parametrize('devices, k', [(1, 1), (2, 1), (1, 2)])
-def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices, k):
+def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices, k, make):
     """Each replica's first micro-batch of 4 has nothing to find: its loss is a constant
     with no graph, and no parameter gets a gradient from it. StandardUpdater steps on
     zeros there (momentum and weight decay still move the parameters); so does this
@@ -260,7 +262,7 @@ def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devi
     n = 3 * 4 * k
     shards = [_nothing_to_find_first(n, seed=40 + r) for r in range(devices)]
     np.random.seed(0)
-    model, reference = ConstantWhenEmpty(), ConstantWhenEmpty()
+    model, reference = make(), make()
     reference.copyparams(model)
     its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in shards]
     updater = ParallelAccumulatingUpdater(its, setup_optimizer('momentum+decay', model),
