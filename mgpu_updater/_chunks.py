@@ -45,10 +45,10 @@ def check_split(convert: Callable[[Any], Any], examples: Any, arrays: Any, size:
     first ``chunk`` examples: the same elements or keys, each as long. A value whose first
     axis is no sample axis (a time-major ``(T, B)`` array, a flat tuple of one array per
     sample) would otherwise be cut where its length only happens to equal the batch's.
-    ``convert(examples)`` runs once (a shallow copy of a converter object, the generators
-    it reaches set back after it: ``Loader.convert_aside``), with numpy's and Python's
-    global generators set back after it too (a converter that draws must not move the
-    training's draws). Batches the
+    ``convert(examples)`` runs once (a shallow copy of a converter object, drawing from
+    copies of the generators it reaches: ``Loader.convert_aside``), with numpy's and
+    Python's global generators set back after it (a converter that draws must not move
+    the training's draws). Batches the
     iterator gave as columns, not a list, are not checked. Returns False where the
     examples were not kept (``None``: a batch loaded before they were asked for)."""
     if examples is None:

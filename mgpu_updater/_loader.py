@@ -42,6 +42,7 @@ import types
 from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
+import chainer
 from chainer.dataset import convert
 
 from ._chainer_private import call_converter
@@ -134,18 +135,11 @@ class Loader:
 
     def convert_aside(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
-        in the caller's thread: on a GPU, straight to the device), by a shallow copy of a
-        converter object (or of the object of a bound method), with the state of every
-        random generator it reaches set back after the call: its generators (held
-        directly, deeper, or in a function's closure) and a counter it rebinds stay as
-        they were, and the data it holds (a vocabulary, a table) is not copied."""
-        converter, generators = _aside(self.converter)
-        states = [_generator_state(g) for g in generators]
-        try:
-            return call_converter(converter, examples, self.converter_device)
-        finally:
-            for generator, state in zip(generators, states):
-                _set_generator_state(generator, state)
+        in the caller's thread: on a GPU, straight to the device), by a copy of the
+        converter (:func:`_aside`): its generators (held directly, deeper, or in a
+        function's closure) and a counter it rebinds stay as they were, and the data it
+        holds (a vocabulary, a table) is not copied."""
+        return call_converter(_aside(self.converter), examples, self.converter_device)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
@@ -507,93 +501,138 @@ def reads_in_caller_safely(iterator: Any) -> bool:
 
 
 _GENERATORS = (numpy.random.RandomState, numpy.random.Generator, random.Random)
-_REACH_DEPTH = 4      # links from the converter to a generator it draws from, at most
-_REACH_OBJECTS = 2000  # objects looked at, at most (the look runs once per replica)
+_REACH_DEPTH = 4       # links from the converter to a generator it draws from, at most
+_REACH_OBJECTS = 2000  # objects looked at, at most (once per replica)
+_REACH_ITEMS = 64      # a container with more items is not looked into
+_EMPTY = object()      # a closure's cell not assigned yet
 
 
-def _aside(converter: Any) -> Tuple[Any, List[Any]]:
-    """``converter`` for a call whose counts must not stay (see
-    :meth:`Loader.convert_aside`): a shallow copy of a converter object, or a bound method
-    of one (a function as it is); and the random generators it reaches, whose states the
-    caller sets back after the call."""
-    generators = _reachable_generators(converter)
-    target = converter.__self__ if isinstance(converter, types.MethodType) else converter
-    if isinstance(target, (types.FunctionType, types.BuiltinFunctionType, type)) or \
-            not isinstance(getattr(target, '__dict__', None), dict):
-        return converter, generators
+def _aside(converter: Any) -> Any:
+    """A copy of ``converter`` for a call whose draws and counts must not stay (see
+    :meth:`Loader.convert_aside`): a shallow copy of a converter object (or of a bound
+    method's object), in which each random generator it reaches within a few links (an
+    attribute, one of an object or container it holds, a function's closure or
+    defaults, a partial's arguments) is a copy, and so is what leads there. Nothing the
+    converter shares is changed, so the loader's thread may convert meanwhile; a
+    function that reaches no generator is called as it is."""
     try:
-        clone = copy.copy(target)
+        copied = _reaching_copy(converter, _REACH_DEPTH, set(), [_REACH_OBJECTS], top=True)
     except Exception:  # noqa: BLE001 - what cannot be copied is called itself
-        return converter, generators
-    if isinstance(converter, types.MethodType):
-        return types.MethodType(converter.__func__, clone), generators
-    return clone, generators
+        return converter
+    return converter if copied is None else copied
 
 
-def _reachable_generators(root: Any) -> List[Any]:
-    """The random generators (numpy's RandomState and Generator, Python's Random) that
-    ``root`` reaches within a few links: attributes, items of small containers, a bound
-    method's object, a function's closure and defaults, a partial's arguments. (Not
-    modules: numpy's and Python's global generators are set back by the caller.)"""
-    found: List[Any] = []
-    seen = set()
-    layer = [root]
-    for _ in range(_REACH_DEPTH + 1):
-        following: List[Any] = []
-        for obj in layer:
-            if id(obj) in seen or len(seen) >= _REACH_OBJECTS:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, _GENERATORS):
-                found.append(obj)
-            else:
-                following.extend(_links_of(obj))
-        layer = following
-    return found
+def _reaching_copy(obj: Any, depth: int, path: set, budget: List[int],
+                   top: bool = False) -> Any:
+    """A copy of ``obj`` whose generators within ``depth`` links are copies, or None where
+    it reaches none (``top``: an object is copied anyway, for a counter it rebinds)."""
+    if isinstance(obj, _GENERATORS):
+        if isinstance(obj, random.SystemRandom):   # no state: the system's entropy
+            return None
+        return copy.deepcopy(obj)
+    if depth < 0 or budget[0] <= 0 or id(obj) in path or _no_generator_inside(obj):
+        return None
+    budget[0] -= 1
+    path.add(id(obj))
+    try:
+        return _copy_parts(obj, depth - 1, path, budget, top)
+    finally:
+        path.discard(id(obj))
 
 
-def _links_of(obj: Any) -> List[Any]:
-    if obj is None or isinstance(obj, (str, bytes, int, float, bool, numpy.ndarray,
-                                       types.ModuleType, type)):
-        return []
-    if isinstance(obj, types.MethodType):
-        return [obj.__self__, obj.__func__]
+def _no_generator_inside(obj: Any) -> bool:
+    return obj is None or isinstance(obj, (str, bytes, int, float, complex, numpy.ndarray,
+                                           numpy.generic, types.ModuleType, type,
+                                           types.BuiltinFunctionType, types.CodeType,
+                                           chainer.Variable))
+
+
+def _copy_parts(obj: Any, depth: int, path: set, budget: List[int], top: bool) -> Any:
+    def sub(value: Any) -> Any:
+        return _reaching_copy(value, depth, path, budget)
+
+    def merged(old: List[Any], new: List[Any]) -> List[Any]:
+        return [n if n is not None else o for o, n in zip(old, new)]
+
+    if isinstance(obj, types.MethodType):   # its object, copied as the converter is
+        owner = _reaching_copy(obj.__self__, depth + 1, path, budget, top)
+        return None if owner is None else types.MethodType(obj.__func__, owner)
     if isinstance(obj, types.FunctionType):
-        cells = [c.cell_contents for c in obj.__closure__ or () if _cell_is_set(c)]
-        return cells + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        contents = [c.cell_contents if _cell_is_set(c) else _EMPTY
+                    for c in obj.__closure__ or ()]
+        new_contents = [None if v is _EMPTY else sub(v) for v in contents]
+        defaults = list(obj.__defaults__ or ())
+        new_defaults = [sub(v) for v in defaults]
+        if all(v is None for v in new_contents + new_defaults):
+            return None
+        closure = tuple(types.CellType() if v is _EMPTY else types.CellType(v)
+                        for v in merged(contents, new_contents))
+        func = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__,
+                                  tuple(merged(defaults, new_defaults)) or None,
+                                  closure or None)
+        func.__kwdefaults__ = obj.__kwdefaults__
+        func.__dict__.update(obj.__dict__)
+        return func
     if isinstance(obj, functools.partial):
-        return [obj.func, *obj.args, *obj.keywords.values()]
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return list(obj) if len(obj) <= 64 else []
-    if isinstance(obj, dict):
-        return list(obj.values()) if len(obj) <= 64 else []
+        args, keys = list(obj.args), list(obj.keywords)
+        new = [sub(v) for v in [obj.func, *args, *(obj.keywords[k] for k in keys)]]
+        if all(v is None for v in new):
+            return None
+        values = merged([obj.func, *args, *(obj.keywords[k] for k in keys)], new)
+        return functools.partial(values[0], *values[1:1 + len(args)],
+                                 **dict(zip(keys, values[1 + len(args):])))
+    if type(obj) in (list, tuple, dict):
+        if len(obj) > _REACH_ITEMS:
+            return None
+        keys = list(obj) if type(obj) is dict else list(range(len(obj)))
+        old = [obj[k] for k in keys]
+        new = [sub(v) for v in old]
+        if all(v is None for v in new):
+            return None
+        values = merged(old, new)
+        if type(obj) is dict:
+            return dict(zip(keys, values))
+        return values if type(obj) is list else tuple(values)
+    attributes = _attributes(obj)
+    if attributes is None:
+        return None
+    replaced = {name: sub(value) for name, value in attributes.items()}
+    replaced = {name: value for name, value in replaced.items() if value is not None}
+    if not replaced and not top:
+        return None
+    clone = copy.copy(obj)
+    for name, value in replaced.items():
+        object.__setattr__(clone, name, value)
+    return clone
+
+
+def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
+    """An object's attributes: its ``__dict__`` and its ``__slots__`` (None: neither)."""
+    found: Dict[str, Any] = {}
+    slots = []
+    for kind in type(obj).__mro__:
+        declared = kind.__dict__.get('__slots__', ())
+        slots += [declared] if isinstance(declared, str) else list(declared)
+    slots = [name for name in slots if name not in ('__dict__', '__weakref__')]
+    for name in slots:
+        try:
+            found[name] = object.__getattribute__(obj, name)
+        except AttributeError:   # a slot not set
+            pass
     attributes = getattr(obj, '__dict__', None)
-    return list(attributes.values()) if isinstance(attributes, dict) else []
+    if isinstance(attributes, dict):
+        found.update(attributes)
+    elif not slots:
+        return None
+    return found
 
 
 def _cell_is_set(cell: Any) -> bool:
     try:
         cell.cell_contents
-    except ValueError:   # a cell not yet assigned
+    except ValueError:   # a cell not assigned yet
         return False
     return True
-
-
-def _generator_state(generator: Any) -> Any:
-    if isinstance(generator, numpy.random.Generator):
-        return generator.bit_generator.state
-    if isinstance(generator, numpy.random.RandomState):
-        return generator.get_state()
-    return generator.getstate()
-
-
-def _set_generator_state(generator: Any, state: Any) -> None:
-    if isinstance(generator, numpy.random.Generator):
-        generator.bit_generator.state = state
-    elif isinstance(generator, numpy.random.RandomState):
-        generator.set_state(state)
-    else:
-        generator.setstate(state)
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,

@@ -12,6 +12,7 @@ import chainer
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
+from mgpu_updater._loader import Loader
 
 from _dropin_models import CappedMLP, SumLoss, seeded
 from _models import dataset, params, run_updates, setup_optimizer
@@ -199,6 +200,21 @@ class _Counting:
         return x * np.float32(1 + self.calls / 10), t
 
 
+class _SlotsCounting:
+    """:class:`_Counting` with ``__slots__`` and a generator of its own."""
+    __slots__ = ('calls', 'rng')
+
+    def __init__(self):
+        self.calls = 0
+        self.rng = np.random.RandomState(3)
+
+    def __call__(self, batch, device=None):
+        self.calls += 1
+        x, t = chainer.dataset.concat_examples(batch, device)
+        noise = self.rng.normal(0, 0.1, x.shape).astype(x.dtype)
+        return x * np.float32(1 + self.calls / 10) + noise, t
+
+
 def _closing_over_a_generator():
     rng = random.Random(2)
 
@@ -231,9 +247,9 @@ def _drawing_converter(batch, device=None):
 
 @pytest.mark.parametrize('make_converter', [
     lambda: _drawing_converter, _OwnGenerator, lambda: _NestedGenerator().convert,
-    _closing_over_a_generator, _Counting], ids=['numpy_global', 'own_generator',
-                                                'method_nested_generator', 'closure',
-                                                'counter'])
+    _closing_over_a_generator, _Counting, _SlotsCounting],
+    ids=['numpy_global', 'own_generator', 'method_nested_generator', 'closure', 'counter',
+         'slots'])
 def test_the_split_check_does_not_move_a_drawing_converters_draws(make_converter):
     """The check calls the converter once more on the first chunk's samples: a copy of a
     converter object (or of a bound method's), with every generator it reaches set back
@@ -249,6 +265,51 @@ def test_the_split_check_does_not_move_a_drawing_converters_draws(make_converter
     it = chainer.iterators.SerialIterator(datasets[0], b, shuffle=False)
     run_updates(StandardUpdater(it, opt, converter=make_converter()), ref, UPDATES)
     _assert_params(ours, ref)
+
+
+_MEANWHILE = []   # what another thread does while a converter converts (not held by it)
+
+
+class _DrawsWhileConverting:
+    def __init__(self):
+        self.rng = np.random.RandomState(0)
+
+    def __call__(self, batch, device=None):
+        for call in _MEANWHILE:
+            call()
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + self.rng.normal(0, 0.1, x.shape).astype(x.dtype), t
+
+
+def test_the_split_checks_call_leaves_draws_made_meanwhile_by_others():
+    """The loader's thread may convert while the check's call runs: what it draws from
+    the converter's generator then stays drawn (the check's call draws from a copy; one
+    that set the generator back afterwards repeated the thread's noise)."""
+    converter = _DrawsWhileConverting()
+    shared = converter.rng
+    data = dataset(4, seed=0)
+    loader = Loader(chainer.iterators.SerialIterator(data, 4), converter,
+                    chainer.get_device('@numpy'))
+    _MEANWHILE.append(shared.normal)   # the loader's thread, meanwhile
+    try:
+        loader.convert_aside([data[i] for i in range(2)])
+    finally:
+        _MEANWHILE.clear()
+    expected = np.random.RandomState(0)
+    expected.normal()
+    assert shared.normal() == expected.normal()
+
+
+def test_a_converter_drawing_from_the_systems_entropy_is_split():
+    """``random.SystemRandom`` has no state to copy or set back."""
+    system = random.SystemRandom()
+
+    def convert(batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + np.float32(system.random() * 1e-3), t
+    model = seeded(lambda: CappedMLP(cap=99), 4)
+    _run(model, [dataset(8 * UPDATES, seed=150)], 4, 1, 'sgd', micro_batch_size=2,
+         converter=convert, prefetch=0)
 
 
 @pytest.mark.parametrize('value,error,shown', [
