@@ -36,7 +36,7 @@ class WindowResult(NamedTuple):
     times: Dict[str, float]              # seconds: 'data', 'compute'
     epochs: List[EpochInfo]              # epoch bookkeeping after each micro-batch
     summed: Tuple[str, ...] = ()         # keys whose values add up (the loss under 'sum')
-    micro_batch_size: Optional[int] = None   # most samples one forward held (None: empty)
+    micro_batch_size: Optional[int] = None   # samples a forward takes now (None: empty)
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
 
 
@@ -265,6 +265,7 @@ class Replica:
         #: parameters whose backward sets their gradient instead of adding to it
         #: (``@static_graph``): a window of several backward passes sums them itself
         self._set_by_backward = _set_by_backward(model)
+        self._largest_batch = 0   # the most samples a loaded micro-batch held so far
         if self._set_by_backward and (accumulate_steps > 1 or splits(chunking)):
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
@@ -416,8 +417,10 @@ class Replica:
             factor = scaling.window(count)
             if factor != 1.0:
                 scale_gradients(unique_params(model), factor)   # a tied one once
-        micro_batch_size = (min(chunk, largest) if chunk is not None else largest) \
-            if count else None
+        # the size in force: a short batch (the last of a pass) does not make it smaller
+        self._largest_batch = max(self._largest_batch, largest)
+        micro_batch_size = (min(chunk, self._largest_batch) if chunk is not None
+                            else self._largest_batch) if count else None
         loss_sum: Any = 0.0
         sums: Dict[str, Any] = {}
         values = [t[1] for t in terms]

@@ -408,6 +408,25 @@ def test_auto_keeps_the_size_of_a_replica_whose_shard_ran_out():
         updater.finalize()
 
 
+@pytest.mark.parametrize('cap, found', [(99, 4), (2, 2)])
+def test_auto_keeps_its_size_through_a_short_last_batch(cap, found):
+    """Shards of 9 in batches of 4 (repeat=False): each pass ends with a batch of 1, which
+    is no size found (recorded, it made the next pass, or a resumed run, run in chunks of
+    1)."""
+    model = seeded(lambda: CappedMLP(cap=cap), 5)
+    opt = setup_optimizer('sgd', model)
+    its = [chainer.iterators.SerialIterator(dataset(9, seed=168 + r), 4, repeat=False,
+                                            shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, opt, devices=['@numpy'] * 2,
+                                          micro_batch_size='auto')
+    try:
+        obs = run_updates(updater, model, 3)
+        assert updater.micro_batch_sizes == [found, found]
+        assert [o['main/micro_batch_size'] for o in obs] == [found] * 3
+    finally:
+        updater.finalize()
+
+
 def test_auto_when_one_sample_does_not_fit_says_so():
     model = seeded(lambda: CappedMLP(cap=0), 6)
     updater = _updater(model, [dataset(8, seed=0)], 4, 1, micro_batch_size='auto')
