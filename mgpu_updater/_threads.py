@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
 #: libraries. When any is set, ``'auto'`` leaves the libraries as they are.
@@ -144,6 +144,10 @@ def master_window(threads: Optional[int], on_cpu: bool) -> WindowLimit:
     return WindowLimit(threads if on_cpu else None)
 
 
+#: (replicas, cores) that bind_cores=True was told it could not bind, in this process
+_said_unbound: Set[Tuple[int, Tuple[int, ...]]] = set()
+
+
 def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tuple[int, ...]]]:
     """Each local replica's cores under ``bind_cores`` (``'auto'``, True or False): a
     disjoint share of this process's affinity per replica, in rank order, or None to bind
@@ -162,7 +166,8 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
     except (AttributeError, OSError):   # not Linux
         return None
     if len(cores) < replicas:
-        if setting is True:   # asked for, and not done: said, not silent
+        if setting is True and (replicas, tuple(cores)) not in _said_unbound:
+            _said_unbound.add((replicas, tuple(cores)))   # once, not at every restart
             warnings.warn(
                 f'bind_cores=True binds nothing: {replicas} replica processes on this host '
                 f'and {len(cores)} core(s) in its affinity ({sorted(cores)}), so a share '

@@ -8,6 +8,7 @@ Nothing is bound with fewer cores than replicas, on one replica, with ``False``,
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 
@@ -33,12 +34,16 @@ def test_shares_are_disjoint_and_in_rank_order(monkeypatch, cores, replicas, sha
     assert _threads.core_shares('auto', replicas, on_cpu=True) == shares
 
 
-def test_true_with_fewer_cores_than_replicas_warns_that_nothing_is_bound(monkeypatch):
+def test_true_with_fewer_cores_than_replicas_warns_once_that_nothing_is_bound(monkeypatch):
     _fake_cores(monkeypatch, [3])
+    monkeypatch.setattr(_threads, '_said_unbound', set())
     with pytest.warns(RuntimeWarning, match=r'bind_cores=True binds nothing: 2 replica '
                       r'processes .* 1 core\(s\) in its affinity \(\[3\]\)'):
         assert _threads.core_shares(True, 2, on_cpu=True) is None
-    assert _threads.core_shares('auto', 2, on_cpu=True) is None   # 'auto': as it says
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _threads.core_shares(True, 2, on_cpu=True) is None   # a restart: said once
+        assert _threads.core_shares('auto', 2, on_cpu=True) is None   # 'auto': as it says
 
 
 def test_auto_binds_cpu_replicas_only_true_any_false_none(monkeypatch):
