@@ -11,10 +11,11 @@ values, where ``StandardUpdater``'s one model would see the change; nothing fail
 training is just different.
 
 :class:`UnsentState` makes that loud. It collects every plain value (numbers, strings,
-None, numpy arrays) reachable from them the way the workers' payload pickled them
-(:func:`mgpu_updater._pickle_path.parts`), leaving out what every update sends
-(parameters, which are Variables, their arrays wherever else they are held, and
-persistents), Variables (a forward's results), Chainer's own bookkeeping (the private
+None, numpy arrays, and the arrays of parameters of links outside the model: a teacher,
+the other network of a GAN) reachable from them the way the workers' payload pickled them
+(:func:`mgpu_updater._pickle_path.parts`), leaving out what every update sends (the
+model's parameters, their arrays wherever else they are held, and persistents), other
+Variables (a forward's results), Chainer's own bookkeeping (the private
 attributes of its classes: a link hook's scratch vectors; ``@static_graph``'s
 schedules), Chainer's datasets and iterators, and what lies inside a container of more
 than :data:`MAX_ITEMS` items (its length counts). It takes them after the master's first
@@ -85,6 +86,8 @@ class UnsentState:
         self.forward: set = set()
         #: paths already warned about (each is named once)
         self.named: List[str] = []
+        #: paths of parameters of links outside the model (their own advice)
+        self._parameter_paths: set = set()
         #: Chainer's configuration as sent to the workers at their start (_inherit), as
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
@@ -223,7 +226,15 @@ class UnsentState:
         if changed:
             self.named.extend(changed)
             listed = [(path, old, new) for path, (old, new) in changed.items()]
-            warnings.warn(_message(listed, when), RuntimeWarning, stacklevel=stacklevel)
+            message = _message(listed, when)
+            if any(path in self._parameter_paths for path in changed):
+                message += (
+                    ' A parameter of a link outside the model (a teacher an extension '
+                    'moves, the other network of a GAN) is such a value too: make that '
+                    'link a child of the model (with disable_update() where this '
+                    'optimizer must not train it), so that every update sends it, or '
+                    'train such a loop with one replica')
+            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def _walk(self) -> Tuple[Dict[str, Any], float]:
         start = time.perf_counter()
@@ -240,8 +251,18 @@ class UnsentState:
             if kind in _PLAIN:
                 out[path] = obj
                 continue
-            if id(obj) in sent or isinstance(obj, chainer.Variable):
+            if id(obj) in sent:
                 continue
+            if isinstance(obj, chainer.Variable):
+                array = obj.array
+                if isinstance(obj, chainer.Parameter) and array is not None and \
+                        id(array) not in sent:
+                    # a parameter of a link outside the model (a teacher, the other
+                    # network of a GAN): no update sends it
+                    self._parameter_paths.add(path)
+                    out[path] = _array_value(array, budget) if type(array) is numpy.ndarray \
+                        else ('array', id(array), tuple(array.shape), str(array.dtype))
+                continue   # else the model's, sent every update, or a forward's result
             if kind is numpy.ndarray:
                 out[path] = _array_value(obj, budget)
                 continue

@@ -117,6 +117,48 @@ def test_an_array_edited_in_place_and_a_closure_value_are_named_by_path():
     assert "loss_func.state['beta']: 1.0 -> 2.0" in message
 
 
+class _Distill:
+    """A loss_func holding the model and a teacher link outside it."""
+
+    def __init__(self, student, teacher):
+        self.student, self.teacher = student, teacher
+
+    def __call__(self, x, t):
+        with chainer.no_backprop_mode():
+            soft = chainer.functions.softmax(self.teacher(x)).array
+        y = self.student(x)
+        return chainer.functions.mean_squared_error(chainer.functions.softmax(y), soft)
+
+
+def test_a_parameter_of_a_link_outside_the_model_changed_between_updates_is_named():
+    """A teacher an extension moves towards the student: no update sends its parameters
+    (the workers would distil from the teacher they started with); the model's own
+    parameters changing is no news."""
+    student, teacher = chainer.links.Linear(3, 2), chainer.links.Linear(3, 2)
+    watch = UnsentState({'model': student, 'loss_func': _Distill(student, teacher)})
+    _update(watch)
+    student.W.array[...] += 1.0             # the step
+    teacher.W.array[...] = 0.5 * teacher.W.array + 0.5 * student.W.array   # the extension
+    assert _update(watch) == ''
+    message = _update(watch)
+    assert 'loss_func.teacher.W: ' in message and 'loss_func.student' not in message
+    assert 'make that link a child of the model (with disable_update()' in message
+
+
+def test_two_replicas_name_a_teacher_an_extension_moves():
+    student, teacher = chainer.links.Linear(5, 3), chainer.links.Linear(5, 3)
+    shards = [dataset(16, seed=3 + r) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(d, 4) for d in shards],
+        setup_optimizer('sgd', student), devices=['@numpy'] * 2,
+        loss_func=_Distill(student, teacher))
+    trainer = training.Trainer(updater, (4, 'iteration'), out='unused')
+    trainer.extend(lambda t: teacher.W.array.__setitem__(
+        Ellipsis, 0.5 * teacher.W.array + 0.5 * student.W.array), trigger=(1, 'iteration'))
+    with pytest.warns(RuntimeWarning, match=r'do not receive them: loss_func\.teacher\.W: '):
+        trainer.run()
+
+
 def test_after_the_first_check_the_next_is_due_after_the_interval():
     now = [100.0]
     watch = UnsentState({'model': Annealed()}, clock=lambda: now[0])
