@@ -409,7 +409,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     def update_core(self) -> None:
         if self._finalized:
-            raise RuntimeError('this updater was finalized; build a new one to train again')
+            if self._positions_lost is not None:
+                raise RuntimeError(
+                    f"this updater stopped: {self._positions_lost}, and the worker processes' "
+                    'iterator positions went with it. Load a snapshot taken before (it '
+                    'restarts from there), or build a new updater')
+            # finalize() (a Trainer's run ended, by an exception too): go on, as
+            # StandardUpdater does, from where every replica was (_teardown kept it)
+            self._finalized = False
         self._core_calls += 1
         if self.pipelined and self._core_iteration == self.iteration:
             raise RuntimeError(
@@ -785,7 +792,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     def finalize(self) -> None:
         """Stop every worker (bounded), release shared memory, finalize the iterators.
-        Safe to call twice, and after a failure. Under ``nonfinite='raise'`` with the
+        Safe to call twice, and after a failure. The iterators are left where each
+        replica was; an :meth:`update` after it starts the workers again from there
+        (not after a failed update, whose workers' positions went with it). Under ``nonfinite='raise'`` with the
         master's loss on a GPU, the last update's loss is looked at first: a non-finite
         one raises :class:`NonFiniteLossError` once all is released, or, where an
         exception is already on its way (``finalize`` in a ``finally`` block, as the

@@ -1,10 +1,13 @@
-"""A snapshot taken once the updater has stopped holds what one taken before would.
+"""Once the updater has stopped, a snapshot holds what one taken before would, and training
+goes on from where it was.
 
-After ``finalize()`` (``trainer.run()`` returned) the worker processes are gone: their
-iterators' positions are put into the iterators the master holds for them, so a snapshot
-then, or another updater built on them, reads where each replica was. After an update
-failed they went with it: a snapshot (the Trainer's ``snapshot_on_error``) is refused
-rather than written with the workers back at the start of their shards.
+After ``finalize()`` (``trainer.run()`` returned, by an exception too) the worker processes
+are gone: their iterators' positions are put into the iterators the master holds for them,
+so a snapshot then, another updater built on them, or a next ``update()`` (``trainer.run()``
+again, as Chainer allows after an exception) goes on where each replica was. After an
+update failed they went with it: a snapshot (the Trainer's ``snapshot_on_error``) and a
+next update are refused rather than run with the workers back at the start of their
+shards.
 """
 from __future__ import annotations
 
@@ -70,3 +73,42 @@ def test_a_snapshot_after_a_failed_update_is_refused():
         updater.finalize()
     with pytest.raises(RuntimeError, match='^update 3 failed'):
         chainer.serializers.save_npz('/dev/null', updater)
+
+
+@pytest.mark.parametrize('n', [1, 2])
+def test_updates_after_finalize_go_on_as_if_it_had_not_stopped(n):
+    """finalize() between updates 2 and 3 (a Trainer's run ended by an extension's
+    exception, then run again) changes nothing: bitwise the run without it."""
+    runs = []
+    for stop in (True, False):
+        model = classifier()
+        updater = _updater(model, n)
+        try:
+            observed = run_updates(updater, model, 2)
+            if stop:
+                updater.finalize()
+            observed += run_updates(updater, model, 2)
+        finally:
+            updater.finalize()
+        runs.append(({k: v.copy() for k, v in _saved(updater).items()},
+                     [o['main/loss'] for o in observed]))
+    (stopped, stopped_losses), (straight, straight_losses) = runs
+    assert stopped_losses == straight_losses
+    assert stopped.keys() == straight.keys()
+    for key, value in straight.items():
+        np.testing.assert_array_equal(stopped[key], value, err_msg=key)
+
+
+def test_an_update_after_a_failed_one_is_refused_saying_why():
+    model = RaisesAtCall(at=5)
+    updater = _updater(model)
+    try:
+        run_updates(updater, model, 2)
+        with pytest.raises((ValueError, WorkerError), match='forward call 5'):
+            run_updates(updater, model, 1)
+        with pytest.raises(RuntimeError, match=r"^this updater stopped: update 3 failed, and "
+                                               r"the worker processes' iterator positions "
+                                               r'went with it\. Load a snapshot'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
