@@ -14,8 +14,8 @@ from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from . import _chainer_private as chainer_private
-from . import (_checkpoint, _host_memory, _late_check, _loss_binding, _startup, _step,
-               _threads, _validate)
+from . import (_checkpoint, _host_memory, _late_check, _loss_binding, _positions, _startup,
+               _step, _threads, _validate)
 from ._checkpoint import capture_state
 from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
@@ -340,6 +340,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
+        _positions.warn_if_marked(self._worker_iterators)
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
             len(self._devices), self._communicator))
         on_cpu = all(d.xp is numpy for d in self._devices)
@@ -386,7 +387,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._release_when_dropped = weakref.finalize(self, _release, self._group,
-                                                      self._loader, self._late, self._binding)
+                                                      self._loader, self._late, self._binding,
+                                                      list(self._worker_iterators))
+        _positions.running(self._worker_iterators)
 
     # ------------------------------------------------------------------ one update
     def update(self) -> None:
@@ -741,6 +744,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._finalized = False
         main = self.get_iterator('main')
         _checkpoint.load_iterators(serializer, main, self._worker_iterators)
+        _positions.put_back(self._worker_iterators)
         self._positions_lost = None
         self._epoch = None
         # taken at the end of the data: a reset of the main iterator next starts a new pass
@@ -764,11 +768,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._worker_iterators and not isinstance(group, ClosedGroup):
             if abort:   # they went with the failed update
                 self._positions_lost = f'update {self.iteration + 1} failed'
+                _positions.lost(self._worker_iterators,
+                                f'the updater that read it stopped as {self._positions_lost}')
             else:
                 try:
                     states = group.states()
                 except Exception as exc:  # noqa: BLE001 - a worker gone: stop the rest
                     self._positions_lost = f'a worker did not give it at the end ({exc})'
+                    _positions.lost(self._worker_iterators,
+                                    f'the updater that read it lost it: {self._positions_lost}')
         # the main iterator as of the last batch used: one loading ahead read further
         used = self._loader.state() if self._loader is not None else None
         try:
@@ -789,6 +797,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             _checkpoint.restore_state(main, used)
         if states is not None:
             _checkpoint.keep_positions(main, self._worker_iterators, states)
+            _positions.put_back(self._worker_iterators)
 
     def finalize(self) -> None:
         """Stop every worker (bounded), release shared memory, finalize the iterators.
@@ -839,7 +848,8 @@ def _same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 def _release(group: Group, loader: Optional[Loader],
              late: Optional[_late_check.LateCheck] = None,
-             binding: Optional[_threads.ThreadBinding] = None) -> None:
+             binding: Optional[_threads.ThreadBinding] = None,
+             worker_iterators: Optional[List[Any]] = None) -> None:
     """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
     finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
     its loader's thread, the cores it bound the master's thread to (else the process
@@ -847,7 +857,11 @@ def _release(group: Group, loader: Optional[Loader],
     main thread as a rule); and the loss of its last update where it was still on its way
     (``nonfinite='raise'``, a master alone on a GPU): a non-finite one is a RuntimeWarning,
     there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
-    garbage, or at the interpreter's exit; it must not raise."""
+    garbage, or at the interpreter's exit; it must not raise. The workers' iterator
+    positions go with it (an updater built on the same iterators warns: _positions)."""
+    if worker_iterators:
+        _positions.lost(worker_iterators, 'the updater that read it was dropped without '
+                                          'finalize()')
     found = None
     try:
         found = late.take() if late is not None else None

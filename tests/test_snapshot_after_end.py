@@ -11,6 +11,9 @@ shards.
 """
 from __future__ import annotations
 
+import gc
+import re
+
 import numpy as np
 import pytest
 
@@ -112,3 +115,58 @@ def test_an_update_after_a_failed_one_is_refused_saying_why():
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def _second_updater(its, model):
+    return ParallelAccumulatingUpdater(its, setup_optimizer('adam', model),
+                                       devices=['@numpy'] * 2, accumulate_steps=K)
+
+
+@pytest.mark.parametrize('how, why', [
+    ('alive', 'another ParallelAccumulatingUpdater that was not finalized reads it'),
+    ('dropped', 'the updater that read it was dropped without finalize()'),
+    ('failed', 'the updater that read it stopped as update 3 failed'),
+])
+def test_a_second_updater_on_iterators_whose_positions_are_not_put_back_warns(how, why):
+    """The worker's iterator object stands where the first updater found it; a second one
+    built on it would read its samples again (StandardUpdater's one object moves)."""
+    model = RaisesAtCall(at=5) if how == 'failed' else classifier()
+    its = shard_iterators(dataset(40, seed=3), 2, B, seed=1)
+    first = ParallelAccumulatingUpdater(its, setup_optimizer('adam', model),
+                                        devices=['@numpy'] * 2, accumulate_steps=K)
+    run_updates(first, model, 2)
+    if how == 'failed':
+        with pytest.raises((ValueError, WorkerError)):
+            run_updates(first, model, 1)
+    elif how == 'dropped':
+        del first
+        gc.collect()
+    second = _second_updater(its, classifier())
+    try:
+        with pytest.warns(RuntimeWarning, match=r"^iterator 1 \(worker 1's\) may not stand "
+                                                r'where its replica stopped reading: '
+                                                + re.escape(why)):
+            run_updates(second, second.get_optimizer('main').target, 1)
+    finally:
+        second.finalize()
+        if how == 'alive':
+            first.finalize()
+
+
+def test_a_second_updater_after_finalize_or_a_snapshot_loaded_does_not_warn(tmp_path):
+    model = classifier()
+    its = shard_iterators(dataset(40, seed=3), 2, B, seed=1)
+    first = _second_updater(its, model)
+    try:
+        run_updates(first, model, 2)
+        snapshot = _saved(first)
+    finally:
+        first.finalize()
+    for load in (False, True):   # warnings are errors here
+        second = _second_updater(its, classifier())
+        try:
+            if load:
+                second.serialize(chainer.serializers.NpzDeserializer(snapshot))
+            run_updates(second, second.get_optimizer('main').target, 1)
+        finally:
+            second.finalize()

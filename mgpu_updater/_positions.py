@@ -1,0 +1,65 @@
+"""Whether a worker's iterator the script holds stands where its replica stopped.
+
+Each worker process reads its own copy of its iterator; the object the script holds (from
+``shard_iterators``) moves only when an updater puts the worker's position back into it:
+at ``finalize()``, or by loading a snapshot. Until then it stands where the updater found
+it. A second updater built on it would have its replica read those samples again,
+silently, where under ``StandardUpdater`` one iterator object always stands where reading
+stopped. So the iterators an updater runs are marked while it runs, and marked lost where
+it stopped without putting the positions back (an update failed; the updater was dropped
+without ``finalize()``); an updater that starts on a marked one warns, naming it and why.
+Loading a snapshot into the updater, or the positions put back, clears the mark.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, List
+
+#: iterator -> why its position is not its replica's (a running updater's, or lost)
+_marks: 'weakref.WeakKeyDictionary[Any, str]' = weakref.WeakKeyDictionary()
+
+
+def running(iterators: List[Any]) -> None:
+    """An updater's workers read copies of ``iterators`` from now on."""
+    _mark(iterators, 'another ParallelAccumulatingUpdater that was not finalized reads it')
+
+
+def lost(iterators: List[Any], why: str) -> None:
+    """The positions of ``iterators``' replicas are gone (``why``)."""
+    _mark(iterators, why)
+
+
+def put_back(iterators: List[Any]) -> None:
+    """``iterators`` stand where their replicas stopped (positions put back, a snapshot
+    loaded)."""
+    for it in iterators:
+        try:
+            _marks.pop(it, None)
+        except TypeError:   # not weakly referable: never marked
+            pass
+
+
+def warn_if_marked(iterators: List[Any]) -> None:
+    """Warn about each of ``iterators`` (worker ``i``'s is ``iterators[i - 1]``) whose
+    position may not be its replica's."""
+    for rank, it in enumerate(iterators, start=1):
+        try:
+            why = _marks.get(it)
+        except TypeError:
+            continue
+        if why is not None:
+            warnings.warn(
+                f"iterator {rank} (worker {rank}'s) may not stand where its replica stopped "
+                f'reading: {why}, and its worker read a copy of it. This updater\'s replica '
+                f'{rank} then reads those samples again. Finalize the other updater first '
+                '(finalize() puts the positions back), load a snapshot into this one, or '
+                'give it new iterators', RuntimeWarning, stacklevel=4)
+
+
+def _mark(iterators: List[Any], why: str) -> None:
+    for it in iterators:
+        try:
+            _marks[it] = why
+        except TypeError:   # not weakly referable: not watched
+            pass
