@@ -35,6 +35,20 @@ class _Copying(DictionarySerializer):
         return _Copying(self.target, self.path + key + '/')
 
 
+class _CopyingArrays:
+    """A saving serializer that hands on a copy of each numpy array it is given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, key: str, value: Any) -> Any:
+        self.inner(key, value.copy() if isinstance(value, numpy.ndarray) else value)
+        return value
+
+    def __getitem__(self, key: str) -> '_CopyingArrays':
+        return _CopyingArrays(self.inner[key])
+
+
 def serialize_order_rng(iterator: Any, serializer: Any) -> None:
     """Save or load the random state of the iterator's shuffling order sampler.
 
@@ -123,7 +137,13 @@ def serialize_counters(updater: Any, serializer: Any) -> None:
     optimizer.serialize(serializer['optimizer:main'])
     if saving(serializer):
         _save_fresh_states(optimizer, serializer['optimizer:main'])
-    optimizer.target.serialize(serializer['model:main'])
+    model = serializer['model:main']
+    if saving(serializer) and updater.n_devices > 1:
+        # The master's parameters are views of the memory the workers read, which the
+        # next steps change in place: a snapshot's dict (Chainer's snapshot() serializes
+        # before its writer saves, a ProcessWriter from a fork) gets copies.
+        model = _CopyingArrays(model)
+    optimizer.target.serialize(model)
     updater.iteration = serializer('iteration', updater.iteration)
     if saving(serializer):   # read (first) by check_layout on load
         serializer('n_devices', updater.n_devices)

@@ -230,30 +230,34 @@ def _save_when_released(path, target, released=None):
     chainer.serializers.save_npz(path, target)
 
 
-def test_a_process_forked_to_save_a_snapshot_saves_the_parameters_of_its_fork(
-        tmp_path, monkeypatch):
-    """Chainer's ProcessWriter saves from a fork, which sees the memory as it was at the
-    fork; the master's parameters, views of shared memory, would go on changing there
-    with the later steps (0.036 off with a slow save). The fork's own copies do not."""
+def test_a_snapshot_saved_from_a_fork_holds_the_parameters_of_its_update(tmp_path,
+                                                                          monkeypatch):
+    """Chainer's snapshot() serializes the trainer into a dict, then a ProcessWriter saves
+    the dict from a fork. The master's parameters are views of shared memory that the next
+    steps change in place, so the dict holds copies of them (0.036 off the update the
+    snapshot named otherwise, with a slow save)."""
+    from chainer import training
+    from chainer.training import extensions
     from chainer.training.extensions import snapshot_writers
     fork = multiprocessing.get_context('fork')
     monkeypatch.setattr(snapshot_writers.multiprocessing, 'Process', fork.Process)
     released = fork.Event()
-    writer = snapshot_writers.ProcessWriter(
-        savefun=functools.partial(_save_when_released, released=released))
     model, updater = _models.two_cpu_replicas()
-    try:
-        _models.run_updates(updater, model, 2)
-        at_fork = {name: p.array.copy() for name, p in model.namedparams()}
-        writer('snap.npz', str(tmp_path), model)   # forks; saves once released
-        _models.run_updates(updater, model, 2)
-        released.set()
-        writer.finalize()
-    finally:
-        updater.finalize()
-    saved = np.load(str(tmp_path / 'snap.npz'))
-    for name, value in at_fork.items():
-        np.testing.assert_array_equal(saved[name.lstrip('/')], value, err_msg=name)
+    trainer = training.Trainer(updater, (4, 'iteration'), out=str(tmp_path))
+    at_two = {}
+    second = training.triggers.ManualScheduleTrigger([2], 'iteration')
+    trainer.extend(lambda t: at_two.update(
+        {name: p.array.copy() for name, p in model.namedparams()}), trigger=second)
+    trainer.extend(extensions.snapshot(filename='snap', writer=snapshot_writers.ProcessWriter(
+        savefun=functools.partial(_save_when_released, released=released))),
+        trigger=training.triggers.ManualScheduleTrigger([2], 'iteration'))
+    trainer.extend(lambda t: released.set(), trigger=(4, 'iteration'))
+    trainer.run()
+    saved = np.load(str(tmp_path / 'snap'))
+    assert int(saved['updater/iteration']) == 2
+    for name, value in at_two.items():
+        np.testing.assert_array_equal(saved['updater/model:main' + name], value,
+                                      err_msg=name)
         assert not np.array_equal(value, dict(model.namedparams())[name].array), name
 
 

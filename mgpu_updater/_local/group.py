@@ -6,9 +6,7 @@ what each worker needs (:mod:`mgpu_updater._payload`).
 """
 from __future__ import annotations
 
-import os
 import time
-import weakref
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import chainer
@@ -454,8 +452,6 @@ class SlotParams:
             self.views.pop(name, None)   # copied into the slot each update instead
         self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
         self._every = frozenset(self.views)
-        if self._pairs:
-            _bound_slots.add(self)
 
     def bind(self) -> FrozenSet[str]:
         """The parameters whose arrays are their slices now (binding any that were
@@ -482,23 +478,7 @@ class SlotParams:
             if param.array is view:
                 param.array = copies.setdefault(id(view), view.copy())
         self.views, self._pairs = {}, []
-        _bound_slots.discard(self)
 
-
-#: the master's SlotParams whose parameters are views of shared memory now
-_bound_slots: 'weakref.WeakSet[SlotParams]' = weakref.WeakSet()
-
-
-def _own_copies_in_child() -> None:
-    """In a process forked from the master (Chainer's ``ProcessWriter``, which saves a
-    snapshot from a fork): its parameters become copies. Views of shared memory, they
-    would go on changing with the master's later steps while it saves, where a fork
-    otherwise sees the memory as it was at the fork (``StandardUpdater``'s parameters)."""
-    for slot in list(_bound_slots):
-        slot.detach()
-
-
-os.register_at_fork(after_in_child=_own_copies_in_child)
 
 
 class Payload:
