@@ -95,8 +95,9 @@ class Group(abc.ABC):
         saved = {name: p.grad.copy() for name, p in unique_params(self.model)}
         return results, ReduceHandle(lambda: saved)
 
-    def states(self) -> Dict[int, Dict[str, Any]]:
-        """Iterator states of the other replicas by rank (for a snapshot)."""
+    def states(self, timeout: float = 60.0) -> Dict[int, Dict[str, Any]]:
+        """Iterator states of the other replicas by rank (for a snapshot), waiting at most
+        ``timeout`` seconds for them."""
         return {}
 
     def pids(self) -> List[int]:

@@ -187,7 +187,7 @@ class MpiGroup(Group):
                     RuntimeWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ the rest
-    def states(self) -> Dict[int, Dict[str, Any]]:
+    def states(self, timeout: float = 60.0) -> Dict[int, Dict[str, Any]]:
         return {}   # each rank snapshots its own iterator
 
     def pids(self) -> List[int]:

@@ -765,18 +765,21 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._step.detach()
         group, self._group = self._group, ClosedGroup()
         states = None   # the workers' iterator states, asked before they stop
+        interrupted: Optional[BaseException] = None
         if self._worker_iterators and not isinstance(group, ClosedGroup):
             if abort:   # they went with the failed update
                 self._positions_lost = f'update {self.iteration + 1} failed'
-                _positions.lost(self._worker_iterators,
-                                f'the updater that read it stopped as {self._positions_lost}')
             else:
-                try:
-                    states = group.states()
-                except Exception as exc:  # noqa: BLE001 - a worker gone: stop the rest
-                    self._positions_lost = f'a worker did not give it at the end ({exc})'
-                    _positions.lost(self._worker_iterators,
-                                    f'the updater that read it lost it: {self._positions_lost}')
+                try:   # a worker that does not answer soon is stopped with the rest
+                    states = group.states(timeout=_STATES_AT_END_TIMEOUT)
+                except BaseException as exc:  # noqa: BLE001 - stop the rest first
+                    self._positions_lost = \
+                        f'a worker did not give its iterator position at the end ({exc})'
+                    if not isinstance(exc, Exception):   # Ctrl-C: after the workers stop
+                        interrupted = exc
+            if self._positions_lost is not None:
+                _positions.lost(self._worker_iterators,
+                                f'the updater that read it stopped: {self._positions_lost}')
         # the main iterator as of the last batch used: one loading ahead read further
         used = self._loader.state() if self._loader is not None else None
         try:
@@ -798,6 +801,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if states is not None:
             _checkpoint.keep_positions(main, self._worker_iterators, states)
             _positions.put_back(self._worker_iterators)
+        if interrupted is not None:
+            raise interrupted
 
     def finalize(self) -> None:
         """Stop every worker (bounded), release shared memory, finalize the iterators.
@@ -839,6 +844,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
 
 _TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'update')}
+#: seconds finalize() waits for the workers' iterator positions before it stops them
+_STATES_AT_END_TIMEOUT = 5.0
 
 
 def _same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:

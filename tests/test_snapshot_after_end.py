@@ -12,7 +12,10 @@ shards.
 from __future__ import annotations
 
 import gc
+import os
 import re
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -125,7 +128,7 @@ def _second_updater(its, model):
 @pytest.mark.parametrize('how, why', [
     ('alive', 'another ParallelAccumulatingUpdater that was not finalized reads it'),
     ('dropped', 'the updater that read it was dropped without finalize()'),
-    ('failed', 'the updater that read it stopped as update 3 failed'),
+    ('failed', 'the updater that read it stopped: update 3 failed'),
 ])
 def test_a_second_updater_on_iterators_whose_positions_are_not_put_back_warns(how, why):
     """The worker's iterator object stands where the first updater found it; a second one
@@ -170,3 +173,44 @@ def test_a_second_updater_after_finalize_or_a_snapshot_loaded_does_not_warn(tmp_
             run_updates(second, second.get_optimizer('main').target, 1)
         finally:
             second.finalize()
+
+
+def test_finalize_with_a_worker_that_does_not_answer_stops_it_within_seconds():
+    """A stopped worker (SIGSTOP) does not give its position: finalize() asks for a few
+    seconds only, stops every worker, and a snapshot then says what went missing."""
+    model = classifier()
+    updater = _updater(model)
+    run_updates(updater, model, 2)
+    pid = updater.worker_pids()[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        updater.finalize()
+        assert time.monotonic() - start < 30.0
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert updater.worker_pids() == []
+    with pytest.raises(RuntimeError, match='^a worker did not give its iterator position at '
+                                           'the end'):
+        _saved(updater)
+
+
+def test_an_interrupt_while_finalize_asks_for_the_positions_still_stops_the_workers(
+        monkeypatch):
+    model = classifier()
+    updater = _updater(model)
+    run_updates(updater, model, 1)
+    pids = updater.worker_pids()
+
+    def interrupted(self, timeout=60.0):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(updater._group), 'states', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        updater.finalize()
+    assert updater.worker_pids() == []
+    for pid in pids:   # gone (reaped by the pool's close)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -295,12 +295,12 @@ class LocalGroup(Group):
 
         return [own] + others, ReduceHandle(source, self.comm.device_id)
 
-    def states(self) -> Dict[int, Dict[str, Any]]:
+    def states(self, timeout: float = 60.0) -> Dict[int, Dict[str, Any]]:
         if self.recovery is not None:   # the master holds them (a worker may be dead)
             return {rank: point.iterator
                     for rank, point in self.recovery.records.points.items()}
         self.pool.send(StateRequest())
-        return self.pool.gather(State.KIND, timeout=60.0, what='snapshot')
+        return self.pool.gather(State.KIND, timeout=timeout, what='snapshot')
 
     def pids(self) -> List[int]:
         return self.pool.pids()
