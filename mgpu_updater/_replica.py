@@ -642,7 +642,7 @@ class Replica:
         if any(p.grad is not None for p in self.model.params()):
             self._gradients_checked = True
             return False
-        if chainer.config.enable_backprop and not _reaches_a_parameter(loss):
+        if chainer.config.enable_backprop and not _reaches_a_parameter(loss, self.model):
             return True
         if not chainer.config.enable_backprop:
             raise RuntimeError(
@@ -657,11 +657,11 @@ class Replica:
             f'model than this replica\'s. {_LOSS_FUNC_FIX}')
 
 
-def _reaches_a_parameter(loss: chainer.Variable) -> bool:
+def _reaches_a_parameter(loss: chainer.Variable, model: chainer.Link) -> bool:
     """Whether the graph of ``loss`` has a :class:`chainer.Parameter` among its leaves (of
     whichever model), or is one, or has a node whose inputs do not list the parameters it
-    reaches: a ``@static_graph`` schedule, or ``F.forget`` of a function that holds a link
-    or a parameter (:func:`_holds_a_link`)."""
+    reaches: a ``@static_graph`` schedule, or ``F.forget`` of a function that reaches
+    another link than ``model``'s (:func:`_reaches_another_model`)."""
     if isinstance(loss, chainer.Parameter):
         return True
     stack = [loss.creator_node]
@@ -673,7 +673,7 @@ def _reaches_a_parameter(loss: chainer.Variable) -> bool:
         if is_static_graph_machinery(type(node)):
             return True
         forgotten = forgotten_function(node)
-        if forgotten is not None and _holds_a_link(forgotten):
+        if forgotten is not None and _reaches_another_model(forgotten, model):
             return True
         seen.add(id(node))
         for leaf_or_not in node.inputs:
@@ -684,32 +684,54 @@ def _reaches_a_parameter(loss: chainer.Variable) -> bool:
     return False
 
 
-def _holds_a_link(func: Any) -> bool:
-    """Whether ``func`` reaches a :class:`chainer.Link` or :class:`chainer.Parameter`
-    through what it holds or names: a bound method's object, its closure, its defaults, a
-    partial's arguments, the globals its code (and the code nested in it) names. (A
-    forgotten function that reaches none computes no parameter's gradient.)"""
-    kinds = (chainer.Link, chainer.Parameter)
-    values: List[Any] = []
-    if isinstance(func, functools.partial):
-        values += [func.func, *func.args, *func.keywords.values()]
-        func = func.func
-    if isinstance(func, types.MethodType):
-        values.append(func.__self__)
-        func = func.__func__
-    if isinstance(func, kinds):   # a link called as the function
-        return True
-    code = getattr(func, '__code__', None)
-    if code is not None:
-        values += [c.cell_contents for c in func.__closure__ or () if _cell_is_set(c)]
-        values += list(func.__defaults__ or ())
+def _reaches_another_model(func: Any, model: chainer.Link) -> bool:
+    """Whether ``func`` reaches a :class:`chainer.Link` or :class:`chainer.Parameter` that
+    is not ``model``'s, within a few links: a bound method's object, a function's closure,
+    defaults and the globals its code names (and the functions found there), a partial's
+    arguments, an object's attributes, small containers. (A forgotten function that
+    reaches only the replica's own model ran with it: no gradient then means a constant.)"""
+    own = {id(link) for link in model.links()} | {id(p) for p in model.params()}
+    layer, seen, budget = [func], set(), 500
+    for _ in range(5):
+        following: List[Any] = []
+        for obj in layer:
+            if id(obj) in seen or budget <= 0:
+                continue
+            seen.add(id(obj))
+            budget -= 1
+            if isinstance(obj, (chainer.Link, chainer.Parameter)):
+                if id(obj) not in own:
+                    return True
+                continue   # the model's own: what it holds is the model's too
+            following += _parts_of(obj)
+        layer = following
+    return False
+
+
+def _parts_of(obj: Any) -> List[Any]:
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool, numpy.ndarray,
+                                       types.ModuleType, type, chainer.Variable)):
+        return []
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__, obj.__func__]
+    code = getattr(obj, '__code__', None)
+    if isinstance(obj, types.FunctionType) and code is not None:
+        found = [c.cell_contents for c in obj.__closure__ or () if _cell_is_set(c)]
+        found += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
         names, codes = set(), [code]
         while codes:
             current = codes.pop()
             names.update(current.co_names)
             codes += [c for c in current.co_consts if isinstance(c, types.CodeType)]
-        values += [func.__globals__[n] for n in names if n in func.__globals__]
-    return any(isinstance(v, kinds) for v in values)
+        return found + [obj.__globals__[n] for n in names if n in obj.__globals__]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj) if len(obj) <= 64 else []
+    if isinstance(obj, dict):
+        return list(obj.values()) if len(obj) <= 64 else []
+    attributes = getattr(obj, '__dict__', None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
 
 
 def _cell_is_set(cell: Any) -> bool:

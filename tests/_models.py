@@ -404,6 +404,19 @@ class ConstantWhenEmptyForgotten(ConstantWhenEmpty):
         return super().forward(x, t)
 
 
+class ConstantWhenEmptyForgottenMethod(ConstantWhenEmpty):
+    """:class:`ConstantWhenEmptyForgotten` forgetting a method of the model itself (a
+    function that reaches the replica's own model, and gives no gradient)."""
+
+    def _zero(self, x):
+        return F.sum(x * 0.0)
+
+    def forward(self, x, t):
+        if (t < 0).all():
+            return F.forget(self._zero, chainer.Variable(x))
+        return super().forward(x, t)
+
+
 class SharedCopies(chainer.Chain):
     """Chainer's ``repeat(3, mode='share')``: three blocks whose parameters are objects of
     their own over one array each (each with its own gradient and update rule)."""

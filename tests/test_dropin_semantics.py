@@ -190,16 +190,21 @@ def test_closure_over_the_model_trains_as_standard_updater(closure_payloads):
                                [float(o['main/loss'].array) for o in ref_obs], rtol=1e-5)
 
 
-@pytest.mark.parametrize('model_kind', ['plain', 'forget', 'static_graph'])
+@pytest.mark.parametrize('model_kind', ['plain', 'forget', 'forget_helper',
+                                        'forget_attribute', 'static_graph'])
 def test_worker_whose_loss_func_misses_its_model_raises_instead_of_reducing_zeros(
         monkeypatch, model_kind):
     """The loss reaches the model through a module global: in a worker, another model
-    (also through ``F.forget``, and one whose forward is a ``@static_graph`` schedule:
-    nodes whose inputs do not list the parameters they reach)."""
-    if model_kind in ('plain', 'forget'):
-        model, name = SelfLoss(), 'GLOBAL_MODEL'
-        loss = _dropin_models.global_loss if model_kind == 'plain' else \
-            _dropin_models.global_forgetting_loss
+    (also through ``F.forget``, directly, through a function it calls or an attribute of a
+    global, and one whose forward is a ``@static_graph`` schedule: nodes whose inputs do
+    not list the parameters they reach)."""
+    losses = {'plain': _dropin_models.global_loss,
+              'forget': _dropin_models.global_forgetting_loss,
+              'forget_helper': _dropin_models.global_forgetting_through_a_helper,
+              'forget_attribute': _dropin_models.global_forgetting_through_an_attribute}
+    if model_kind in losses:
+        model, name, loss = SelfLoss(), 'GLOBAL_MODEL', losses[model_kind]
+        monkeypatch.setattr(_dropin_models.HOLDER, 'model', model)
     else:
         model, name = StaticLazyClassifier(), 'GLOBAL_STATIC'
         loss = _dropin_models.global_static_loss

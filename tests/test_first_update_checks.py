@@ -28,9 +28,10 @@ import chainer.links as L
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import (ConstantWhenEmpty, ConstantWhenEmptyForgotten, GrowsInForward,
-                     ReadsItsGradient, ReadsItsGradientNowAndThen, classifier, dataset,
-                     params, run_updates, setup_optimizer)
+from _models import (ConstantWhenEmpty, ConstantWhenEmptyForgotten,
+                     ConstantWhenEmptyForgottenMethod, GrowsInForward, ReadsItsGradient,
+                     ReadsItsGradientNowAndThen, classifier, dataset, params, run_updates,
+                     setup_optimizer)
 
 
 def _updater(model, n=2, **kwargs):
@@ -250,8 +251,9 @@ def _nothing_to_find_first(n, seed):
     return chainer.datasets.TupleDataset(x, t)
 
 
-@pytest.mark.parametrize('make', [ConstantWhenEmpty, ConstantWhenEmptyForgotten],
-                         ids=['no_graph', 'forgotten'])
+@pytest.mark.parametrize('make', [ConstantWhenEmpty, ConstantWhenEmptyForgotten,
+                                  ConstantWhenEmptyForgottenMethod],
+                         ids=['no_graph', 'forgotten', 'forgotten_method'])
 @pytest.mark.parametrize('devices, k', [(1, 1), (2, 1), (1, 2)])
 def test_a_first_window_whose_loss_is_a_constant_trains_as_standard_updater(devices, k, make):
     """Each replica's first micro-batch of 4 has nothing to find: its loss is a constant
