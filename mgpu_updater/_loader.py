@@ -47,6 +47,7 @@ from chainer.dataset import convert
 
 from ._chainer_private import call_converter
 from ._checkpoint import capture_state
+from ._chunks import NotCallableAside
 from ._cuda import Staged   # imports no CuPy
 from ._gil_handoff import handoff_for
 from ._inherit import apply_thread_settings, thread_settings
@@ -517,8 +518,8 @@ def _aside(converter: Any) -> Any:
     function that reaches no generator is called as it is."""
     try:
         copied = _reaching_copy(converter, _REACH_DEPTH, set(), [_REACH_OBJECTS], top=True)
-    except Exception:  # noqa: BLE001 - what cannot be copied is called itself
-        return converter
+    except Exception as exc:  # noqa: BLE001 - called itself, it would move its draws
+        raise NotCallableAside(f'{exc!r} copying the converter') from exc
     return converter if copied is None else copied
 
 
@@ -563,14 +564,24 @@ def _copy_parts(obj: Any, depth: int, path: set, budget: List[int], top: bool) -
         new_contents = [None if v is _EMPTY else sub(v) for v in contents]
         defaults = list(obj.__defaults__ or ())
         new_defaults = [sub(v) for v in defaults]
-        if all(v is None for v in new_contents + new_defaults):
+        keywords = dict(obj.__kwdefaults__ or {})
+        new_keywords = {k: sub(v) for k, v in keywords.items()}
+        names = [n for n in _global_names(obj.__code__) if n in obj.__globals__]
+        new_globals = {n: sub(obj.__globals__[n]) for n in names}
+        if all(v is None for v in new_contents + new_defaults + list(new_keywords.values())
+               + list(new_globals.values())):
             return None
         closure = tuple(types.CellType() if v is _EMPTY else types.CellType(v)
                         for v in merged(contents, new_contents))
-        func = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__,
+        module = obj.__globals__
+        if any(v is not None for v in new_globals.values()):   # a module's generator
+            module = dict(module)
+            module.update((n, v) for n, v in new_globals.items() if v is not None)
+        func = types.FunctionType(obj.__code__, module, obj.__name__,
                                   tuple(merged(defaults, new_defaults)) or None,
                                   closure or None)
-        func.__kwdefaults__ = obj.__kwdefaults__
+        func.__kwdefaults__ = {k: new_keywords[k] if new_keywords[k] is not None else v
+                               for k, v in keywords.items()} or None
         func.__dict__.update(obj.__dict__)
         return func
     if isinstance(obj, functools.partial):
@@ -581,18 +592,21 @@ def _copy_parts(obj: Any, depth: int, path: set, budget: List[int], top: bool) -
         values = merged([obj.func, *args, *(obj.keywords[k] for k in keys)], new)
         return functools.partial(values[0], *values[1:1 + len(args)],
                                  **dict(zip(keys, values[1 + len(args):])))
-    if type(obj) in (list, tuple, dict):
+    if isinstance(obj, (list, tuple, dict)):   # and their kinds (OrderedDict, namedtuple)
         if len(obj) > _REACH_ITEMS:
             return None
-        keys = list(obj) if type(obj) is dict else list(range(len(obj)))
+        keys = list(obj) if isinstance(obj, dict) else list(range(len(obj)))
         old = [obj[k] for k in keys]
         new = [sub(v) for v in old]
         if all(v is None for v in new):
             return None
         values = merged(old, new)
-        if type(obj) is dict:
-            return dict(zip(keys, values))
-        return values if type(obj) is list else tuple(values)
+        if isinstance(obj, tuple):
+            return type(obj)(*values) if hasattr(obj, '_fields') else type(obj)(values)
+        clone = copy.copy(obj)
+        for key, value in zip(keys, values):
+            clone[key] = value
+        return clone
     attributes = _attributes(obj)
     if attributes is None:
         return None
@@ -625,6 +639,16 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
     elif not slots:
         return None
     return found
+
+
+def _global_names(code: types.CodeType) -> List[str]:
+    """The global names a function's code (and the code nested in it) reads."""
+    names, codes = [], [code]
+    while codes:
+        current = codes.pop()
+        names += current.co_names
+        codes += [c for c in current.co_consts if isinstance(c, types.CodeType)]
+    return names
 
 
 def _cell_is_set(cell: Any) -> bool:

@@ -2,6 +2,8 @@
 update stays that of StandardUpdater on the global batch (issue 12)."""
 from __future__ import annotations
 
+import collections
+import functools
 import random
 import types
 
@@ -200,6 +202,46 @@ class _Counting:
         return x * np.float32(1 + self.calls / 10), t
 
 
+def _keyword_default_generator():
+    def convert(batch, device=None, *, rng=np.random.RandomState(4)):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + rng.normal(0, 0.1, x.shape).astype(x.dtype), t
+    return convert
+
+
+def _noise_from(batch, device=None, table=None):
+    x, t = chainer.dataset.concat_examples(batch, device)
+    return x + table['rng'].normal(0, 0.1, x.shape).astype(x.dtype), t
+
+
+_MODULE_RNG = np.random.RandomState(5)   # reset by _module_generator
+
+
+def _module_generator():
+    _MODULE_RNG.seed(5)
+
+    def convert(batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + _MODULE_RNG.normal(0, 0.1, x.shape).astype(x.dtype), t
+    return convert
+
+
+class _SeededRandom(random.Random):
+    """A Random whose constructor needs an argument (a copy cannot be made)."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+
+
+def _uncopyable_generator():
+    rng = _SeededRandom(6)
+
+    def convert(batch, device=None):
+        x, t = chainer.dataset.concat_examples(batch, device)
+        return x + np.float32(rng.gauss(0, 0.1)), t
+    return convert
+
+
 class _SlotsCounting:
     """:class:`_Counting` with ``__slots__`` and a generator of its own."""
     __slots__ = ('calls', 'rng')
@@ -247,9 +289,13 @@ def _drawing_converter(batch, device=None):
 
 @pytest.mark.parametrize('make_converter', [
     lambda: _drawing_converter, _OwnGenerator, lambda: _NestedGenerator().convert,
-    _closing_over_a_generator, _Counting, _SlotsCounting],
+    _closing_over_a_generator, _Counting, _SlotsCounting, _keyword_default_generator,
+    lambda: functools.partial(_noise_from, table=collections.OrderedDict(
+        rng=np.random.RandomState(7))),
+    _module_generator, _uncopyable_generator],
     ids=['numpy_global', 'own_generator', 'method_nested_generator', 'closure', 'counter',
-         'slots'])
+         'slots', 'keyword_default', 'partial_ordered_dict', 'module_global',
+         'uncopyable'])
 def test_the_split_check_does_not_move_a_drawing_converters_draws(make_converter):
     """The check calls the converter once more on the first chunk's samples: a copy of a
     converter object (or of a bound method's), with every generator it reaches set back
