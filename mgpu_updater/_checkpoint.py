@@ -70,18 +70,28 @@ def serialize_order_rng(iterator: Any, serializer: Any) -> None:
                        int(has_gauss), float(cached)))
 
 
-def load_state(iterator: Any, serializer: Any) -> None:
-    """Load an iterator (and its shuffling generator) from a Chainer deserializer."""
+def load_state(iterator: Any, serializer: Any, generator: bool = True) -> None:
+    """Load an iterator (and its shuffling generator, unless not ``generator``) from a
+    Chainer deserializer."""
     if not (isinstance(iterator, chainer.iterators.MultiprocessIterator)
             and load_unshuffled_multiprocess_iterator(iterator, serializer)):
         iterator.serialize(serializer)
-    serialize_order_rng(iterator, serializer)
+    if generator:
+        serialize_order_rng(iterator, serializer)
 
 
-def restore_state(iterator: Any, state: Dict[str, numpy.ndarray]) -> None:
+def restore_state(iterator: Any, state: Dict[str, numpy.ndarray],
+                  generator: bool = True) -> None:
     """Load a state :func:`capture_state` gave back into ``iterator`` (and its shuffling
-    generator): what a snapshot's load does, from the flat dict."""
-    load_state(iterator, NpzDeserializer(state))
+    generator, unless not ``generator``): what a snapshot's load does, from the flat
+    dict."""
+    load_state(iterator, NpzDeserializer(state), generator)
+
+
+def shuffles_with_numpys_global(iterator: Any) -> bool:
+    """Whether ``iterator``'s order sampler draws from numpy's global generator, which
+    the model and the script draw from too (Chainer's default ``ShuffleOrderSampler()``)."""
+    return order_sampler_rng(iterator) is numpy.random.random.__self__
 
 
 def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:

@@ -797,7 +797,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # would be): a snapshot taken now, or another updater built on them, reads them.
         main = self.get_iterator('main')
         if used is not None and not _same_state(capture_state(main), used):
-            _checkpoint.restore_state(main, used)
+            # numpy's global generator drew for others since (the model): left as it is
+            _checkpoint.restore_state(
+                main, used, generator=not _checkpoint.shuffles_with_numpys_global(main))
         if states is not None:
             _checkpoint.keep_positions(main, self._worker_iterators, states)
             _positions.put_back(self._worker_iterators)
