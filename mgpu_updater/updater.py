@@ -437,8 +437,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if self._ended is None and self._replica is not None:
                 self._ended = capture_state(self.get_iterator('main'))
             raise
-        except BaseException:
-            self._teardown(abort=True)
+        except BaseException as exc:
+            self._teardown(abort=True, by_interrupt=isinstance(exc, KeyboardInterrupt))
             raise
 
     def _new_pass_if_reset(self) -> None:
@@ -754,7 +754,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             else None
 
     # ------------------------------------------------------------------ shutdown
-    def _teardown(self, abort: bool) -> None:
+    def _teardown(self, abort: bool, by_interrupt: bool = False) -> None:
         dropped = getattr(self, '_release_when_dropped', None)
         if dropped is not None:
             dropped.detach()   # released here, now
@@ -768,7 +768,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         interrupted: Optional[BaseException] = None
         if self._worker_iterators and not isinstance(group, ClosedGroup):
             if abort:   # they went with the failed update
-                self._positions_lost = f'update {self.iteration + 1} failed'
+                self._positions_lost = (f'update {self.iteration + 1} '
+                                        f"{'was interrupted' if by_interrupt else 'failed'}")
             else:
                 try:   # a worker that does not answer soon is stopped with the rest
                     states = group.states(timeout=_STATES_AT_END_TIMEOUT)

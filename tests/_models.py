@@ -286,17 +286,17 @@ class RaisesAtCall(chainer.Chain):
     """``classifier(0)``'s MLP whose forward raises at its ``at``-th call (each replica
     counts its own)."""
 
-    def __init__(self, at):
+    def __init__(self, at, error=ValueError):
         super().__init__()
         np.random.seed(0)
         with self.init_scope():
             self.net = MLP()
-        self.at, self.calls = at, 0
+        self.at, self.calls, self.error = at, 0, error
 
     def forward(self, x, t):
         self.calls += 1
         if self.calls == self.at:
-            raise ValueError(f'forward call {self.calls}')
+            raise self.error(f'forward call {self.calls}')
         return F.softmax_cross_entropy(self.net(x), t)
 
 

@@ -63,6 +63,21 @@ def test_a_snapshot_after_finalize_holds_every_replicas_position(n, prefetch):
         np.testing.assert_array_equal(after[key], live[key], err_msg=key)
 
 
+def test_a_snapshot_after_an_update_interrupted_in_the_master_says_so():
+    """Ctrl-C in the master's forward (a notebook): the workers' positions went with the
+    update all the same."""
+    model = RaisesAtCall(at=5, error=KeyboardInterrupt)
+    updater = _updater(model)
+    try:
+        run_updates(updater, model, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run_updates(updater, model, 1)
+        with pytest.raises(RuntimeError, match=r'^update 3 was interrupted, and the worker'):
+            _saved(updater)
+    finally:
+        updater.finalize()
+
+
 def test_a_snapshot_after_a_failed_update_is_refused():
     model = RaisesAtCall(at=5)   # the third update's first forward, on every replica
     updater = _updater(model)
