@@ -94,8 +94,8 @@ class UnsentState:
         self._config_thread = threading.get_ident()
 
     def check_held(self) -> None:
-        """:meth:`HeldObjects.check`, every update; what it raises about is not warned
-        about again by the next look."""
+        """:meth:`HeldObjects.check`; what it raises about is not warned about again by
+        the next look."""
         if self.held is None:
             return
         try:
@@ -311,10 +311,9 @@ _LINK_INTERNALS = frozenset(
 
 class HeldObjects:
     """What the workers' replicas were built from, by identity, checked at the start of
-    every update: each parameter object of the master's model, and each worker's
-    iterator's dataset and batch size as the master holds them. (A walk of the model's
-    parameters: 3 us for a 3-layer MLP, 70 us for ResNet-50 on a 2-core VM; the
-    optimizer's step walks them too.)
+    an update where the caller asks: each parameter object of the master's model (a walk
+    of them: 3 us for a 3-layer MLP, 70 us for ResNet-50 on a 2-core VM), and each
+    worker's iterator's dataset and batch size as the master holds them.
 
     A parameter replaced by a new object (``link.W = chainer.Parameter(...)``, a child
     link built anew, then ``optimizer.setup``) is one the worker replicas and the buffers
@@ -331,6 +330,7 @@ class HeldObjects:
         self._iterating = _iterating(self.iterators)
 
     def check(self) -> None:
+        """Raise if a parameter object or a worker's iterator changed."""
         if tuple(map(id, self.model.params())) != self._ids:
             raise RuntimeError(self._params_message())
         for it, (dataset, batch_size) in zip(self.iterators, self._iterating):

@@ -270,6 +270,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
         self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
+        self._t_at_end: Optional[int] = None   # the optimizer's t after the last update
         #: why the workers' iterator positions are gone (an update failed: no snapshot
         #: holds them after it), else None
         self._positions_lost: Optional[str] = None
@@ -486,9 +487,17 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             return
         unsent = self._unsent
         if unsent is not None:
-            unsent.check_held()   # raises where the workers' copies would train apart
-        if unsent is not None and unsent.due():
-            unsent.at_begin()   # now and then, between updates (_unsent_state)
+            # What the workers were built from, checked where the optimizer's count moved
+            # otherwise than by the last step (optimizer.setup, after a parameter is
+            # replaced, sets it to 0) and at each look of the watch (due): raises where
+            # the workers' copies would train apart. Checked every update, it cost two
+            # replicas of a launch-bound model 1.5% of their time
+            # (bench/ab_overhead.py --replicas 2).
+            due = unsent.due()
+            if due or optimizer.t != self._t_at_end:
+                unsent.check_held()
+            if due:
+                unsent.at_begin()   # now and then, between updates (_unsent_state)
         t0 = clock()
         if self._alone:
             parity = None
@@ -538,6 +547,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.auto_new_epoch and epochs and self._epoch.is_new_epoch:
             optimizer.new_epoch(auto=True)
         self._report(results, own, times)
+        self._t_at_end = optimizer.t
 
     def _replaced_message(self, taken: Tuple[Any, Any]) -> str:
         names = [name for name, now, then in (

@@ -6,7 +6,10 @@ each worker process holds copies made at the start, and the master's buffers hol
 parameter objects it started with: a parameter object replaced (``link.W =
 chainer.Parameter(...)``, a child link built anew, then ``optimizer.setup``), a worker's
 iterator given another dataset or batch size, or ``updater.converter`` /
-``updater.loss_func`` set anew would leave the replicas computing apart. New values given
+``updater.loss_func`` set anew would leave the replicas computing apart: refused at the
+next update after ``optimizer.setup`` (which a replaced parameter needs to be trained),
+and at each look of the watch (``_unsent_state``: updates 2 and 3, then every 10 s); a
+converter or loss_func set anew at the next update. New values given
 to the parameters the model has are carried as every update's are
 (``tests/test_buffer_views.py``).
 """
@@ -19,7 +22,7 @@ import chainer
 import chainer.links as L
 from chainer.training.updaters import StandardUpdater
 
-from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
+from mgpu_updater import ParallelAccumulatingUpdater, _unsent_state, shard_iterators
 
 from _models import classifier, dataset, params, run_updates, setup_optimizer
 
@@ -69,6 +72,25 @@ def test_a_parameter_object_replaced_or_added_raises_at_the_next_update(change, 
         updater.finalize()
 
 
+def test_a_parameter_replaced_without_optimizer_setup_raises_at_the_next_look(monkeypatch):
+    """The parameters are walked every update only where the optimizer's count moved
+    otherwise than by the step (optimizer.setup), else at each look of the watch (here
+    every update)."""
+    monkeypatch.setattr(_unsent_state, 'INTERVAL', 0.0)
+    monkeypatch.setattr(_unsent_state, 'COST_SHARE', 1e9)
+    model = classifier()
+    _, updater = _updater(model, 2)
+    try:
+        run_updates(updater, model, 4)
+        _replace_weight(model)
+        with pytest.raises(RuntimeError, match=r"^parameters of the master's model changed "
+                                               r'between updates \(replaced by new '
+                                               r'Parameter objects: /predictor/l1/W\)'):
+            run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+
+
 def test_one_replica_trains_a_replaced_parameter_as_standard_updater():
     """No worker holds a copy: the new parameter trains, as under StandardUpdater."""
     ours, ref = classifier(), classifier()
@@ -95,8 +117,9 @@ def test_one_replica_trains_a_replaced_parameter_as_standard_updater():
     (lambda its: setattr(its[1], 'dataset', dataset(8, seed=9)),
      r'^the dataset of iterator 1 changed between updates'),
 ])
-def test_a_workers_iterator_changed_raises_at_the_next_update(change, named):
-    """The user holds the worker's iterator object; its process reads a copy."""
+def test_a_workers_iterator_changed_raises_at_the_next_look(change, named):
+    """The user holds the worker's iterator object; its process reads a copy. (The first
+    looks are at updates 2 and 3.)"""
     model = classifier()
     its, updater = _updater(model, 2)
     try:
