@@ -48,6 +48,7 @@ from chainer.dataset import convert
 from ._chainer_private import call_converter
 from ._checkpoint import capture_state
 from ._chunks import NotCallableAside
+from ._functions import cell_is_set, global_names
 from ._cuda import Staged   # imports no CuPy
 from ._gil_handoff import handoff_for
 from ._inherit import apply_thread_settings, thread_settings
@@ -559,14 +560,14 @@ def _copy_parts(obj: Any, depth: int, path: set, budget: List[int], top: bool) -
         owner = _reaching_copy(obj.__self__, depth + 1, path, budget, top)
         return None if owner is None else types.MethodType(obj.__func__, owner)
     if isinstance(obj, types.FunctionType):
-        contents = [c.cell_contents if _cell_is_set(c) else _EMPTY
+        contents = [c.cell_contents if cell_is_set(c) else _EMPTY
                     for c in obj.__closure__ or ()]
         new_contents = [None if v is _EMPTY else sub(v) for v in contents]
         defaults = list(obj.__defaults__ or ())
         new_defaults = [sub(v) for v in defaults]
         keywords = dict(obj.__kwdefaults__ or {})
         new_keywords = {k: sub(v) for k, v in keywords.items()}
-        names = [n for n in _global_names(obj.__code__) if n in obj.__globals__]
+        names = [n for n in global_names(obj.__code__) if n in obj.__globals__]
         new_globals = {n: sub(obj.__globals__[n]) for n in names}
         if all(v is None for v in new_contents + new_defaults + list(new_keywords.values())
                + list(new_globals.values())):
@@ -639,24 +640,6 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
     elif not slots:
         return None
     return found
-
-
-def _global_names(code: types.CodeType) -> List[str]:
-    """The global names a function's code (and the code nested in it) reads."""
-    names, codes = [], [code]
-    while codes:
-        current = codes.pop()
-        names += current.co_names
-        codes += [c for c in current.co_consts if isinstance(c, types.CodeType)]
-    return names
-
-
-def _cell_is_set(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:   # a cell not assigned yet
-        return False
-    return True
 
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,

@@ -22,6 +22,7 @@ from ._chainer_private import (backward_scaled, forgotten_function,
                                is_static_graph_machinery, is_unregistered_observer_error,
                                static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
+from ._functions import cell_is_set, global_names
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 
@@ -718,28 +719,16 @@ def _parts_of(obj: Any) -> List[Any]:
         return [obj.__self__, obj.__func__]
     code = getattr(obj, '__code__', None)
     if isinstance(obj, types.FunctionType) and code is not None:
-        found = [c.cell_contents for c in obj.__closure__ or () if _cell_is_set(c)]
+        found = [c.cell_contents for c in obj.__closure__ or () if cell_is_set(c)]
         found += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
-        names, codes = set(), [code]
-        while codes:
-            current = codes.pop()
-            names.update(current.co_names)
-            codes += [c for c in current.co_consts if isinstance(c, types.CodeType)]
-        return found + [obj.__globals__[n] for n in names if n in obj.__globals__]
+        return found + [obj.__globals__[n] for n in set(global_names(code))
+                        if n in obj.__globals__]
     if isinstance(obj, (list, tuple, set, frozenset)):
         return list(obj) if len(obj) <= 64 else []
     if isinstance(obj, dict):
         return list(obj.values()) if len(obj) <= 64 else []
     attributes = getattr(obj, '__dict__', None)
     return list(attributes.values()) if isinstance(attributes, dict) else []
-
-
-def _cell_is_set(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:   # a cell not assigned yet
-        return False
-    return True
 
 
 _LOSS_FUNC_FIX = (

@@ -78,7 +78,7 @@ def test_a_snapshot_after_an_update_interrupted_in_the_master_says_so():
         updater.finalize()
 
 
-def test_a_snapshot_after_a_failed_update_is_refused():
+def test_after_a_failed_update_a_snapshot_and_an_update_are_refused_saying_why():
     model = RaisesAtCall(at=5)   # the third update's first forward, on every replica
     updater = _updater(model)
     try:
@@ -90,6 +90,10 @@ def test_a_snapshot_after_a_failed_update_is_refused():
                                                r'it: a snapshot now would put replicas 1 '
                                                r'and up back at the start'):
             _saved(updater)
+        with pytest.raises(RuntimeError, match=r"^this updater stopped: update 3 failed, and "
+                                               r"the worker processes' iterator positions "
+                                               r'went with it\. Load a snapshot'):
+            run_updates(updater, model, 1)
     finally:
         updater.finalize()
     with pytest.raises(RuntimeError, match='^update 3 failed'):
@@ -118,21 +122,6 @@ def test_updates_after_finalize_go_on_as_if_it_had_not_stopped(n):
     assert stopped.keys() == straight.keys()
     for key, value in straight.items():
         np.testing.assert_array_equal(stopped[key], value, err_msg=key)
-
-
-def test_an_update_after_a_failed_one_is_refused_saying_why():
-    model = RaisesAtCall(at=5)
-    updater = _updater(model)
-    try:
-        run_updates(updater, model, 2)
-        with pytest.raises((ValueError, WorkerError), match='forward call 5'):
-            run_updates(updater, model, 1)
-        with pytest.raises(RuntimeError, match=r"^this updater stopped: update 3 failed, and "
-                                               r"the worker processes' iterator positions "
-                                               r'went with it\. Load a snapshot'):
-            run_updates(updater, model, 1)
-    finally:
-        updater.finalize()
 
 
 def _second_updater(its, model):
