@@ -323,9 +323,8 @@ class HeldObjects:
 
     def __init__(self, model: chainer.Link, worker_iterators: List[Any]) -> None:
         self.model = model
-        self._named = [(name, param) for name, param in model.namedparams()]
-        self._params = tuple(p for _, p in self._named)   # kept: their ids stay theirs
-        self._ids = tuple(map(id, self._params))
+        self._named = list(model.namedparams())   # kept: their ids stay theirs
+        self._ids = tuple(id(param) for _, param in self._named)
         self.iterators = list(worker_iterators)
         self._iterating = _iterating(self.iterators)
 
