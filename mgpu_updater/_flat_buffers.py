@@ -129,9 +129,6 @@ class ModelLayouts:
         #: the link's parameters and persistents, found once (:class:`ModelIndex`)
         self.index = ModelIndex(link)
         params = list(self.index.param_arrays().items())
-        missing = [name for name, a in params if a is None]
-        if missing:
-            raise RuntimeError(f'parameters {missing} are not initialised yet')
         persist = self.index.persistent_arrays()
         self.grad = FlatLayout('grad', params)
         self.stat = FlatLayout('stat', [(n, a) for n, a in persist
@@ -175,7 +172,8 @@ class ModelIndex:
     that assigns a new one) is seen as before. What it does not see is the tree itself
     changing afterwards (a link, parameter or persistent added or removed), which the
     flat layouts built from it (:class:`ModelLayouts`) do not follow either. A parameter
-    registered in several links is indexed once (:func:`unique_params`).
+    registered in several links is indexed once (:func:`unique_params`); one that holds
+    no array is not indexed (:func:`initialized_params`).
 
     :attr:`aliases`: parameters of their own that hold the very array of one indexed
     before (Chainer's ``copy(mode='share')``, ``repeat(n, mode='share')``): name -> that
@@ -185,7 +183,7 @@ class ModelIndex:
 
     def __init__(self, link: chainer.Link) -> None:
         self.link = link
-        self.params: List[Tuple[str, chainer.Parameter]] = unique_params(link)
+        self.params: List[Tuple[str, chainer.Parameter]] = initialized_params(link)
         first: Dict[int, str] = {}
         #: name -> the name of the parameter indexed first whose array it holds
         self.aliases: Dict[str, str] = {}
@@ -285,6 +283,14 @@ def unique_params(link: chainer.Link) -> List[Tuple[str, chainer.Parameter]]:
             seen.add(id(param))
             out.append((name, param))
     return out
+
+
+def initialized_params(link: chainer.Link) -> List[Tuple[str, chainer.Parameter]]:
+    """:func:`unique_params` that hold an array: what the replicas share. A parameter of
+    a lazy link no forward has called (``L.Linear(None, n)`` that a model registers and
+    never uses) has none, and no gradient, as under ``StandardUpdater``; the window of
+    each replica refuses one that a call initialises after the replicas were copied."""
+    return [(name, p) for name, p in unique_params(link) if p.array is not None]
 
 
 # The same, walking the link anew (callers with no index at hand).

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import chainer
 
 from . import _cuda
-from ._flat_buffers import unique_params
+from ._flat_buffers import initialized_params
 from ._replica import WindowResult, total_loss, writable_in_place
 
 
@@ -47,7 +47,7 @@ class ReduceHandle:
         grads = self.wait()
         ensure_grads(model)
         with _cuda.using_device(self.device_id):
-            for name, param in unique_params(model):
+            for name, param in initialized_params(model):
                 param.grad[...] = grads[name]
 
     def detached(self) -> 'ReduceHandle':
@@ -92,7 +92,7 @@ class Group(abc.ABC):
         """Default: reduce now, keep a copy of the summed gradient for later."""
         results = self.finish(own)
         ensure_grads(self.model)
-        saved = {name: p.grad.copy() for name, p in unique_params(self.model)}
+        saved = {name: p.grad.copy() for name, p in initialized_params(self.model)}
         return results, ReduceHandle(lambda: saved)
 
     def states(self, timeout: float = 60.0) -> Dict[int, Dict[str, Any]]:
@@ -140,6 +140,8 @@ def ensure_grads(model: chainer.Link) -> None:
     one array (``a + b``) keep it: every rank's two sums are the same values."""
     for param in model.params():
         grad = param.grad
+        if param.array is None:   # a link never called: no gradient (initialized_params)
+            continue
         if grad is None:
             with chainer.using_device(param.device):
                 param.grad = param.device.xp.zeros_like(param.array)

@@ -252,6 +252,10 @@ class Replica:
         #: what the model held when the replica started, until the first window that ran
         #: a micro-batch checked it (:meth:`_check_unchanged`); then None
         self._started_with = model_signature(model) if one_of_many else None
+        #: parameters with no array when the replicas were copied (a lazy link no forward
+        #: called): each window checks that they still have none (:meth:`_check_unset`)
+        self._unset = ([(name, p) for name, p in unique_params(model) if p.array is None]
+                       if one_of_many else [])
         #: one replica, one micro-batch, whole: :meth:`direct_window` (no mean to take)
         self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
@@ -410,6 +414,8 @@ class Replica:
         times['compute'] += compute
         if not cleared:   # no micro-batch: the window leaves no gradient
             model.cleargrads()
+        if self._unset:
+            self._check_unset()
         if own_sum is not None:
             own_sum.put()
         if count:
@@ -614,6 +620,20 @@ class Replica:
             '__init__; where a size is known only at the first call, give it as None '
             '(L.Linear(None, n)): such parameters are initialised by one forward pass on '
             'the master before the workers start, so every replica starts the same')
+
+    def _check_unset(self) -> None:
+        """A parameter without an array when the replicas were copied has none yet: no
+        replica shares one that its own call initialised (with its own random values)."""
+        now = [name for name, p in self._unset if p.array is not None]
+        if now:
+            raise RuntimeError(
+                f'{self.name}: parameters {now} were still uninitialised when the replicas '
+                'were copied (the forward pass that initialises lazy parameters on the '
+                'master, in test mode, chainer.config.train False, did not call their '
+                'links) and this update\'s forward initialised them: each replica would '
+                'give them its own initial values, and no update shares them. A link that '
+                'only training mode or some inputs reach needs its input size '
+                '(L.Linear(784, n), not L.Linear(None, n))')
 
     def _unreadable_report(self, terms: List[Tuple[Optional[str], Any, float]],
                            exc: Exception) -> Exception:

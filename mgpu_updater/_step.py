@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import chainer
 
-from ._flat_buffers import unique_params
+from ._flat_buffers import initialized_params
 from ._groups import Group, ReduceHandle
 from ._replica import WindowResult, total_loss
 
@@ -144,7 +144,7 @@ class OneLateStep:
             return
         grads = self.in_flight.handle.wait()
         node = serializer['grads']
-        for name, _ in unique_params(model):
+        for name, _ in initialized_params(model):
             node(name, grads[name])
         serializer('count', self.in_flight.count)
         serializer('loss', float(self.in_flight.loss))   # a 0-dim array under 'ignore'
@@ -156,7 +156,7 @@ class OneLateStep:
             self.in_flight = None
             return
         node = serializer['grads']
-        grads = {name: model.xp.asarray(node(name, None)) for name, _ in unique_params(model)}
+        grads = {name: model.xp.asarray(node(name, None)) for name, _ in initialized_params(model)}
         scale = float(serializer('loss_scale', -1.0))
         self.in_flight = GradientStep(int(serializer('count', 0)),
                                       float(serializer('loss', 0.0)),

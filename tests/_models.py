@@ -265,6 +265,40 @@ class TrainOnlyHead(chainer.Chain):
         return loss
 
 
+class UnusedLazyLink(chainer.Chain):
+    """``classifier(seed)`` beside a lazy link that no forward calls (a library's model
+    that registers a layer only some of its configurations use): it stays uninitialised,
+    as under ``StandardUpdater``."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        with self.init_scope():
+            self.inner = classifier(seed)
+            self.unused = L.Linear(None, 2)
+
+    def forward(self, x, t):
+        return self.inner(x, t)
+
+
+class LazyRecurrent(chainer.Chain):
+    """A lazy LSTM whose state carries from one update to the next (never reset) and a
+    plain call counter that scales the loss (a warm-up): what its forward keeps from one
+    call to the next, outside parameters and persistents."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        np.random.seed(seed)
+        with self.init_scope():
+            self.rnn = L.LSTM(None, 4)
+            self.out = L.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x, t):
+        self.calls += 1
+        loss = F.softmax_cross_entropy(self.out(self.rnn(x)), t)
+        return loss * min(1.0, self.calls / 4)
+
+
 class LazyPairs(chainer.Chain):
     """A lazy model that compares the batch's even and odd samples: a batch of one
     sample cannot go through it. It counts its calls in a persistent."""
