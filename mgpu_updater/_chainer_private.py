@@ -12,7 +12,7 @@ and that no other module of the package uses these names.
 | `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
 | `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
-| `link._persistent`, `link.__dict__` | _flat_buffers, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
+| `link._persistent`, `link.__dict__` | _flat_buffers, _replica, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `._reset_state`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `MultithreadIterator._state`, `._previous_epoch_detail` | _checkpoint | chainer/iterators/multithread_iterator.py:76-77, 124-137, 159-160 | none (d) |
 | `update_rule._use_fp32_update`, `._state` | _checkpoint | chainer/optimizer.py:196, 252-270, 433-462, 473-484 | none |

@@ -12,6 +12,7 @@ import math
 import random
 import time
 import types
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
@@ -20,7 +21,7 @@ import chainer
 
 from ._chainer_private import (backward_scaled, forgotten_function,
                                is_static_graph_machinery, is_unregistered_observer_error,
-                               static_graph_links)
+                               persistent_names, static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
 from ._functions import cell_is_set, global_names
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
@@ -140,6 +141,109 @@ def scale_gradients(params: List[Tuple[str, chainer.Parameter]], factor: float) 
             done[id(grad)] = seen
         if seen[1] is not grad:
             param.grad = seen[1]
+
+
+# --------------------------------------------------------------------------------------
+# What a forward keeps from one call to the next, outside parameters and persistents
+
+State = List[Tuple[str, chainer.Link, Dict[str, Any]]]
+
+
+def kept_between_calls(model: chainer.Link, loss_func: Optional[Callable] = None) -> State:
+    """(path, link, its plain attributes) of every link of the model (and of ``loss_func``
+    where it is a link of its own): what its forward may keep from one call to the next,
+    as an RNN link keeps its state ``h``, ``c``. Plain: neither a parameter, a child link
+    nor a persistent (those travel as the model's state)."""
+    links = list(model.namedlinks())
+    if isinstance(loss_func, chainer.Link):
+        known = {id(link) for _, link in links}
+        links += [(f'(loss_func){path}', link) for path, link in loss_func.namedlinks()
+                  if id(link) not in known]
+    return [(path, link, _plain(link)) for path, link in links]
+
+
+def _plain(link: chainer.Link) -> Dict[str, Any]:
+    skip = persistent_names(link)
+    return {name: value for name, value in vars(link).items()
+            if name not in skip and not isinstance(value, (chainer.Parameter, chainer.Link))}
+
+
+def put_back(state: State) -> None:
+    """Set back what a call made of the attributes :func:`kept_between_calls` found: a
+    Variable (or a tuple or list of them) it stored, and a number it changed (not a flag:
+    a link that marks itself initialised keeps the mark). Other values stay as the call
+    left them: an array made once at the first call (a fixed mask) is what every replica
+    must start from."""
+    for _, link, before in state:
+        for name, value in _plain(link).items():
+            old = before.get(name, _ABSENT)
+            if value is old:
+                continue
+            if holds_forward_output(value):
+                if old is _ABSENT:
+                    delattr(link, name)
+                else:
+                    object.__setattr__(link, name, old)
+            elif _is_count(value) and _is_count(old):
+                object.__setattr__(link, name, old)
+
+
+def stored_outputs(state: State) -> List[Tuple[str, chainer.Link, str, Any]]:
+    """(path, link, name, value) of the plain attributes that hold a Variable a call
+    stored since :func:`kept_between_calls` gave ``state``."""
+    out = []
+    for path, link, before in state:
+        for name, value in _plain(link).items():
+            if value is not before.get(name, _ABSENT) and holds_forward_output(value):
+                out.append((path, link, name, value))
+    return out
+
+
+def read_again(stored: List[Tuple[str, chainer.Link, str, Any]], limit: int = 100_000
+               ) -> List[str]:
+    """The attributes of ``stored`` (what one call stored) whose Variables the graph of
+    what a later call stored there reaches: state the later call started from. The walk
+    stops after ``limit`` nodes."""
+    out = []
+    for path, link, name, before in stored:
+        wanted = {id(v.node) for v in _variables(before)}
+        now = getattr(link, name, None)
+        if now is before or not wanted:
+            continue
+        todo = [v.node for v in _variables(now)]
+        seen = set()
+        while todo and len(seen) < limit:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if id(node) in wanted:
+                out.append(f'{path.rstrip("/")}/{name}')
+                break
+            creator = node.creator_node
+            if creator is not None:
+                todo.extend(n for n in creator.inputs if n is not None)
+    return out
+
+
+def _variables(value: Any) -> List[chainer.Variable]:
+    if isinstance(value, (tuple, list)):
+        return [v for item in value for v in _variables(item)]
+    return [value] if isinstance(value, chainer.Variable) else []
+
+
+_ABSENT = object()
+
+
+def holds_forward_output(value: Any) -> bool:
+    """A Variable that is not a parameter, or a tuple or list that holds one."""
+    if isinstance(value, (tuple, list)):
+        return any(holds_forward_output(v) for v in value)
+    return isinstance(value, chainer.Variable) and not isinstance(value, chainer.Parameter)
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) in (int, float)
 
 
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:
@@ -271,6 +375,11 @@ class Replica:
         #: (``@static_graph``): a window of several backward passes sums them itself
         self._set_by_backward = _set_by_backward(model)
         self._largest_batch = 0   # the most samples a loaded micro-batch held so far
+        #: the master's links' plain attributes before its first window of several
+        #: micro-batches, which looks for state carried between them (:meth:`_check_carried`)
+        self._carried: Optional[State] = (
+            kept_between_calls(model, loss_func)
+            if keep_graphs and (accumulate_steps > 1 or splits(chunking)) else None)
         if self._set_by_backward and (accumulate_steps > 1 or splits(chunking)):
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
@@ -346,6 +455,7 @@ class Replica:
         largest = 0
         own_sum = _GradientSum(self._set_by_backward) if self._set_by_backward else None
         unchecked = not self._gradients_checked
+        first_stored = None   # what the first call stored, in the window that looks at it
         # one reporter scope for the window, a fresh observation per micro-batch (what
         # Reporter.scope does, without its generator per micro-batch)
         outer = reporter.observation
@@ -379,6 +489,8 @@ class Replica:
                         loss = self._forward(arrays)
                     if not self._loss_checked:
                         self._check_loss(loss)
+                    if self._carried is not None and first_stored is None:
+                        first_stored = stored_outputs(self._carried)
                     if not cleared:
                         model.cleargrads()
                         cleared = True
@@ -421,6 +533,8 @@ class Replica:
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
+            if first_stored is not None and sum(key is None for key, _, _ in terms) > 1:
+                self._check_carried(first_stored)
             factor = scaling.window(count)
             if factor != 1.0:
                 scale_gradients(unique_params(model), factor)   # a tied one once
@@ -620,6 +734,23 @@ class Replica:
             '__init__; where a size is known only at the first call, give it as None '
             '(L.Linear(None, n)): such parameters are initialised by one forward pass on '
             'the master before the workers start, so every replica starts the same')
+
+    def _check_carried(self, first_stored: List[Tuple[str, chainer.Link, str, Any]]) -> None:
+        """After the first window of several calls: warn where a link's forward stored a
+        Variable in a plain attribute (an RNN link's state) that the next call started
+        from, though it came from other samples."""
+        self._carried = None
+        stored = read_again(first_stored)
+        if stored:
+            warnings.warn(
+                f'{self.name}: the forward starts from state it stored at its last call, in '
+                f'{stored} (as L.LSTM keeps h and c). Each update calls the model once per '
+                'micro-batch (accumulate_steps, micro_batch_size), so a micro-batch starts '
+                'from the state the one before it left, over other samples, where '
+                "StandardUpdater's one call per update starts from the last update's: the "
+                "update is not StandardUpdater's. Reset it in the forward "
+                '(link.reset_state()), or train with one micro-batch per update',
+                RuntimeWarning, stacklevel=2)
 
     def _check_unset(self) -> None:
         """A parameter without an array when the replicas were copied has none yet: no

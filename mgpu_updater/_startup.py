@@ -16,19 +16,19 @@ The order matters and is kept here in one place:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import chainer
 
 from . import _inherit, _loss_binding, _module_globals
-from ._chainer_private import (call_converter, persistent_names, persistent_slots,
-                               persistent_value, set_persistent)
+from ._chainer_private import (call_converter, persistent_slots, persistent_value,
+                               set_persistent)
 from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
 from ._loader import Loader, make_loader, plan, reads_in_caller_safely
 from ._local.group import LocalGroup, payload_factory
-from ._replica import Replica, Scaling, observers
+from ._replica import Replica, Scaling, kept_between_calls, observers, put_back
 
 
 class Settings(NamedTuple):
@@ -197,7 +197,7 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     batch of the iterator's size taken from the start of its dataset, so that the
     replicas start identical; the model's persistents are set back after it (running
     statistics, counters: the pass is no training step), and so is the state its links
-    keep in plain attributes (:func:`_forward_state`). A parameter the pass leaves
+    keep in plain attributes (:func:`~mgpu_updater._replica.put_back`). A parameter the pass leaves
     uninitialised (a link no forward calls) stays so in every replica, as under
     ``StandardUpdater``; each replica's window refuses one that a later call initialises
     (:meth:`mgpu_updater._replica.Replica.run_window`)."""
@@ -216,7 +216,7 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     saved = [(owner, name, copy.deepcopy(value)) for owner, name, value in values
              if value is not None]
     func = loss_func if loss_func is not None else model
-    state = _forward_state(model, loss_func)
+    state = kept_between_calls(model, loss_func)
     reporter = chainer.Reporter()   # what the model reports here is thrown away
     observers(reporter, model)
     try:
@@ -239,53 +239,4 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
         raise
     for owner, name, value in saved:
         set_persistent(owner, name, value)
-    _put_back(state)
-
-
-def _forward_state(model: chainer.Link, loss_func: Optional[Callable]
-                   ) -> List[Tuple[chainer.Link, Dict[str, Any]]]:
-    """Each link's plain attributes (neither parameter, child link nor persistent), as
-    the initialising pass finds them: what a forward keeps from one call to the next
-    there (an RNN link's state ``h``, ``c``; a call counter) is the pass's own, not a
-    training step's, and :func:`_put_back` sets it back."""
-    links = list(model.links())
-    if isinstance(loss_func, chainer.Link):
-        known = {id(link) for link in links}
-        links += [link for link in loss_func.links() if id(link) not in known]
-    return [(link, dict(vars(link))) for link in links]
-
-
-def _put_back(state: List[Tuple[chainer.Link, Dict[str, Any]]]) -> None:
-    """Set back what the pass made of the attributes :func:`_forward_state` found: a
-    Variable (or a tuple or list of them) it stored, or a number it changed (not a
-    flag: a link marking itself initialised keeps the mark). Other values stay as the
-    pass left them: an array made once at the first call (a fixed mask) is what every
-    replica must start from."""
-    for link, before in state:
-        persistents = persistent_names(link)
-        for name, value in list(vars(link).items()):
-            if name in persistents or isinstance(value, (chainer.Parameter, chainer.Link)):
-                continue
-            old = before.get(name, _ABSENT)
-            if value is old:
-                continue
-            if _holds_forward_output(value):
-                if old is _ABSENT:
-                    delattr(link, name)
-                else:
-                    object.__setattr__(link, name, old)
-            elif _is_count(value) and _is_count(old):
-                object.__setattr__(link, name, old)
-
-
-_ABSENT = object()
-
-
-def _holds_forward_output(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_holds_forward_output(v) for v in value)
-    return isinstance(value, chainer.Variable) and not isinstance(value, chainer.Parameter)
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) in (int, float)
+    put_back(state)

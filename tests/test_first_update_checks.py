@@ -13,6 +13,10 @@
   the first); training without backprop, named as such.
 - A forward that calls ``backward()`` or ``cleargrads()`` itself, in a window of several
   micro-batches (it would change the gradients the window summed so far), is refused.
+- A forward that starts from state it stored at its last call (an RNN link's ``h``, ``c``,
+  never reset), in a window of several micro-batches, where each micro-batch would start
+  from another's samples' state: warned, naming the attribute; one that resets it at each
+  call is not.
 - A window whose losses reach no parameter at all (a constant loss: a detection batch
   without objects) is no sign of a loss_func bound to another model: it trains as
   ``StandardUpdater`` does, and the next window is checked instead.
@@ -318,3 +322,49 @@ def test_a_forward_that_changes_the_gradients_trains_alone_in_its_window():
     for name, value in params(reference).items():
         np.testing.assert_allclose(params(model)[name], value, rtol=1e-5, atol=1e-7,
                                    err_msg=name)
+
+
+class _Recurrent(chainer.Chain):
+    """An LSTM classifier; ``reset`` says whether its forward resets the state first."""
+
+    def __init__(self, reset):
+        super().__init__()
+        np.random.seed(0)
+        with self.init_scope():
+            self.rnn = L.LSTM(5, 4)
+            self.out = L.Linear(4, 3)
+        self.reset = reset
+
+    def forward(self, x, t):
+        if self.reset:
+            self.rnn.reset_state()
+        return F.softmax_cross_entropy(self.out(self.rnn(x)), t)
+
+
+@pytest.mark.parametrize('n, kwargs', [(1, {'accumulate_steps': 2}),
+                                       (2, {'micro_batch_size': 2})])
+def test_state_carried_from_one_micro_batch_to_the_next_is_warned(n, kwargs):
+    """With 2 micro-batches per update, the second starts from the first's LSTM state,
+    over other samples, where StandardUpdater's one batch starts from the last update's:
+    the first such window warns."""
+    model = _Recurrent(reset=False)
+    updater = _updater(model, n=n, **kwargs)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"replica 0 \(@numpy\): the forward starts "
+                                                r"from state it stored at its last call, in "
+                                                r"\['/rnn/c', '/rnn/h'\]"):
+            run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('n, k', [(1, 2), (2, 1)])
+def test_state_reset_at_each_call_or_carried_by_one_call_per_update_is_not_warned(n, k):
+    """Reset at each call, nothing carries; with one micro-batch per update each replica
+    carries its own rows, as StandardUpdater's one batch does (warnings are errors here)."""
+    model = _Recurrent(reset=(k > 1))
+    updater = _updater(model, n=n, accumulate_steps=k)
+    try:
+        run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
