@@ -144,16 +144,33 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
     if len({id(it) for it in value}) != len(value):
         raise ValueError(f'{name} holds the same iterator object more than once; each '
                          'device needs its own iterator over its own shard')
+    batches: List[Any] = []   # per pass over its shard, where it can be told
     for i, it in enumerate(value):
         try:
-            empty = len(it.dataset) == 0
+            size = len(it.dataset)
         except Exception:  # noqa: BLE001 - no dataset or no length: nothing to say here
+            batches.append(None)
             continue
-        if empty:
+        batch_size = getattr(it, 'batch_size', None)
+        batches.append(-(-size // batch_size) if isinstance(batch_size, int) and batch_size > 0
+                       else None)
+        if size == 0:
             raise ValueError(f'{name}[{i}] iterates over an empty dataset (device {i} would '
                              'have no sample to train on, and Chainer\'s iterators divide '
                              'by its length); give every device a shard of at least one '
                              'batch (mgpu_updater.shard_iterators splits one dataset evenly)')
+    longer = [(i, n) for i, n in enumerate(batches[1:], start=1)
+              if batches[0] is not None and n is not None and n > batches[0]]
+    if longer:
+        i, n = max(longer, key=lambda pair: pair[1])
+        warnings.warn(
+            f"{name}[0], the master's, makes {batches[0]} batches of its shard per epoch, "
+            f"fewer than {name}[{i}] ({n}): the updater's epoch (epoch, epoch_detail, a "
+            "stop_trigger in epochs, the end of data under repeat=False) follows the "
+            "master's iterator, so an epoch ends before the longer shards are used up, and "
+            'under repeat=False their last batches are never trained. Give the master the '
+            'largest shard (mgpu_updater.shard_iterators does)', RuntimeWarning,
+            stacklevel=3)
     return value
 
 

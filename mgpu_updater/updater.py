@@ -156,9 +156,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (:class:`~mgpu_updater.StallWarning`), naming them and giving each one's
             Python stack; None: never. The clock starts when the master's own window is
             over.
-        update_timeout: seconds after which such a wait raises
-            :class:`~mgpu_updater.WorkerError` with the same information and every worker
-            is stopped (default None: wait as long as the workers live).
+        update_timeout: seconds after which such a wait gives up: every worker is
+            stopped, then :class:`~mgpu_updater.WorkerError` is raised with the same
+            information (default None: wait as long as the workers live). Stopping a
+            worker that does not answer takes up to 7 s more (asked for 3 s, SIGTERM for
+            2 s, then SIGKILL).
         bind_cores: ``'auto'`` (default), True or False: whether each replica process of
             this host runs on a share of the cores of its own (the master: its main
             thread, while the updater runs; restored by :meth:`finalize`). ``'auto'``:

@@ -95,6 +95,29 @@ def test_devices_not_a_list():
              devices='@numpy')
 
 
+@pytest.mark.parametrize('sizes, batch_sizes, warned', [
+    ((5, 7), (2, 2), True),     # 3 batches against 4: the worker's last is never trained
+    ((7, 5), (2, 2), False),    # the master's shard the largest (shard_iterators' way)
+    ((5, 6), (2, 2), False),    # 3 batches each: the master's last is short, nothing lost
+    ((6, 10), (3, 5), False),   # unequal batch sizes, 2 batches each
+])
+def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_sizes,
+                                                                   warned):
+    """The updater's epoch follows the master's iterator: where another shard makes more
+    batches per pass, an epoch ends before it is used up (under repeat=False its last
+    batches are never trained: StandardUpdater on the same samples trains them all)."""
+    its = [chainer.iterators.SerialIterator(dataset(n), b, repeat=False)
+           for n, b in zip(sizes, batch_sizes)]
+    optimizer = set_up()
+    if warned:
+        with pytest.warns(RuntimeWarning, match=r"iterators\[0\], the master's, makes 3 "
+                                                r"batches of its shard per epoch, fewer than "
+                                                r"iterators\[1\] \(4\).*largest shard"):
+            ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+    else:
+        ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+
+
 def test_iterators_count_differs_from_devices():
     rejected(ValueError, r'^iterators has 3 iterator\(s\) but devices has 2; give exactly '
                          r'one iterator per device \(mgpu_updater\.shard_iterators',
