@@ -48,6 +48,8 @@ FAST = {
     'master_sigterm': ('master_sigterm',),
     'master_sigkill': ('master_sigkill',),
     'master_sigkill_forkserver': ('master_sigkill', '--start-method', 'forkserver'),
+    # two workers see the master die: each segment is taken off the tracker once
+    'master_sigkill_three_replicas': ('master_sigkill', '--replicas', '3'),
     # every replica reads through a MultiprocessIterator with 2 processes of its own
     'raise_forward_mpit': ('raise_forward', '--iterator', 'multiprocess'),
     'kill_worker_mpit': ('kill_worker', '--iterator', 'multiprocess'),
@@ -145,7 +147,8 @@ def test_worker_killed_mid_update(scenarios):
 
 
 # ------------------------------------------------------------------ the master goes
-@pytest.mark.parametrize('scenario', ['master_sigint', 'master_sigterm', 'master_sigkill'])
+@pytest.mark.parametrize('scenario', ['master_sigint', 'master_sigterm', 'master_sigkill',
+                                      'master_sigkill_three_replicas'])
 def test_master_signalled(scenarios, scenario):
     report = scenarios.report(scenario)
     assert_clean(report)

@@ -404,8 +404,10 @@ def unlink_quietly(name: str) -> None:
     """Remove a segment by name, if it still exists; used by a worker whose master died.
 
     The name is also taken off the resource tracker the workers share with the master,
-    so the tracker does not warn about (or unlink again) what was cleaned up here. The
-    segment is never opened: opening would register it with the tracker once more.
+    so the tracker does not warn about (or unlink again) what was cleaned up here: by the
+    process whose unlink removed it, so once per name however many workers see the master
+    die (a second unregister of a name makes the tracker print a KeyError). The segment
+    is never opened: opening would register it with the tracker once more.
 
     Once per name and process, and a caller returns only when the name is done: two threads
     of a worker may both see the master die (a second unregister makes the tracker print a
@@ -416,12 +418,13 @@ def unlink_quietly(name: str) -> None:
         if name in _unlinked:
             return
         try:
-            from multiprocessing import resource_tracker
-            resource_tracker.unregister('/' + name, 'shared_memory')
-        except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
-            pass
-        try:
             shared_memory._posixshmem.shm_unlink('/' + name)  # type: ignore[attr-defined]
-        except FileNotFoundError:
+        except FileNotFoundError:   # another worker's, or the master's, removed it
             pass
+        else:
+            try:
+                from multiprocessing import resource_tracker
+                resource_tracker.unregister('/' + name, 'shared_memory')
+            except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
+                pass
         _unlinked.add(name)
