@@ -302,10 +302,10 @@ def picklable(name: str, value: Any, resource_hint: str) -> None:
         raise TypeError(f'{name} ({type(value).__name__}) cannot be sent to a worker '
                         f'process: {type(exc).__name__}: {exc}; {found} {where} '
                         f'({_pickle_path.describe(culprit.obj)}). '
-                        f'{_unpicklable_hint(culprit, resource_hint)}') from exc
+                        f'{_unpicklable_hint(culprit, resource_hint, exc)}') from exc
 
 
-def _unpicklable_hint(culprit: Any, resource_hint: str) -> str:
+def _unpicklable_hint(culprit: Any, resource_hint: str, exc: BaseException) -> str:
     kind = _pickle_path.resource_kind(culprit.obj)
     type_name = _pickle_path.type_name(culprit.obj)
     if kind == 'a module':
@@ -314,6 +314,13 @@ def _unpicklable_hint(culprit: Any, resource_hint: str) -> str:
                 'module, or register it in sys.modules where it is created.')
     if kind:
         return resource_hint
+    text = str(exc).lower()
+    if not ('pickle' in text and ('cannot' in text or "can't" in text)):
+        # not pickle's own "cannot pickle" / "Can't pickle": the type's __reduce__ or
+        # __getstate__ refused, saying why (chainer.Sequential holding a lambda)
+        return (f'That error comes from the pickling of {type_name} itself: do what it '
+                'says, or keep this one out of what is handed to the updater (create it '
+                'where it is used).')
     return (f'Objects of type {type_name} do not pickle: keep this one out of what is '
             'handed to the updater (create it where it is used), or make the type '
             'picklable (__reduce__, or __getstate__ and __setstate__).')

@@ -119,6 +119,19 @@ def test_partial_of_a_bound_method():
             loss_func=loss)
 
 
+def test_a_type_whose_own_pickling_refuses_is_not_said_not_to_pickle():
+    """``chainer.Sequential`` pickles, but refuses where it holds a lambda, saying why:
+    the advice points to that error, not to the type."""
+    model = L.Classifier(chainer.Sequential(L.Linear(5, 4), lambda h: F.relu(h),
+                                            L.Linear(4, 3)))
+    refused(r"^the model \(Classifier\) cannot be sent to a worker process: ValueError: "
+            r"This Sequential object has at least one lambda function.*; the culprit is "
+            r"model\.predictor \(.* of type chainer\.sequential\.Sequential\)\. That error "
+            r"comes from the pickling of chainer\.sequential\.Sequential itself: do what it "
+            r"says, or keep this one out of what is handed to the updater \(create it where "
+            r"it is used\)\.$", model=model)
+
+
 def test_method_of_an_object_holding_a_lock():
     holder = type('Holder', (), {'convert': lambda self, batch, device=None:
                                  chainer.dataset.concat_examples(batch, device)})()
