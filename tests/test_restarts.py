@@ -553,3 +553,20 @@ def test_a_replacement_that_fails_to_start_raises_saying_both():
         recovery.recover(pool.death(1), lambda: pytest.fail('no redo'))
     assert pool.rewound == [[2]] and 'planted' in info.value.remote_traceback
     assert comm.abandoned == 1 and comm.rebuilt == 1   # given up, then rebuilt, before
+
+
+@pytest.mark.parametrize('action, how', [('kill', r'was killed by SIGKILL'),
+                                         ('raise', r'failed during start')])
+def test_a_worker_that_ends_while_the_workers_start_says_why_it_is_not_restarted(action,
+                                                                                   how):
+    """Under max_worker_restarts a worker that dies (or raises) while starting ends the
+    run, as without restarts, and the message says so and why."""
+    updater = faulty.build(fault=faulty.Fault('start', action=action),
+                           max_worker_restarts=1)
+    try:
+        with pytest.raises(WorkerError, match=rf"(?s){how}.*\(not restarted: it ended while "
+                                              r"the workers started, before the first "
+                                              r"update ran; max_worker_restarts replaces"):
+            updater.update()
+    finally:
+        updater.finalize()

@@ -19,7 +19,7 @@ from .._flat_buffers import ModelLayouts, grad_arrays, overlapping
 from .._groups import Group, ReduceHandle, ensure_grads
 from .._module_globals import warn as warn_module_differences
 from .._replica import WindowResult
-from .._restarts import RestartLog
+from .._restarts import RestartLog, not_restarted_at_start
 from .._threads import available_cores
 from ..errors import WorkerError
 from .board import STORE_ORDER, Board, announces_packs, spin_for
@@ -106,6 +106,11 @@ class LocalGroup(Group):
                                       before_ready=self._joiner(start_timeout))
             self._started = True
             warn_module_differences({r: d for r, d in readies.items() if d}, stacklevel=6)
+        except WorkerError as exc:
+            self.close(abort=True)
+            if restarts is None:
+                raise
+            raise not_restarted_at_start(exc) from exc
         except BaseException:
             self.close(abort=True)
             raise
