@@ -229,11 +229,13 @@ class UnsentState:
             message = _message(listed, when)
             if any(path in self._parameter_paths for path in changed):
                 message += (
-                    ' A parameter of a link outside the model (a teacher an extension '
-                    'moves, the other network of a GAN) is such a value too: make that '
-                    'link a child of the model (with disable_update() where this '
-                    'optimizer must not train it), so that every update sends it, or '
-                    'train such a loop with one replica')
+                    ' A parameter of a link outside the model is such a value too. A '
+                    'teacher that no optimizer trains (an extension moves it): make it a '
+                    'child of the model, with disable_update(), so that every update '
+                    'sends it. The other network of a GAN, which another optimizer '
+                    'trains: disable_update() would stop that optimizer too (a parameter '
+                    'has one update rule), so train such a loop with one replica, or '
+                    "with ChainerMN's create_multi_node_optimizer for each network")
             warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def _walk(self) -> Tuple[Dict[str, Any], float]:

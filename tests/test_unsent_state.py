@@ -142,7 +142,11 @@ def test_a_parameter_of_a_link_outside_the_model_changed_between_updates_is_name
     assert _update(watch) == ''
     message = _update(watch)
     assert 'loss_func.teacher.W: ' in message and 'loss_func.student' not in message
-    assert 'make that link a child of the model (with disable_update()' in message
+    assert ('A teacher that no optimizer trains (an extension moves it): make it a child '
+            'of the model, with disable_update()' in message)
+    # not for a GAN's other network: disable_update() would stop its own optimizer too
+    assert ('The other network of a GAN, which another optimizer trains: disable_update() '
+            'would stop that optimizer too' in message)
 
 
 def test_two_replicas_name_a_teacher_an_extension_moves():
