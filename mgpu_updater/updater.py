@@ -273,6 +273,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._unsent: Optional[UnsentState] = None
         self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
         self._t_at_end: Optional[int] = None   # the optimizer's t after the last update
+        #: (reporter, the name it gives the model), found at the first update it ran in
+        self._named_by: Optional[Tuple[Any, str]] = None
         #: why the workers' iterator positions are gone (an update failed: no snapshot
         #: holds them after it), else None
         self._positions_lost: Optional[str] = None
@@ -720,8 +722,39 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value
         if self._restart_log is not None:
             self._restart_log.report(observation)
-        if observation:
-            chainer.report(observation)
+        if not observation:
+            return
+        try:
+            reporter = chainer.reporter.get_current_reporter()
+        except IndexError:   # none is current: chainer.report would do nothing either
+            return
+        name = self._observer_name(reporter)
+        if name != 'main':
+            observation = {(name + key[4:] if key.startswith('main/') else key): value
+                           for key, value in observation.items()}
+        reporter.report(observation)
+
+    def _observer_name(self, reporter: chainer.Reporter) -> str:
+        """The name the current reporter gives the model: 'main' in the Trainer of this
+        updater; another where the script registered it so (the model of a second
+        updater that an extension runs, ``trainer.reporter.add_observer('gen', gen)``),
+        as the model's own reports under ``StandardUpdater`` would be named. The replicas
+        report under 'main' (:func:`~mgpu_updater._replica.observers`); the update's
+        values take this name. Found once per reporter."""
+        if self._named_by is not None and self._named_by[0] is reporter:
+            return self._named_by[1]
+        name = 'main'
+        probe: Dict[str, Any] = {}
+        with reporter.scope(probe):
+            try:
+                reporter.report({'': 0.0}, self._optimizer.target)
+            except KeyError as exc:
+                if not chainer_private.is_unregistered_observer_error(exc):
+                    raise
+        if probe:
+            name = next(iter(probe))[:-1]
+        self._named_by = (reporter, name)
+        return name
 
     # ------------------------------------------------------------------ state
     def serialize(self, serializer: Any) -> None:

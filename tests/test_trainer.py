@@ -144,3 +144,56 @@ def test_epoch_triggers_fire_when_an_epoch_ends_inside_a_window(tmp_path):
     log = json.loads((tmp_path / 'log').read_text())
     assert [e['epoch'] for e in log] == [1, 2, 3]
     assert [e['iteration'] for e in log] == [2, 3, 4]   # 8, 16, 24, 32 samples per shard
+
+
+
+def _turns(tmp_path, make_second):
+    """A Trainer running a StandardUpdater, and an extension running a second updater
+    (``make_second(model, data)``) whose model the script registers as 'gen' (GAN-style
+    turns); the Trainer's observation after each iteration."""
+    first_model, second_model = classifier(seed=1), classifier(seed=2)
+    first = StandardUpdater(
+        chainer.iterators.SerialIterator(dataset(32, seed=1), 8, shuffle=False),
+        setup_optimizer('sgd', first_model))
+    trainer = training.Trainer(first, (3, 'iteration'), out=str(tmp_path))
+    trainer.reporter.add_observer('gen', second_model)
+    trainer.reporter.add_observers('gen', second_model.namedlinks(skipself=True))
+    second = make_second(second_model, dataset(32, seed=3))
+    logged = []
+    trainer.extend(lambda t: second.update(), trigger=(1, 'iteration'), priority=300,
+                   name='second')
+    trainer.extend(lambda t: logged.append(dict(t.observation)), trigger=(1, 'iteration'),
+                   priority=0, name='record')
+    try:
+        trainer.run()
+    finally:
+        second.finalize()
+    return logged
+
+
+@pytest.mark.parametrize('devices, k', [(['@numpy'], 2), (['@numpy', '@numpy'], 1),
+                                        (['@numpy'], 1)])
+def test_a_second_updater_reports_under_the_name_its_model_is_given(tmp_path, devices, k):
+    """Under StandardUpdater the second updater's reports log as gen/*, beside the first
+    updater's main/*; here too (they were main/*, in place of the first's), and so do the
+    updater's own keys (report_times)."""
+    def standard(model, data):
+        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
+                               setup_optimizer('sgd', model))
+
+    def ours(model, data):   # the same 8 samples an update
+        its = [chainer.iterators.SerialIterator(data[i::len(devices)],
+                                                8 // len(devices) // k, shuffle=False)
+               for i in range(len(devices))]
+        return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                           devices=devices, accumulate_steps=k,
+                                           report_times=True)
+
+    reference = _turns(tmp_path / 'standard', standard)
+    logged = _turns(tmp_path / 'ours', ours)
+    assert len(logged) == len(reference) == 3
+    for got, want in zip(logged, reference):
+        assert float(chainer.as_array(got['main/loss'])) == float(want['main/loss'].array)
+        assert float(chainer.as_array(got['gen/loss'])) == pytest.approx(
+            float(want['gen/loss'].array), rel=1e-5)
+        assert 'gen/time/update' in got and 'main/time/update' not in got
