@@ -13,6 +13,7 @@ import random
 import time
 import types
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy
@@ -169,46 +170,51 @@ def _plain(link: chainer.Link) -> Dict[str, Any]:
 
 
 def put_back(state: State) -> None:
-    """Set back what a call made of the attributes :func:`kept_between_calls` found: a
-    Variable (or a tuple or list of them) it stored, and a number it changed (not a flag:
-    a link that marks itself initialised keeps the mark). Other values stay as the call
-    left them: an array made once at the first call (a fixed mask) is what every replica
-    must start from."""
+    """Set back the state a call left in a recurrent link: in a link with
+    ``reset_state`` (Chainer's convention for links that keep state between calls:
+    ``L.LSTM``, ``L.StatefulGRU``, ...), each attribute the call set to a Variable (or a
+    tuple or list of them) takes its value before the call again. Everything else stays
+    as the call left it: a Variable or an array made once at the first call (a fixed
+    projection, a mask), a flag or a counter (a link cannot tell one from the other)."""
     for _, link, before in state:
+        if not callable(getattr(link, 'reset_state', None)):
+            continue
         for name, value in _plain(link).items():
             old = before.get(name, _ABSENT)
-            if value is old:
+            if value is old or not holds_forward_output(value):
                 continue
-            if holds_forward_output(value):
-                if old is _ABSENT:
-                    delattr(link, name)
-                else:
-                    object.__setattr__(link, name, old)
-            elif _is_count(value) and _is_count(old):
+            if old is _ABSENT:
+                delattr(link, name)
+            else:
                 object.__setattr__(link, name, old)
 
 
-def stored_outputs(state: State) -> List[Tuple[str, chainer.Link, str, Any]]:
-    """(path, link, name, value) of the plain attributes that hold a Variable a call
-    stored since :func:`kept_between_calls` gave ``state``."""
+Stored = List[Tuple[str, chainer.Link, str, Any, List[Any]]]
+
+
+def stored_outputs(state: State) -> Stored:
+    """(path, link, name, value, nodes) of the plain attributes that hold a Variable a call
+    stored since :func:`kept_between_calls` gave ``state``: weak references, to the value
+    and to its Variables' graph nodes, which keep no graph alive (``L.Classifier`` keeps
+    its last loss, whose graph holds the micro-batch's activations until its next call)."""
     out = []
     for path, link, before in state:
         for name, value in _plain(link).items():
             if value is not before.get(name, _ABSENT) and holds_forward_output(value):
-                out.append((path, link, name, value))
+                out.append((path, link, name, weakref.ref(value),
+                            [weakref.ref(v.node) for v in _variables(value)]))
     return out
 
 
-def read_again(stored: List[Tuple[str, chainer.Link, str, Any]], limit: int = 100_000
-               ) -> List[str]:
+def read_again(stored: Stored, limit: int = 100_000) -> List[str]:
     """The attributes of ``stored`` (what one call stored) whose Variables the graph of
     what a later call stored there reaches: state the later call started from. The walk
-    stops after ``limit`` nodes."""
+    stops after ``limit`` nodes. A node gone is reached by no graph (one would keep it)."""
     out = []
-    for path, link, name, before in stored:
-        wanted = {id(v.node) for v in _variables(before)}
+    for path, link, name, before, nodes in stored:
+        wanted = {id(node) for node in (ref() for ref in nodes) if node is not None}
         now = getattr(link, name, None)
-        if now is before or not wanted:
+        if now is before() or not wanted:
             continue
         todo = [v.node for v in _variables(now)]
         seen = set()
@@ -240,10 +246,6 @@ def holds_forward_output(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return any(holds_forward_output(v) for v in value)
     return isinstance(value, chainer.Variable) and not isinstance(value, chainer.Parameter)
-
-
-def _is_count(value: Any) -> bool:
-    return type(value) in (int, float)
 
 
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:
@@ -334,6 +336,9 @@ class Replica:
         before_read: called before that read (the master's group's ``settle``: its
             window ran after collectives that a dead peer could leave unfinished, and a
             host read would then wait for good).
+        initialised_before: the lazy parameters were initialised before its first window
+            (``pipelined``; implied by ``one_of_many``): one still without an array then
+            must stay so (:meth:`_check_unset`).
     """
 
     def __init__(self, model: chainer.Link, loss_func: Optional[Callable],
@@ -341,7 +346,8 @@ class Replica:
                  name: str = 'replica 0', keep_graphs: bool = False,
                  chunking: Chunking = Chunking(), read_values: bool = True,
                  one_of_many: bool = False,
-                 before_read: Optional[Callable[[], None]] = None) -> None:
+                 before_read: Optional[Callable[[], None]] = None,
+                 initialised_before: bool = False) -> None:
         self.model = model
         self.loss_func = loss_func if loss_func is not None else model
         self.loader = loader
@@ -359,7 +365,7 @@ class Replica:
         #: parameters with no array when the replicas were copied (a lazy link no forward
         #: called): each window checks that they still have none (:meth:`_check_unset`)
         self._unset = ([(name, p) for name, p in unique_params(model) if p.array is None]
-                       if one_of_many else [])
+                       if one_of_many or initialised_before else [])
         #: one replica, one micro-batch, whole: :meth:`direct_window` (no mean to take)
         self.direct = not one_of_many and accumulate_steps == 1 and chunking == Chunking()
         self._loss_checked = False   # the first loss is checked (:meth:`_check_loss`)
@@ -455,7 +461,9 @@ class Replica:
         largest = 0
         own_sum = _GradientSum(self._set_by_backward) if self._set_by_backward else None
         unchecked = not self._gradients_checked
-        first_stored = None   # what the first call stored, in the window that looks at it
+        # what the first call stored, seen before the second (the first window that makes
+        # several calls looks at it: _check_carried)
+        first_stored = None
         # one reporter scope for the window, a fresh observation per micro-batch (what
         # Reporter.scope does, without its generator per micro-batch)
         outer = reporter.observation
@@ -483,14 +491,14 @@ class Replica:
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = {}
                     reporter.observation = observation
-                    if cleared:
+                    if cleared:   # a call before this one in the window
+                        if self._carried is not None and first_stored is None:
+                            first_stored = stored_outputs(self._carried)
                         loss = self._forward_leaving_gradients(arrays)
                     else:
                         loss = self._forward(arrays)
                     if not self._loss_checked:
                         self._check_loss(loss)
-                    if self._carried is not None and first_stored is None:
-                        first_stored = stored_outputs(self._carried)
                     if not cleared:
                         model.cleargrads()
                         cleared = True
@@ -533,7 +541,7 @@ class Replica:
         if count:
             if self._started_with is not None:
                 self._check_unchanged()
-            if first_stored is not None and sum(key is None for key, _, _ in terms) > 1:
+            if first_stored is not None:   # the window made several calls
                 self._check_carried(first_stored)
             factor = scaling.window(count)
             if factor != 1.0:
@@ -619,6 +627,8 @@ class Replica:
         if not self._gradients_checked:
             self._check_gradients(loss)
         del loss
+        if self._unset:   # pipelined: its parameters are stepped from the update before
+            self._check_unset()
         if not self.read_values:
             value = loss_array   # as it is: only the step's late check looks at it
         elif type(loss_array) is numpy.ndarray:
@@ -735,7 +745,7 @@ class Replica:
             '(L.Linear(None, n)): such parameters are initialised by one forward pass on '
             'the master before the workers start, so every replica starts the same')
 
-    def _check_carried(self, first_stored: List[Tuple[str, chainer.Link, str, Any]]) -> None:
+    def _check_carried(self, first_stored: Stored) -> None:
         """After the first window of several calls: warn where a link's forward stored a
         Variable in a plain attribute (an RNN link's state) that the next call started
         from, though it came from other samples."""
@@ -762,8 +772,9 @@ class Replica:
                 'were copied (the forward pass that initialises lazy parameters on the '
                 'master, in test mode, chainer.config.train False, did not call their '
                 'links) and this update\'s forward initialised them: each replica would '
-                'give them its own initial values, and no update shares them. A link that '
-                'only training mode or some inputs reach needs its input size '
+                'give them its own initial values, and no update shares them (nor, under '
+                'pipelined=True, steps them on the gradient of the update before). A link '
+                'that only training mode or some inputs reach needs its input size '
                 '(L.Linear(784, n), not L.Linear(None, n))')
 
     def _unreadable_report(self, terms: List[Tuple[Optional[str], Any, float]],

@@ -108,7 +108,8 @@ def start(s: Settings) -> Started:
                           # MPI ranks exchange their results pickled: read them first
                           read_values=s.read_values or s.communicator is not None,
                           one_of_many=len(s.devices) > 1 or s.communicator is not None,
-                          before_read=group.settle)
+                          before_read=group.settle,
+                          initialised_before=s.pipelined)
     except BaseException:
         loader.close()
         raise

@@ -281,9 +281,8 @@ class UnusedLazyLink(chainer.Chain):
 
 
 class LazyRecurrent(chainer.Chain):
-    """A lazy LSTM whose state carries from one update to the next (never reset) and a
-    plain call counter that scales the loss (a warm-up): what its forward keeps from one
-    call to the next, outside parameters and persistents."""
+    """A lazy LSTM whose state carries from one update to the next (never reset): what
+    its forward keeps from one call to the next, outside parameters and persistents."""
 
     def __init__(self, seed=0):
         super().__init__()
@@ -291,12 +290,33 @@ class LazyRecurrent(chainer.Chain):
         with self.init_scope():
             self.rnn = L.LSTM(None, 4)
             self.out = L.Linear(4, 3)
-        self.calls = 0
 
     def forward(self, x, t):
-        self.calls += 1
-        loss = F.softmax_cross_entropy(self.out(self.rnn(x)), t)
-        return loss * min(1.0, self.calls / 4)
+        return F.softmax_cross_entropy(self.out(self.rnn(x)), t)
+
+
+class LazyFixedProjection(chainer.Chain):
+    """A lazy link beside what its first call makes once and keeps (from numpy's global
+    generator): a random projection held as a Variable, and a mask an int flag marks as
+    made. Every replica must start from the master's, as StandardUpdater's one model
+    makes them at its first call."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        np.random.seed(seed)
+        with self.init_scope():
+            self.l1 = L.Linear(None, 3)
+        self.proj, self.made, self.mask = None, 0, None
+
+    def forward(self, x, t):
+        if self.proj is None:
+            self.proj = chainer.Variable(
+                np.random.randn(x.shape[1], x.shape[1]).astype(np.float32),
+                requires_grad=False)
+        if not self.made:
+            self.mask = (np.random.rand(x.shape[1]) > 0.5).astype(np.float32)
+            self.made = 1
+        return F.softmax_cross_entropy(self.l1(F.matmul(x * self.mask, self.proj)), t)
 
 
 class LazyPairs(chainer.Chain):

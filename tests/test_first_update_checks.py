@@ -23,6 +23,8 @@
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -368,3 +370,36 @@ def test_state_reset_at_each_call_or_carried_by_one_call_per_update_is_not_warne
         run_updates(updater, model, 2)
     finally:
         updater.finalize()
+
+
+class _KeepsItsLoss(chainer.Chain):
+    """``L.Classifier``'s way: the last loss kept as an attribute, dropped at the next call;
+    records whether the last call's loss (and so its graph) was still alive then."""
+
+    def __init__(self):
+        super().__init__()
+        np.random.seed(0)
+        with self.init_scope():
+            self.out = L.Linear(5, 3)
+        self.loss, self.last, self.alive = None, None, []
+
+    def forward(self, x, t):
+        self.loss = None
+        if self.last is not None:
+            self.alive.append(self.last() is not None)
+        self.loss = F.softmax_cross_entropy(self.out(x), t)
+        self.last = weakref.ref(self.loss)
+        return self.loss
+
+
+def test_the_look_for_carried_state_keeps_no_graph_alive():
+    """The first window's look holds what the first call stored weakly: a model that
+    drops its last loss at its next call frees that micro-batch's graph there, as under
+    a hand-written loop (the window's peak memory is one micro-batch's graph)."""
+    model = _KeepsItsLoss()
+    updater = _updater(model, n=1, accumulate_steps=3)
+    try:
+        run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    assert model.alive == [False, False]
