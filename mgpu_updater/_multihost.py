@@ -81,9 +81,19 @@ class MpiGroup(Group):
         updater's arguments that decide the result: a rank that normalised, reduced or
         applied its gradient otherwise would train apart, silently); return every rank's
         weight. Every rank sees the same gathered list, so every rank raises alike."""
-        mine = (self.layouts.spec(), [n for n, _ in self.model.namedparams()])
+        unset = sorted(n for n, p in self.model.namedparams() if p.array is None)
+        mine = (self.layouts.spec(), [n for n, _ in self.model.namedparams()], unset)
         gathered = self.comm.allgather_obj((mine, local_weight, settings))
         for rank, (theirs, _, _) in enumerate(gathered):
+            if theirs[2] != gathered[0][0][2] and theirs[1] == gathered[0][0][1]:
+                here, there = set(gathered[0][0][2]), set(theirs[2])
+                raise ValueError(
+                    f'parameters {sorted(here ^ there)} are uninitialised on rank '
+                    f'{0 if here - there else rank} and initialised on rank '
+                    f'{rank if here - there else 0} after the forward pass that initialises '
+                    'lazy parameters (each rank runs it on the first samples of its own '
+                    'shard, in test mode): a link that only some inputs reach. Give those '
+                    'links their input sizes (L.Linear(784, n), not L.Linear(None, n))')
             if theirs != gathered[0][0]:
                 raise ValueError(
                     f'rank {rank} has a different model from rank 0 (parameter names, '
@@ -201,7 +211,7 @@ class MpiGroup(Group):
 
 
 def _describe(layout: Any) -> str:
-    spec, names = layout
+    spec, names = layout[:2]
     values = ', '.join(f'{count} {numpy.dtype(dtype).name}'
                        for key, (dtype, count) in sorted(spec.items()) if key.startswith('grad/'))
     return f'{len(names)} parameters of {values or "no"} values'

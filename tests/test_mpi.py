@@ -131,6 +131,15 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(checks):
         assert message and 'rank 1 has a different model from rank 0' in message
 
 
+def test_a_lazy_link_that_one_ranks_first_samples_reach_raises_on_every_rank(checks):
+    """Each rank initialises its lazy parameters on its own first samples: a link that
+    only rank 1's reach is named, with the fix (it read as another model on rank 1)."""
+    for message in checks['lazy_mismatch']:
+        assert message and ("parameters ['/extra/W'] are uninitialised on rank 0 and "
+                            'initialised on rank 1 after the forward pass that initialises '
+                            'lazy parameters') in message and 'input sizes' in message
+
+
 def test_a_different_setting_on_one_rank_raises_on_every_rank(checks):
     """A rank that normalised its loss otherwise trained apart from rank 0 (parameters
     0.14 apart after a few updates, a reported loss of 7.8 for 1.0), silently."""

@@ -12,6 +12,8 @@ what the test asserts on:
   rank's micro-batches would have made alone;
 - ``pipelined``: ``pipelined=True`` keeps the ranks bitwise identical;
 - ``model_mismatch``: different models on the ranks raise on every rank;
+- ``lazy_mismatch``: a lazy link one rank's initialising pass reaches and another's does
+  not raises on every rank, naming it;
 - ``debug_sync``: under ``chainer.set_debug(True)`` a rank whose parameters drifted is named;
 - ``order_mismatch``: a rank that issues its allreduces in another order than the declared
   one makes every rank raise CollectiveOrderError, naming both sequences;
@@ -242,6 +244,30 @@ def _refused_at_start(model, **kwargs):
         updater.finalize()
 
 
+class _ReachedOnRankOne(chainer.Chain):
+    """A lazy link that only rank 1's inputs reach (here: its flag), in every mode."""
+
+    def __init__(self, reach):
+        super().__init__()
+        np.random.seed(0)
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+            self.extra = L.Linear(None, 3)
+        self.reach = reach
+
+    def forward(self, x, t):
+        h = self.l1(x)
+        if self.reach:
+            h = h + self.extra(x)
+        return F.softmax_cross_entropy(h, t)
+
+
+def check_lazy_mismatch():
+    """A lazy link that rank 1's initialising pass reaches and rank 0's does not: every
+    rank raises, naming it and the fix."""
+    return _refused_at_start(_ReachedOnRankOne(RANK == 1))
+
+
 def check_model_mismatch():
     """Rank 1 builds another model: every rank raises when the group starts."""
     return _refused_at_start(classifier(seed=0, n_hidden=16 + RANK))
@@ -347,6 +373,7 @@ def main(out_path):
     result['debug_sync'] = check_debug_sync()
     result['pipelined'] = check_pipelined()
     result['model_mismatch'] = gathered(check_model_mismatch())
+    result['lazy_mismatch'] = gathered(check_lazy_mismatch())
     result['order_mismatch'] = check_order_mismatch()
     result['settings_mismatch'] = gathered(check_settings_mismatch())
     result['counters'] = check_counters()
