@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy
 
 import chainer
+from chainer.iterators import ShuffleOrderSampler
 from chainer.dataset import iterator as iterator_module
 
 from . import _payload, _pickle_path
@@ -152,8 +153,12 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
             batches.append(None)
             continue
         batch_size = getattr(it, 'batch_size', None)
-        batches.append(-(-size // batch_size) if isinstance(batch_size, int) and batch_size > 0
-                       else None)
+        sampler = getattr(it, 'order_sampler', None)
+        # an order sampler of one's own may make an epoch of another length (oversampling)
+        told = sampler is None or type(sampler) is ShuffleOrderSampler
+        batches.append(-(-size // int(batch_size)) if told and isinstance(
+            batch_size, numbers.Integral) and not isinstance(batch_size, bool)
+            and batch_size > 0 else None)
         if size == 0:
             raise ValueError(f'{name}[{i}] iterates over an empty dataset (device {i} would '
                              'have no sample to train on, and Chainer\'s iterators divide '

@@ -100,6 +100,7 @@ def test_devices_not_a_list():
     ((7, 5), (2, 2), False),    # the master's shard the largest (shard_iterators' way)
     ((5, 6), (2, 2), False),    # 3 batches each: the master's last is short, nothing lost
     ((6, 10), (3, 5), False),   # unequal batch sizes, 2 batches each
+    ((5, 7), (numpy.int64(2), 2), True),   # a numpy integer batch size
 ])
 def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_sizes,
                                                                    warned):
@@ -116,6 +117,21 @@ def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_s
             ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
     else:
         ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
+
+
+class _Twice(chainer.iterators.OrderSampler):
+    """Every example twice an epoch (oversampling)."""
+
+    def __call__(self, current_order, current_position):
+        return numpy.concatenate([numpy.arange(5)] * 2)
+
+
+def test_an_order_sampler_of_ones_own_is_not_judged_by_the_datasets_length():
+    """Chainer takes an epoch's length from the order such a sampler gives (here 10
+    examples of a dataset of 5): nothing can be said from the dataset's length."""
+    its = [chainer.iterators.SerialIterator(dataset(5), 2, order_sampler=_Twice()),
+           chainer.iterators.SerialIterator(dataset(7), 2)]
+    ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])
 
 
 def test_iterators_count_differs_from_devices():
