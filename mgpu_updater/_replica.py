@@ -189,20 +189,22 @@ def put_back(state: State) -> None:
                 object.__setattr__(link, name, old)
 
 
-Stored = List[Tuple[str, chainer.Link, str, Any, List[Any]]]
+Stored = List[Tuple[str, chainer.Link, str, List[Any], List[Any]]]
 
 
 def stored_outputs(state: State) -> Stored:
-    """(path, link, name, value, nodes) of the plain attributes that hold a Variable a call
-    stored since :func:`kept_between_calls` gave ``state``: weak references, to the value
-    and to its Variables' graph nodes, which keep no graph alive (``L.Classifier`` keeps
-    its last loss, whose graph holds the micro-batch's activations until its next call)."""
+    """(path, link, name, variables, nodes) of the plain attributes that hold a Variable
+    (or a tuple or list of them) a call stored since :func:`kept_between_calls` gave
+    ``state``: weak references, to those Variables and to their graph nodes, which keep no
+    graph alive (``L.Classifier`` keeps its last loss, whose graph holds the
+    micro-batch's activations until its next call)."""
     out = []
     for path, link, before in state:
         for name, value in _plain(link).items():
             if value is not before.get(name, _ABSENT) and holds_forward_output(value):
-                out.append((path, link, name, weakref.ref(value),
-                            [weakref.ref(v.node) for v in _variables(value)]))
+                variables = _variables(value)
+                out.append((path, link, name, [weakref.ref(v) for v in variables],
+                            [weakref.ref(v.node) for v in variables]))
     return out
 
 
@@ -213,10 +215,11 @@ def read_again(stored: Stored, limit: int = 100_000) -> List[str]:
     out = []
     for path, link, name, before, nodes in stored:
         wanted = {id(node) for node in (ref() for ref in nodes) if node is not None}
-        now = getattr(link, name, None)
-        if now is before() or not wanted:
-            continue
-        todo = [v.node for v in _variables(now)]
+        now = _variables(getattr(link, name, None))
+        if not wanted or (len(now) == len(before)
+                          and all(ref() is v for ref, v in zip(before, now))):
+            continue   # nothing left to reach, or the same Variables: stored once
+        todo = [v.node for v in now]
         seen = set()
         while todo and len(seen) < limit:
             node = todo.pop()

@@ -403,3 +403,42 @@ def test_the_look_for_carried_state_keeps_no_graph_alive():
     finally:
         updater.finalize()
     assert model.alive == [False, False]
+
+
+class _KeepsATuple(chainer.Chain):
+    """Keeps ``(y, loss)`` of its last call in an attribute (never read back), or, with
+    ``carry``, a tuple state ``(h,)`` its next call starts from."""
+
+    def __init__(self, carry):
+        super().__init__()
+        np.random.seed(0)
+        with self.init_scope():
+            self.inner = L.Linear(5, 5)
+            self.out = L.Linear(5, 3)
+        self.carry, self.last = carry, None
+
+    def forward(self, x, t):
+        h = self.inner(x)
+        if self.carry and self.last is not None:
+            h = h + self.last[0]
+        y = self.out(h)
+        loss = F.softmax_cross_entropy(y, t)
+        self.last = (h,) if self.carry else (y, loss)
+        return loss
+
+
+@pytest.mark.parametrize('carry', [False, True])
+def test_a_tuple_of_variables_kept_in_an_attribute_is_looked_at_too(carry):
+    """A tuple (or list) of the last call's Variables: kept, not read, it trains as it
+    does with one micro-batch (the look raised a TypeError: a tuple takes no weak
+    reference); a tuple state the next call starts from is warned about."""
+    model = _KeepsATuple(carry)
+    updater = _updater(model, n=1, accumulate_steps=2)
+    try:
+        if carry:
+            with pytest.warns(RuntimeWarning, match=r"in \['/last'\]"):
+                run_updates(updater, model, 2)
+        else:
+            run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
