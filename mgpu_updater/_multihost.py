@@ -87,13 +87,15 @@ class MpiGroup(Group):
         for rank, (theirs, _, _) in enumerate(gathered):
             if theirs[2] != gathered[0][0][2] and theirs[1] == gathered[0][0][1]:
                 here, there = set(gathered[0][0][2]), set(theirs[2])
+                parts = [f'parameters {sorted(names)} are uninitialised on rank {a} and '
+                         f'initialised on rank {b}'
+                         for names, a, b in ((here - there, 0, rank), (there - here, rank, 0))
+                         if names]
                 raise ValueError(
-                    f'parameters {sorted(here ^ there)} are uninitialised on rank '
-                    f'{0 if here - there else rank} and initialised on rank '
-                    f'{rank if here - there else 0} after the forward pass that initialises '
-                    'lazy parameters (each rank runs it on the first samples of its own '
-                    'shard, in test mode): a link that only some inputs reach. Give those '
-                    'links their input sizes (L.Linear(784, n), not L.Linear(None, n))')
+                    f'{"; ".join(parts)} after the forward pass that initialises lazy '
+                    'parameters (each rank runs it on the first samples of its own shard, in '
+                    'test mode): a link that only some inputs reach. Give those links their '
+                    'input sizes (L.Linear(784, n), not L.Linear(None, n))')
             if theirs != gathered[0][0]:
                 raise ValueError(
                     f'rank {rank} has a different model from rank 0 (parameter names, '

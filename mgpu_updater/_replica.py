@@ -170,23 +170,31 @@ def _plain(link: chainer.Link) -> Dict[str, Any]:
 
 
 def put_back(state: State) -> None:
-    """Set back the state a call left in a recurrent link: in a link with
-    ``reset_state`` (Chainer's convention for links that keep state between calls:
-    ``L.LSTM``, ``L.StatefulGRU``, ...), each attribute the call set to a Variable (or a
-    tuple or list of them) takes its value before the call again. Everything else stays
-    as the call left it: a Variable or an array made once at the first call (a fixed
-    projection, a mask), a flag or a counter (a link cannot tell one from the other)."""
-    for _, link, before in state:
-        if not callable(getattr(link, 'reset_state', None)):
-            continue
-        for name, value in _plain(link).items():
+    """Set back the state a call left in recurrent links: what their ``reset_state``
+    clears (Chainer's convention for links that keep state between calls: ``L.LSTM``'s
+    ``h`` and ``c``). Each link with a ``reset_state`` that takes no argument is reset
+    (and its children, where it resets them); each attribute that changed takes its
+    value from before the call again. Everything else stays as the call left it: a
+    Variable or an array made once at the first call (a fixed projection, a mask), a
+    flag, a counter (a link cannot tell a counter from a flag)."""
+    after = [_plain(link) for _, link, _ in state]
+    for _, link, _ in state:
+        reset = getattr(link, 'reset_state', None)
+        if callable(reset):
+            try:
+                reset()
+            except Exception:  # noqa: BLE001 - one that needs arguments: not Chainer's
+                pass
+    for (_, link, before), left in zip(state, after):
+        now = _plain(link)
+        for name in set(left) | set(now):
+            if now.get(name, _ABSENT) is left.get(name, _ABSENT):
+                continue   # reset_state left it alone
             old = before.get(name, _ABSENT)
-            if value is old or not holds_forward_output(value):
-                continue
-            if old is _ABSENT:
-                delattr(link, name)
-            else:
+            if old is not _ABSENT:
                 object.__setattr__(link, name, old)
+            elif name in vars(link):
+                delattr(link, name)
 
 
 Stored = List[Tuple[str, chainer.Link, str, List[Any], List[Any]]]

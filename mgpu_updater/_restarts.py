@@ -81,9 +81,9 @@ def not_restarted_at_start(error: WorkerError) -> WorkerError:
     """A worker that failed or died while the workers started, under
     ``max_worker_restarts``: raised as ever, saying why there was no restart."""
     return WorkerError(
-        f'{error.reason} (not restarted: it ended while the workers started, before the '
-        'first update ran; max_worker_restarts replaces a worker process that dies once '
-        'training runs)', replica=error.replica, device=error.device,
+        f'{error.reason} (not restarted: this happened while the workers started, before '
+        'the first update ran; max_worker_restarts replaces a worker process that dies '
+        'once training runs)', replica=error.replica, device=error.device,
         remote_traceback=error.remote_traceback, exitcode=error.exitcode)
 
 

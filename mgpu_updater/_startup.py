@@ -152,7 +152,10 @@ def _local_group(s: Settings) -> LocalGroup:
         replica_model = _copy(s.model)
     except Exception as exc:  # noqa: BLE001 - deepcopy raises what pickling raises
         from . import _pickle_path
-        culprit = _pickle_path.find(s.model, 'model')
+        try:
+            culprit = _pickle_path.find(s.model, 'model')
+        except Exception:  # noqa: BLE001 - a part whose reduction is malformed
+            culprit = _pickle_path.Culprit('model', s.model, complete=False)
         raise TypeError(
             f'the model ({type(s.model).__name__}) cannot be copied for the worker '
             f'processes after its first call (which initialised its lazy parameters): '
@@ -238,6 +241,6 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
                      f'before the replicas are copied: test mode, no backprop, on {what}; '
                      'give the links their input sizes, L.Linear(784, n), to skip it)')
         raise
+    put_back(state)   # first: a reset_state may touch a persistent too
     for owner, name, value in saved:
         set_persistent(owner, name, value)
-    put_back(state)

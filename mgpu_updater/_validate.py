@@ -300,7 +300,10 @@ def picklable(name: str, value: Any, resource_hint: str) -> None:
         _payload.check(value)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types
         root = name[4:] if name.startswith('the ') else name
-        culprit = _pickle_path.find(value, root)
+        try:
+            culprit = _pickle_path.find(value, root)
+        except Exception:  # noqa: BLE001 - a part whose reduction is malformed: say pickle's
+            culprit = _pickle_path.Culprit(root, value, complete=False)
         where = culprit.path if culprit.path != root else f'{root} itself'
         found = ('the culprit is' if culprit.complete else
                  'the search stopped, the culprit lies within')
@@ -320,7 +323,8 @@ def _unpicklable_hint(culprit: Any, resource_hint: str, exc: BaseException) -> s
     if kind:
         return resource_hint
     text = str(exc).lower()
-    if not ('pickle' in text and ('cannot' in text or "can't" in text)):
+    if not ('pickle' in text and any(word in text for word in
+                                     ('cannot', "can't", 'could not'))):
         # not pickle's own "cannot pickle" / "Can't pickle": the type's __reduce__ or
         # __getstate__ refused, saying why (chainer.Sequential holding a lambda)
         return (f'That error comes from the pickling of {type_name} itself: do what it '

@@ -319,6 +319,44 @@ class LazyFixedProjection(chainer.Chain):
         return F.softmax_cross_entropy(self.l1(F.matmul(x * self.mask, self.proj)), t)
 
 
+class Reservoir(chainer.Link):
+    """A recurrent link of one's own: ``reset_state`` clears its state ``h``; its
+    projection, a Variable drawn once at the first call (numpy's global generator), is no
+    state."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = None
+        self.reset_state()
+
+    def reset_state(self):
+        self.h = None
+
+    def forward(self, x):
+        if self.proj is None:
+            self.proj = chainer.Variable(
+                np.random.randn(x.shape[1], 4).astype(np.float32), requires_grad=False)
+        h = F.tanh(F.matmul(x, self.proj))
+        if self.h is not None:
+            h = h + 0.5 * self.h
+        self.h = h
+        return h
+
+
+class LazyReservoir(chainer.Chain):
+    """:class:`Reservoir` (its state carried from update to update) under a lazy head."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        np.random.seed(seed)
+        with self.init_scope():
+            self.res = Reservoir()
+            self.out = L.Linear(None, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.out(self.res(x)), t)
+
+
 class LazyPairs(chainer.Chain):
     """A lazy model that compares the batch's even and odd samples: a batch of one
     sample cannot go through it. It counts its calls in a persistent."""

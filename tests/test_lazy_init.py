@@ -18,8 +18,8 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 
 from _models import (BufferInForward, LazyFixedProjection, LazyPairs, LazyRaisesInTestMode,
-                     LazyRecurrent, StaticLazyClassifier, TrainOnlyHead, UnusedLazyLink,
-                     dataset, params, setup_optimizer)
+                     LazyRecurrent, LazyReservoir, StaticLazyClassifier, TrainOnlyHead,
+                     UnusedLazyLink, dataset, params, setup_optimizer)
 
 B, UPDATES = 4, 2
 
@@ -105,6 +105,13 @@ def test_what_the_first_call_makes_once_stays_as_the_initialising_pass_made_it()
     marks a mask made keep what the pass made, which every replica starts from (setting
     them back drew them again in every replica: 0.25 off)."""
     _trains_as_standard_updater(LazyFixedProjection, ['@numpy', '@numpy'], rtol=1e-5)
+
+
+def test_a_recurrent_link_keeps_what_its_reset_state_does_not_clear():
+    """What the pass set back is what the link's reset_state clears (its state h); its
+    projection, a Variable made once at the first call, stays (setting every Variable of
+    such a link back drew it again in every replica: 0.1 off)."""
+    _trains_as_standard_updater(LazyReservoir, ['@numpy', '@numpy'], rtol=1e-5, updates=3)
 
 
 def test_pipelined_refuses_a_lazy_link_the_initialising_pass_left_uninitialised():

@@ -134,10 +134,13 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(checks):
 def test_a_lazy_link_that_one_ranks_first_samples_reach_raises_on_every_rank(checks):
     """Each rank initialises its lazy parameters on its own first samples: a link that
     only rank 1's reach is named, with the fix (it read as another model on rank 1)."""
-    for message in checks['lazy_mismatch']:
-        assert message and ("parameters ['/extra/W'] are uninitialised on rank 0 and "
+    for one_way, crossed in checks['lazy_mismatch']:
+        assert one_way and ("parameters ['/extra/W'] are uninitialised on rank 0 and "
                             'initialised on rank 1 after the forward pass that initialises '
-                            'lazy parameters') in message and 'input sizes' in message
+                            'lazy parameters') in one_way and 'input sizes' in one_way
+        assert crossed and ("parameters ['/extra/W'] are uninitialised on rank 0 and "
+                            "initialised on rank 1; parameters ['/other/W'] are "
+                            'uninitialised on rank 1 and initialised on rank 0') in crossed
 
 
 def test_a_different_setting_on_one_rank_raises_on_every_rank(checks):

@@ -132,6 +132,21 @@ def test_a_type_whose_own_pickling_refuses_is_not_said_not_to_pickle():
             r"it is used\)\.$", model=model)
 
 
+class _BadReduce:
+    def __reduce__(self):
+        return 42
+
+
+def test_a_malformed_reduce_gives_pickles_own_error():
+    """A ``__reduce__`` that returns no tuple: pickle's message, not the search's crash on
+    it (it raised ``'int' object is not subscriptable``)."""
+    model = classifier()
+    model.odd = _BadReduce()
+    message = refused(r"^the model \(Classifier\) cannot be sent to a worker process: "
+                      r"PicklingError: __reduce__ must return a string or tuple", model=model)
+    assert 'the culprit' in message
+
+
 def test_method_of_an_object_holding_a_lock():
     holder = type('Holder', (), {'convert': lambda self, batch, device=None:
                                  chainer.dataset.concat_examples(batch, device)})()

@@ -564,8 +564,8 @@ def test_a_worker_that_ends_while_the_workers_start_says_why_it_is_not_restarted
     updater = faulty.build(fault=faulty.Fault('start', action=action),
                            max_worker_restarts=1)
     try:
-        with pytest.raises(WorkerError, match=rf"(?s){how}.*\(not restarted: it ended while "
-                                              r"the workers started, before the first "
+        with pytest.raises(WorkerError, match=rf"(?s){how}.*\(not restarted: this happened "
+                                              r"while the workers started, before the first "
                                               r"update ran; max_worker_restarts replaces"):
             updater.update()
     finally:

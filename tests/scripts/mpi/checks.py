@@ -244,28 +244,33 @@ def _refused_at_start(model, **kwargs):
         updater.finalize()
 
 
-class _ReachedOnRankOne(chainer.Chain):
-    """A lazy link that only rank 1's inputs reach (here: its flag), in every mode."""
+class _ReachedOnSomeRanks(chainer.Chain):
+    """Lazy links that only some ranks' inputs reach (here: flags), in every mode."""
 
-    def __init__(self, reach):
+    def __init__(self, reach_extra, reach_other=False):
         super().__init__()
         np.random.seed(0)
         with self.init_scope():
             self.l1 = L.Linear(5, 3)
             self.extra = L.Linear(None, 3)
-        self.reach = reach
+            self.other = L.Linear(None, 3)
+        self.reach_extra, self.reach_other = reach_extra, reach_other
 
     def forward(self, x, t):
         h = self.l1(x)
-        if self.reach:
+        if self.reach_extra:
             h = h + self.extra(x)
+        if self.reach_other:
+            h = h + self.other(x)
         return F.softmax_cross_entropy(h, t)
 
 
 def check_lazy_mismatch():
-    """A lazy link that rank 1's initialising pass reaches and rank 0's does not: every
-    rank raises, naming it and the fix."""
-    return _refused_at_start(_ReachedOnRankOne(RANK == 1))
+    """A lazy link that rank 1's initialising pass reaches and rank 0's does not (and,
+    crossed, one that only rank 0's reaches): every rank raises, naming them and the
+    fix."""
+    return (_refused_at_start(_ReachedOnSomeRanks(RANK == 1)),
+            _refused_at_start(_ReachedOnSomeRanks(RANK == 1, RANK == 0)))
 
 
 def check_model_mismatch():
