@@ -259,10 +259,17 @@ def holds_forward_output(value: Any) -> bool:
     return isinstance(value, chainer.Variable) and not isinstance(value, chainer.Parameter)
 
 
+#: the name every replica's own reporter gives the model (its links: ``(model)/path``);
+#: the master names an update's values as the reporter current there names each link
+#: (:meth:`mgpu_updater.ParallelAccumulatingUpdater._named`), as ``StandardUpdater``'s
+#: model reporting into it would be named
+MODEL_OBSERVER = '(model)'
+
+
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:
-    """Name the model as the Trainer does for the 'main' optimizer."""
-    reporter.add_observer('main', model)
-    reporter.add_observers('main', model.namedlinks(skipself=True))
+    """Name the model and its links (:data:`MODEL_OBSERVER`)."""
+    reporter.add_observer(MODEL_OBSERVER, model)
+    reporter.add_observers(MODEL_OBSERVER, model.namedlinks(skipself=True))
 
 
 def _host(value: Any) -> Any:
@@ -797,6 +804,8 @@ class Replica:
                 _host(value)
             except (TypeError, ValueError):
                 text = repr(value)
+                if key is not None and key.startswith(MODEL_OBSERVER):   # as a Trainer names it
+                    key = 'main' + key[len(MODEL_OBSERVER):]
                 return TypeError(
                     f'{self.name}: {"the loss" if key is None else repr(key)} was reported '
                     f'as {type(value).__name__} '

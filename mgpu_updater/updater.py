@@ -20,7 +20,8 @@ from ._checkpoint import capture_state
 from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
-from ._replica import Replica, WindowResult, combine, scale_gradients, with_graph
+from ._replica import (MODEL_OBSERVER, Replica, WindowResult, combine, scale_gradients,
+                       with_graph)
 from ._restarts import RestartLog
 from ._unsent_state import HeldObjects, UnsentState
 from .errors import NonFiniteGradientError, NonFiniteLossError
@@ -273,8 +274,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._unsent: Optional[UnsentState] = None
         self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
         self._t_at_end: Optional[int] = None   # the optimizer's t after the last update
-        #: (reporter, the name it gives the model), found at the first update it ran in
-        self._named_by: Optional[Tuple[Any, str]] = None
+        #: how the reporter current at the last update names the model's links
+        #: (:meth:`_named`): it, what each key became, what each link is called there
+        self._names_for: Optional[chainer.Reporter] = None
+        self._key_names: Dict[str, str] = {}
+        self._link_names: Dict[str, str] = {}
+        self._observed: Optional[Dict[str, chainer.Link]] = None   # observer name -> link
         #: why the workers' iterator positions are gone (an update failed: no snapshot
         #: holds them after it), else None
         self._positions_lost: Optional[str] = None
@@ -692,7 +697,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.micro_batch_size == 'auto':
             sizes = [r.micro_batch_size or 0 for r in results]
             if any(sizes):   # this update's micro-batches
-                observation['main/micro_batch_size'] = min(s for s in sizes if s)
+                observation[MODEL_OBSERVER + '/micro_batch_size'] = min(s for s in sizes if s)
             # a replica whose window was empty (its shard ran out) keeps the size it found
             before = self.micro_batch_sizes
             self.micro_batch_sizes = [
@@ -719,7 +724,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         the restarts so far (``max_worker_restarts``)."""
         if self.report_times:
             for key, value in times.items():
-                observation[_TIME_KEYS.get(key) or 'main/time/' + key] = value
+                observation[_TIME_KEYS.get(key) or MODEL_OBSERVER + '/time/' + key] = value
         if self._restart_log is not None:
             self._restart_log.report(observation)
         if not observation:
@@ -728,32 +733,63 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             reporter = chainer.reporter.get_current_reporter()
         except IndexError:   # none is current: chainer.report would do nothing either
             return
-        name = self._observer_name(reporter)
-        if name != 'main':
-            observation = {(name + key[4:] if key.startswith('main/') else key): value
-                           for key, value in observation.items()}
-        reporter.report(observation)
+        reporter.report(self._named(observation, reporter))
 
-    def _observer_name(self, reporter: chainer.Reporter) -> str:
-        """The name the current reporter gives the model: 'main' in the Trainer of this
-        updater; another where the script registered it so (the model of a second
-        updater that an extension runs, ``trainer.reporter.add_observer('gen', gen)``),
-        as the model's own reports under ``StandardUpdater`` would be named. The replicas
-        report under 'main' (:func:`~mgpu_updater._replica.observers`); the update's
-        values take this name. Found once per reporter."""
-        if self._named_by is not None and self._named_by[0] is reporter:
-            return self._named_by[1]
-        name = 'main'
-        probe: Dict[str, Any] = {}
-        with reporter.scope(probe):
-            try:
-                reporter.report({'': 0.0}, self._optimizer.target)
-            except KeyError as exc:
-                if not chainer_private.is_unregistered_observer_error(exc):
-                    raise
-        if probe:
-            name = next(iter(probe))[:-1]
-        self._named_by = (reporter, name)
+    def _named(self, observation: Dict[str, Any], reporter: chainer.Reporter
+               ) -> Dict[str, Any]:
+        """``observation`` with each key the replicas reported through a link of the model
+        (``(model)/...``, :data:`~mgpu_updater._replica.MODEL_OBSERVER`) named as
+        ``reporter`` names that link: 'main/...' in this updater's Trainer; 'gen/...'
+        where the script registered the model so (the model of a second updater that an
+        extension runs), as its reports under ``StandardUpdater`` would be named. A key
+        reported without an observer stays as it is. Each key's name is found once per
+        reporter."""
+        if self._names_for is not reporter:
+            self._names_for, self._key_names, self._link_names = reporter, {}, {}
+        names = self._key_names
+        out = {}
+        for key, value in observation.items():
+            name = names.get(key)
+            if name is None:
+                name = names[key] = self._key_name(key, reporter)
+            out[name] = value
+        return out
+
+    def _key_name(self, key: str, reporter: chainer.Reporter) -> str:
+        if not key.startswith(MODEL_OBSERVER):
+            return key
+        if self._observed is None:
+            model = self._optimizer.target
+            self._observed = {MODEL_OBSERVER + (path if path != '/' else ''): link
+                              for path, link in model.namedlinks()}
+        prefix = key   # the longest observer name that key starts with: the link's
+        while prefix not in self._observed:
+            prefix = prefix[:max(prefix.rfind('/'), 0)]
+            if not prefix:
+                return key
+        return self._link_name(prefix, reporter) + key[len(prefix):]
+
+    def _link_name(self, observer: str, reporter: chainer.Reporter) -> str:
+        """The name ``reporter`` gives the link the replicas name ``observer``; one it was
+        not given (where StandardUpdater's report would raise) is named after the model:
+        its name, or 'main', and the link's path."""
+        name = self._link_names.get(observer)
+        if name is None:
+            probe: Dict[str, Any] = {}
+            with reporter.scope(probe):
+                try:
+                    reporter.report({'': 0.0}, self._observed[observer])
+                except KeyError as exc:
+                    if not chainer_private.is_unregistered_observer_error(exc):
+                        raise
+            if probe:
+                name = next(iter(probe))[:-1]
+            elif observer == MODEL_OBSERVER:
+                name = 'main'
+            else:
+                name = self._link_name(MODEL_OBSERVER, reporter) + observer[
+                    len(MODEL_OBSERVER):]
+            self._link_names[observer] = name
         return name
 
     # ------------------------------------------------------------------ state
@@ -891,7 +927,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 raise error
 
 
-_TIME_KEYS = {key: 'main/time/' + key for key in ('data', 'compute', 'comm', 'update')}
+_TIME_KEYS = {key: MODEL_OBSERVER + '/time/' + key
+              for key in ('data', 'compute', 'comm', 'update')}
 #: seconds finalize() waits for the workers' iterator positions before it stops them
 _STATES_AT_END_TIMEOUT = 5.0
 

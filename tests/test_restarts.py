@@ -33,7 +33,7 @@ from mgpu_updater._local.resume import (Change, Keeper, Records, ResumePoint, ap
                                         difference, restore)
 from mgpu_updater._chunks import Chunking
 from mgpu_updater._local.group import payload_factory
-from mgpu_updater._replica import WindowResult, observers
+from mgpu_updater._replica import WindowResult
 from mgpu_updater.comm.shm import ShmCommunicator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / 'scripts' / 'faults'))
@@ -147,8 +147,8 @@ def test_max_worker_restarts_is_refused_across_mpi_ranks():
 
 def test_one_device_has_nothing_to_restart_and_reports_none():
     updater = _build(max_worker_restarts=3)
-    reporter = chainer.Reporter()   # the model reports here, as the Trainer's
-    observers(reporter, updater.get_optimizer('main').target)
+    reporter = chainer.Reporter()   # the model reports here, named as the Trainer names it
+    reporter.add_observer('main', updater.get_optimizer('main').target)
     observation = {}
     with reporter.scope(observation):
         updater.update()

@@ -147,17 +147,22 @@ def test_epoch_triggers_fire_when_an_epoch_ends_inside_a_window(tmp_path):
 
 
 
-def _turns(tmp_path, make_second):
+def _register_as_gen(reporter, model):
+    reporter.add_observer('gen', model)
+    reporter.add_observers('gen', model.namedlinks(skipself=True))
+
+
+def _turns(tmp_path, make_second, second_model=None, register=_register_as_gen):
     """A Trainer running a StandardUpdater, and an extension running a second updater
-    (``make_second(model, data)``) whose model the script registers as 'gen' (GAN-style
-    turns); the Trainer's observation after each iteration."""
-    first_model, second_model = classifier(seed=1), classifier(seed=2)
+    (``make_second(model, data)``) whose model the script registers (as 'gen', by
+    default; GAN-style turns); the Trainer's observation after each iteration."""
+    first_model = classifier(seed=1)
+    second_model = classifier(seed=2) if second_model is None else second_model
     first = StandardUpdater(
         chainer.iterators.SerialIterator(dataset(32, seed=1), 8, shuffle=False),
         setup_optimizer('sgd', first_model))
     trainer = training.Trainer(first, (3, 'iteration'), out=str(tmp_path))
-    trainer.reporter.add_observer('gen', second_model)
-    trainer.reporter.add_observers('gen', second_model.namedlinks(skipself=True))
+    register(trainer.reporter, second_model)
     second = make_second(second_model, dataset(32, seed=3))
     logged = []
     trainer.extend(lambda t: second.update(), trigger=(1, 'iteration'), priority=300,
@@ -197,3 +202,56 @@ def test_a_second_updater_reports_under_the_name_its_model_is_given(tmp_path, de
         assert float(chainer.as_array(got['gen/loss'])) == pytest.approx(
             float(want['gen/loss'].array), rel=1e-5)
         assert 'gen/time/update' in got and 'main/time/update' not in got
+
+
+class _ReportsThreeWays(chainer.Chain):
+    """Its child, an L.Classifier, reports as itself; the model reports as itself, and a
+    value without an observer under a key of its own choosing."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c = classifier(seed=2)
+
+    def forward(self, x, t):
+        loss = self.c(x, t)
+        chainer.report({'twice': 2 * loss}, self)
+        chainer.report({'main/raw': loss})
+        return loss
+
+
+def _sublinks_as_gen(reporter, model):
+    reporter.add_observer('gen', model)
+    reporter.add_observers('gen', model.namedlinks(skipself=True))
+    reporter.add_observer('g2', model)   # the model twice: the last name holds
+
+
+def _only_the_child(reporter, model):
+    reporter.add_observers('gen', model.namedlinks(skipself=True))
+    reporter.add_observer('top', model)
+
+
+@pytest.mark.parametrize('register', [_sublinks_as_gen, _only_the_child])
+def test_each_link_reports_under_the_name_the_reporter_gives_it(tmp_path, register):
+    """Each key is named after the link that reported it, as the reporter names that link
+    (the model and its child under different names), and a key reported without an
+    observer stays as it is (it was renamed with the model's name)."""
+    def standard(model, data):
+        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
+                               setup_optimizer('sgd', model))
+
+    def ours(model, data):
+        its = [chainer.iterators.SerialIterator(data[i::2], 4, shuffle=False)
+               for i in range(2)]
+        return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                           devices=['@numpy', '@numpy'])
+
+    np.random.seed(0)
+    reference = _turns(tmp_path / 'standard', standard, _ReportsThreeWays(), register)
+    np.random.seed(0)
+    logged = _turns(tmp_path / 'ours', ours, _ReportsThreeWays(), register)
+    for got, want in zip(logged, reference):
+        assert sorted(got) == sorted(want)
+        for key in want:
+            assert float(chainer.as_array(got[key])) == pytest.approx(
+                float(chainer.as_array(want[key])), rel=1e-5), key
