@@ -12,7 +12,7 @@ and that no other module of the package uses these names.
 | `optimizer._loss_scaling_is_dynamic` | updater | chainer/optimizer.py:562, 746, 782 | none |
 | `param._loss_scale = s` | updater | chainer/_backprop.py:262; chainer/optimizer.py:259, 291 | partly (a) |
 | `convert._call_converter` | _startup, _loader | chainer/dataset/convert.py:125-144 | none (b) |
-| `link._persistent`, `link.__dict__` | _flat_buffers, _replica, _startup, _unsent_state | chainer/link.py:149, 361-363, 381, 663-664 | none (c) |
+| `link._persistent`, `link._params`, `Chain._children`, `link.__dict__` | _flat_buffers, _replica, _startup, _unsent_state | chainer/link.py:148-149, 301, 361-363, 381, 663-664, 882, 914, 1051 | none (c) |
 | `MultiprocessIterator._state`, `._previous_epoch_detail`, `._reset_state`, `__dict__` | _checkpoint, _payload | chainer/iterators/multiprocess_iterator.py:157-158, 216-238, 253-255, 266-298 | none (d) |
 | `MultithreadIterator._state`, `._previous_epoch_detail` | _checkpoint | chainer/iterators/multithread_iterator.py:76-77, 124-137, 159-160 | none (d) |
 | `update_rule._use_fp32_update`, `._state` | _checkpoint | chainer/optimizer.py:196, 252-270, 433-462, 473-484 | none |
@@ -22,6 +22,7 @@ and that no other module of the package uses these names.
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | `@static_graph`'s wrapper, its schedules and how its backward sets gradients | _replica, _unsent_state | chainer/graph_optimizations/static_graph.py:667-669, 914-918, 1274-1275, 1308-1317 | none |
 | reporter's "not registered" KeyError | _replica, updater | chainer/reporter.py:172-173 | none |
+| `reporter._observer_names` | updater | chainer/reporter.py:82, 131, 144 | none |
 | Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
 | `SubDataset._dataset`, `._start`, `._order`; `TupleDataset._datasets`; `DictDataset._datasets`; `TransformDataset._dataset`, `._transform` | _iterators | chainer/datasets/sub_dataset.py:50-59, 64-76; chainer/datasets/tuple_dataset.py:38, 41-48; chainer/datasets/dict_dataset.py:27, 30-38; chainer/datasets/transform_dataset.py:44-45, 50-52 | none (i) |
 
@@ -174,6 +175,18 @@ def persistent_names(link: chainer.Link) -> FrozenSet[str]:
     """The names of the persistent values of ``link`` itself (``link._persistent``, see
     :func:`named_persistents`)."""
     return frozenset(link._persistent)
+
+
+def registered_names(link: chainer.Link) -> FrozenSet[str]:
+    """The names of ``link``'s own parameters, persistents and (a ``Chain``'s) child links:
+    ``link._params`` and ``link._persistent`` (chainer/link.py:148-149, filled by
+    ``Link.__setattr__`` in ``init_scope`` chainer/link.py:301), and ``Chain._children``
+    (chainer/link.py:882, 914); a ``ChainList``'s children are no attributes
+    (chainer/link.py:1051). What else ``link.__dict__`` holds is the link's own plain
+    attributes (an RNN link's state, a value its first call made)."""
+    children = getattr(link, '_children', ())
+    return frozenset(link._params) | frozenset(link._persistent) | frozenset(
+        name for name in children if isinstance(name, str))
 
 
 def persistent_value(link: chainer.Link, name: str) -> Any:
@@ -406,6 +419,12 @@ def forgotten_function(node: Any) -> Optional[Callable]:
     function's inputs, not the parameters it reaches (chainer/functions/util/forget.py:35,
     :55-57)."""
     return node.func if isinstance(node, Forget) else None
+
+
+def observer_names(reporter: chainer.Reporter) -> Set[str]:
+    """The names ``reporter`` gives its observers: ``reporter._observer_names``' values
+    (chainer/reporter.py:82, 131, 144)."""
+    return set(reporter._observer_names.values())
 
 
 def is_unregistered_observer_error(exc: BaseException) -> bool:

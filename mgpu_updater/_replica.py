@@ -6,6 +6,7 @@ scaled by (accumulation, ``loss_reduction``, ``replica_reduction``) is decided h
 """
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import math
@@ -22,7 +23,7 @@ import chainer
 
 from ._chainer_private import (backward_scaled, forgotten_function,
                                is_static_graph_machinery, is_unregistered_observer_error,
-                               persistent_names, static_graph_links)
+                               registered_names, static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
 from ._functions import cell_is_set, global_names
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
@@ -150,46 +151,65 @@ def scale_gradients(params: List[Tuple[str, chainer.Parameter]], factor: float) 
 State = List[Tuple[str, chainer.Link, Dict[str, Any]]]
 
 
-def kept_between_calls(model: chainer.Link, loss_func: Optional[Callable] = None) -> State:
+def kept_between_calls(model: chainer.Link, loss_func: Optional[Callable] = None,
+                       copies: bool = False) -> State:
     """(path, link, its plain attributes) of every link of the model (and of ``loss_func``
     where it is a link of its own): what its forward may keep from one call to the next,
     as an RNN link keeps its state ``h``, ``c``. Plain: neither a parameter, a child link
-    nor a persistent (those travel as the model's state)."""
+    nor a persistent of the link (those travel as the model's state). ``copies``: a
+    recurrent link's (one with ``reset_state``) dicts, lists and arrays as copies, which
+    :func:`put_back` can set back where a call filled them in place."""
     links = list(model.namedlinks())
     if isinstance(loss_func, chainer.Link):
         known = {id(link) for _, link in links}
         links += [(f'(loss_func){path}', link) for path, link in loss_func.namedlinks()
                   if id(link) not in known]
-    return [(path, link, _plain(link)) for path, link in links]
+    out = []
+    for path, link, in links:
+        values = _plain(link)
+        if copies and callable(getattr(link, 'reset_state', None)):
+            values = {name: (copy.copy(value) if isinstance(
+                value, (dict, list, numpy.ndarray)) else value)
+                for name, value in values.items()}
+        out.append((path, link, values))
+    return out
 
 
 def _plain(link: chainer.Link) -> Dict[str, Any]:
-    skip = persistent_names(link)
-    return {name: value for name, value in vars(link).items()
-            if name not in skip and not isinstance(value, (chainer.Parameter, chainer.Link))}
+    skip = registered_names(link)
+    return {name: value for name, value in vars(link).items() if name not in skip}
 
 
 def put_back(state: State) -> None:
-    """Set back the state a call left in recurrent links: what their ``reset_state``
+    """Set back the state a call left in recurrent links (``state`` as
+    :func:`kept_between_calls` gives it, with ``copies``): what their ``reset_state``
     clears (Chainer's convention for links that keep state between calls: ``L.LSTM``'s
-    ``h`` and ``c``). Each link with a ``reset_state`` that takes no argument is reset
-    (and its children, where it resets them); each attribute that changed takes its
-    value from before the call again. Everything else stays as the call left it: a
-    Variable or an array made once at the first call (a fixed projection, a mask), a
-    flag, a counter (a link cannot tell a counter from a flag)."""
+    ``h`` and ``c``). Each link with a ``reset_state`` is reset (and its children, where
+    it resets them); each attribute that changed takes its value from before the call
+    again (a dict, list or array filled in place, its contents). Where ``reset_state``
+    raises (one that needs arguments), each Variable the call stored in that link is set
+    back instead. Everything else stays as the call left it: a Variable or an array made
+    once at the first call (a fixed projection, a mask), a flag, a counter (a link cannot
+    tell a counter from a flag)."""
     after = [_plain(link) for _, link, _ in state]
+    failed = set()
     for _, link, _ in state:
         reset = getattr(link, 'reset_state', None)
         if callable(reset):
             try:
                 reset()
             except Exception:  # noqa: BLE001 - one that needs arguments: not Chainer's
-                pass
+                failed.add(id(link))
     for (_, link, before), left in zip(state, after):
         now = _plain(link)
         for name in set(left) | set(now):
-            if now.get(name, _ABSENT) is left.get(name, _ABSENT):
-                continue   # reset_state left it alone
+            if id(link) in failed:
+                changed = (holds_forward_output(left.get(name))
+                           and left.get(name) is not before.get(name, _ABSENT))
+            else:
+                changed = now.get(name, _ABSENT) is not left.get(name, _ABSENT)
+            if not changed:
+                continue
             old = before.get(name, _ABSENT)
             if old is not _ABSENT:
                 object.__setattr__(link, name, old)
@@ -264,6 +284,8 @@ def holds_forward_output(value: Any) -> bool:
 #: (:meth:`mgpu_updater.ParallelAccumulatingUpdater._named`), as ``StandardUpdater``'s
 #: model reporting into it would be named
 MODEL_OBSERVER = '(model)'
+#: the prefix of the updater's own keys (``(updater)/time/data``), named as the model is
+UPDATER_KEYS = '(updater)'
 
 
 def observers(reporter: chainer.Reporter, model: chainer.Link) -> None:

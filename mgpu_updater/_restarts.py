@@ -15,7 +15,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from .errors import WorkerError, WorkerRestartWarning
 
-REPORT_KEY = '(model)/worker_restarts'   # named as the model is (updater._named)
+REPORT_KEY = '(updater)/worker_restarts'   # named as the model is (updater._named)
 
 
 class Restart(NamedTuple):

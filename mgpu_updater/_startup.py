@@ -220,7 +220,7 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     saved = [(owner, name, copy.deepcopy(value)) for owner, name, value in values
              if value is not None]
     func = loss_func if loss_func is not None else model
-    state = kept_between_calls(model, loss_func)
+    state = kept_between_calls(model, loss_func, copies=True)
     reporter = chainer.Reporter()   # what the model reports here is thrown away
     observers(reporter, model)
     try:

@@ -20,8 +20,8 @@ from ._checkpoint import capture_state
 from ._flat_buffers import unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
-from ._replica import (MODEL_OBSERVER, Replica, WindowResult, combine, scale_gradients,
-                       with_graph)
+from ._replica import (MODEL_OBSERVER, UPDATER_KEYS, Replica, WindowResult, combine,
+                       scale_gradients, with_graph)
 from ._restarts import RestartLog
 from ._unsent_state import HeldObjects, UnsentState
 from .errors import NonFiniteGradientError, NonFiniteLossError
@@ -697,7 +697,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.micro_batch_size == 'auto':
             sizes = [r.micro_batch_size or 0 for r in results]
             if any(sizes):   # this update's micro-batches
-                observation[MODEL_OBSERVER + '/micro_batch_size'] = min(s for s in sizes if s)
+                observation[UPDATER_KEYS + '/micro_batch_size'] = min(s for s in sizes if s)
             # a replica whose window was empty (its shard ran out) keeps the size it found
             before = self.micro_batch_sizes
             self.micro_batch_sizes = [
@@ -724,7 +724,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         the restarts so far (``max_worker_restarts``)."""
         if self.report_times:
             for key, value in times.items():
-                observation[_TIME_KEYS.get(key) or MODEL_OBSERVER + '/time/' + key] = value
+                observation[_TIME_KEYS.get(key) or UPDATER_KEYS + '/time/' + key] = value
         if self._restart_log is not None:
             self._restart_log.report(observation)
         if not observation:
@@ -756,18 +756,23 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         return out
 
     def _key_name(self, key: str, reporter: chainer.Reporter) -> str:
+        if key.startswith(UPDATER_KEYS + '/'):   # the updater's own: the model's name
+            return self._link_name(MODEL_OBSERVER, reporter) + key[len(UPDATER_KEYS):]
         if not key.startswith(MODEL_OBSERVER):
             return key
-        if self._observed is None:
-            model = self._optimizer.target
-            self._observed = {MODEL_OBSERVER + (path if path != '/' else ''): link
-                              for path, link in model.namedlinks()}
         prefix = key   # the longest observer name that key starts with: the link's
-        while prefix not in self._observed:
+        while prefix not in self._observer_links():
             prefix = prefix[:max(prefix.rfind('/'), 0)]
             if not prefix:
                 return key
         return self._link_name(prefix, reporter) + key[len(prefix):]
+
+    def _observer_links(self) -> Dict[str, chainer.Link]:
+        """The replicas' observer names of the model's links -> those links."""
+        if self._observed is None:
+            self._observed = {MODEL_OBSERVER + (path if path != '/' else ''): link
+                              for path, link in self._optimizer.target.namedlinks()}
+        return self._observed
 
     def _link_name(self, observer: str, reporter: chainer.Reporter) -> str:
         """The name ``reporter`` gives the link the replicas name ``observer``; one it was
@@ -778,7 +783,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             probe: Dict[str, Any] = {}
             with reporter.scope(probe):
                 try:
-                    reporter.report({'': 0.0}, self._observed[observer])
+                    reporter.report({'': 0.0}, self._observer_links()[observer])
                 except KeyError as exc:
                     if not chainer_private.is_unregistered_observer_error(exc):
                         raise
@@ -786,6 +791,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 name = next(iter(probe))[:-1]
             elif observer == MODEL_OBSERVER:
                 name = 'main'
+                if name in chainer_private.observer_names(reporter):
+                    warnings.warn(
+                        'the model is not registered with the reporter current at this '
+                        "update, which names another observer 'main' (the Trainer's "
+                        "updater's model): this update's values are reported as main/*, in "
+                        "that one's place, where StandardUpdater's report would raise "
+                        "KeyError. Register the model under a name of its own "
+                        "(trainer.reporter.add_observer('gen', model) and "
+                        "add_observers('gen', model.namedlinks(skipself=True)))",
+                        RuntimeWarning, stacklevel=5)
             else:
                 name = self._link_name(MODEL_OBSERVER, reporter) + observer[
                     len(MODEL_OBSERVER):]
@@ -927,7 +942,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 raise error
 
 
-_TIME_KEYS = {key: MODEL_OBSERVER + '/time/' + key
+_TIME_KEYS = {key: UPDATER_KEYS + '/time/' + key
               for key in ('data', 'compute', 'comm', 'update')}
 #: seconds finalize() waits for the workers' iterator positions before it stops them
 _STATES_AT_END_TIMEOUT = 5.0

@@ -357,6 +357,60 @@ class LazyReservoir(chainer.Chain):
         return F.softmax_cross_entropy(self.out(self.res(x)), t)
 
 
+class _Cell(chainer.Chain):
+    """A recurrent cell of one's own, its state ``h`` carried from call to call:
+    ``'argument'``: its ``reset_state`` needs an argument; ``'dict'``: the state lives in a
+    dict the forward fills in place; ``'learned'``: ``reset_state`` starts from a learned
+    initial state, a parameter."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        with self.init_scope():
+            self.l = L.Linear(5, 5)
+            if kind == 'learned':
+                self.h0 = chainer.Parameter(np.zeros((1, 5), np.float32))
+        if kind == 'argument':
+            self.reset_state(None)
+        else:
+            self.reset_state()
+
+    def reset_state(self, *size):
+        if self.kind == 'argument' and not size:
+            raise TypeError('reset_state() needs the batch size')
+        if self.kind == 'dict':
+            self.cache = {}
+        elif self.kind == 'learned':
+            self.h = self.h0
+        else:
+            self.h = None
+
+    def forward(self, x):
+        h = self.cache.get('h') if self.kind == 'dict' else self.h
+        if h is not None and h.shape != x.shape:   # the learned initial state: one row
+            h = F.broadcast_to(h, x.shape)
+        y = F.tanh(self.l(x) if h is None else self.l(x) + h)
+        if self.kind == 'dict':
+            self.cache['h'] = y
+        else:
+            self.h = y
+        return y
+
+
+class LazyCell(chainer.Chain):
+    """:class:`_Cell` of ``kind`` under a lazy head, its state never reset."""
+
+    def __init__(self, kind, seed=0):
+        super().__init__()
+        np.random.seed(seed)
+        with self.init_scope():
+            self.cell = _Cell(kind)
+            self.out = L.Linear(None, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.out(self.cell(x)), t)
+
+
 class LazyPairs(chainer.Chain):
     """A lazy model that compares the batch's even and odd samples: a batch of one
     sample cannot go through it. It counts its calls in a persistent."""

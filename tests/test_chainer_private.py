@@ -47,6 +47,14 @@ SITE = Path(chainer.__file__).parent.parent   # where chainer/ and chainermn/ ar
 
 # (file, line or 'first-last') -> text found on that line or within those lines.
 _CITED: Dict[Tuple[str, str], str] = {
+    ('chainer/reporter.py', '82'): 'self._observer_names = {}',
+    ('chainer/reporter.py', '131'): 'self._observer_names[id(observer)] = name',
+    ('chainer/reporter.py', '144'): 'self._observer_names[id(observer)] = prefix + name',
+    ('chainer/link.py', '148-149'): 'self._persistent = set()',
+    ('chainer/link.py', '301'): 'self._params.add(name)',
+    ('chainer/link.py', '882'): 'self._children = set()',
+    ('chainer/link.py', '914'): 'self._children.add(name)',
+    ('chainer/link.py', '1051'): 'self._children = []',
     ('chainer/__init__.py', '219'): 'global_config.schedule_func = None',
     ('chainer/__init__.py', '235-236'): 'global_config._will_recompute = False',
     ('chainer/_backprop.py', '262'): 'x_var._loss_scale = loss_scale',
@@ -679,7 +687,8 @@ _PRIVATE = frozenset({
     '_previous_epoch_detail', '_prefetch_loop', '_random', '_init_comms',
     '_resolution_error', '_iterators', '_optimizers', '_hookable', '_pre_update_hooks',
     '_post_update_hooks', '_init_states', '_use_fp32_update', '_dataset', '_datasets',
-    '_start', '_finish', '_order', '_transform'})
+    '_start', '_finish', '_order', '_transform', '_params', '_children',
+    '_observer_names'})
 # On ``self`` these name the package's own attributes, except StandardUpdater's.
 _PRIVATE_ON_SELF_TOO = frozenset({'_iterators', '_optimizers'})
 _REPORTER_TEXT = 'not registered to the reporter'

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import chainer
+import chainer.functions as F
+import chainer.links as L
 from chainer import training
 from chainer.training import extensions
 from chainer.training.updaters import StandardUpdater
@@ -255,3 +257,56 @@ def test_each_link_reports_under_the_name_the_reporter_gives_it(tmp_path, regist
         for key in want:
             assert float(chainer.as_array(got[key])) == pytest.approx(
                 float(chainer.as_array(want[key])), rel=1e-5), key
+
+
+def test_a_second_model_not_registered_is_warned_where_its_values_would_take_mains(tmp_path):
+    """StandardUpdater's report raises KeyError for a model the reporter was not given;
+    here its values would be named main/*, in the place of the Trainer's model's: warned."""
+    def standard(model, data):
+        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
+                               setup_optimizer('sgd', model))
+
+    def ours(model, data):
+        its = [chainer.iterators.SerialIterator(data[i::2], 4, shuffle=False)
+               for i in range(2)]
+        return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                           devices=['@numpy', '@numpy'])
+
+    def unregistered(reporter, model):
+        pass
+
+    with pytest.raises(KeyError, match='not registered'):
+        _turns(tmp_path / 'standard', standard, register=unregistered)
+    with pytest.warns(RuntimeWarning, match=r"the model is not registered with the reporter "
+                                            r"current at this update, which names another "
+                                            r"observer 'main'"):
+        _turns(tmp_path / 'ours', ours, register=unregistered)
+
+
+class _HasAChildCalledTime(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c = classifier(seed=2)
+            self.time = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        loss = self.c(x, t)
+        chainer.report({'x': F.mean(self.time(x))}, self.time)
+        return loss
+
+
+def test_the_updaters_own_keys_take_the_models_name_whatever_its_links_are_called(tmp_path):
+    """report_times: main/time/* (or the model's name), also where a child link is called
+    'time' and the reporter names it otherwise (its name took the keys)."""
+    model = _HasAChildCalledTime()
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy', '@numpy'], report_times=True)
+    trainer = training.Trainer(updater, (2, 'iteration'), out=str(tmp_path))
+    trainer.reporter.add_observer('clock', model.time)
+    logged = []
+    trainer.extend(lambda t: logged.append(dict(t.observation)), trigger=(1, 'iteration'))
+    trainer.run()
+    assert {'main/time/data', 'main/time/update', 'clock/x', 'main/c/loss'} <= set(logged[-1])
+    assert not any(key.startswith('clock/') and key != 'clock/x' for key in logged[-1])
