@@ -184,10 +184,6 @@ def test_a_second_updater_reports_under_the_name_its_model_is_given(tmp_path, de
     """Under StandardUpdater the second updater's reports log as gen/*, beside the first
     updater's main/*; here too (they were main/*, in place of the first's), and so do the
     updater's own keys (report_times)."""
-    def standard(model, data):
-        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
-                               setup_optimizer('sgd', model))
-
     def ours(model, data):   # the same 8 samples an update
         its = [chainer.iterators.SerialIterator(data[i::len(devices)],
                                                 8 // len(devices) // k, shuffle=False)
@@ -196,7 +192,7 @@ def test_a_second_updater_reports_under_the_name_its_model_is_given(tmp_path, de
                                            devices=devices, accumulate_steps=k,
                                            report_times=True)
 
-    reference = _turns(tmp_path / 'standard', standard)
+    reference = _turns(tmp_path / 'standard', _standard)
     logged = _turns(tmp_path / 'ours', ours)
     assert len(logged) == len(reference) == 3
     for got, want in zip(logged, reference):
@@ -204,6 +200,19 @@ def test_a_second_updater_reports_under_the_name_its_model_is_given(tmp_path, de
         assert float(chainer.as_array(got['gen/loss'])) == pytest.approx(
             float(want['gen/loss'].array), rel=1e-5)
         assert 'gen/time/update' in got and 'main/time/update' not in got
+
+
+def _standard(model, data):
+    """The second updater of :func:`_turns`: StandardUpdater, 8 samples an update."""
+    return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
+                           setup_optimizer('sgd', model))
+
+
+def _two_replicas(model, data):
+    """... this updater on two replicas over the same 8 samples an update."""
+    its = [chainer.iterators.SerialIterator(data[i::2], 4, shuffle=False) for i in range(2)]
+    return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                       devices=['@numpy', '@numpy'])
 
 
 class _ReportsThreeWays(chainer.Chain):
@@ -238,20 +247,10 @@ def test_each_link_reports_under_the_name_the_reporter_gives_it(tmp_path, regist
     """Each key is named after the link that reported it, as the reporter names that link
     (the model and its child under different names), and a key reported without an
     observer stays as it is (it was renamed with the model's name)."""
-    def standard(model, data):
-        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
-                               setup_optimizer('sgd', model))
-
-    def ours(model, data):
-        its = [chainer.iterators.SerialIterator(data[i::2], 4, shuffle=False)
-               for i in range(2)]
-        return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                           devices=['@numpy', '@numpy'])
-
     np.random.seed(0)
-    reference = _turns(tmp_path / 'standard', standard, _ReportsThreeWays(), register)
+    reference = _turns(tmp_path / 'standard', _standard, _ReportsThreeWays(), register)
     np.random.seed(0)
-    logged = _turns(tmp_path / 'ours', ours, _ReportsThreeWays(), register)
+    logged = _turns(tmp_path / 'ours', _two_replicas, _ReportsThreeWays(), register)
     for got, want in zip(logged, reference):
         assert sorted(got) == sorted(want)
         for key in want:
@@ -262,25 +261,15 @@ def test_each_link_reports_under_the_name_the_reporter_gives_it(tmp_path, regist
 def test_a_second_model_not_registered_is_warned_where_its_values_would_take_mains(tmp_path):
     """StandardUpdater's report raises KeyError for a model the reporter was not given;
     here its values would be named main/*, in the place of the Trainer's model's: warned."""
-    def standard(model, data):
-        return StandardUpdater(chainer.iterators.SerialIterator(data, 8, shuffle=False),
-                               setup_optimizer('sgd', model))
-
-    def ours(model, data):
-        its = [chainer.iterators.SerialIterator(data[i::2], 4, shuffle=False)
-               for i in range(2)]
-        return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                           devices=['@numpy', '@numpy'])
-
     def unregistered(reporter, model):
         pass
 
     with pytest.raises(KeyError, match='not registered'):
-        _turns(tmp_path / 'standard', standard, register=unregistered)
+        _turns(tmp_path / 'standard', _standard, register=unregistered)
     with pytest.warns(RuntimeWarning, match=r"the model is not registered with the reporter "
                                             r"current at this update, which names another "
                                             r"observer 'main'"):
-        _turns(tmp_path / 'ours', ours, register=unregistered)
+        _turns(tmp_path / 'ours', _two_replicas, register=unregistered)
 
 
 class _HasAChildCalledTime(chainer.Chain):
