@@ -51,11 +51,16 @@ def find(root: Any, name: str) -> Culprit:
     A part fails if it fails to pickle on its own, as the payload is pickled, with the
     objects already on the path taken as pickling (a method refers back to its class, a
     class to its methods: the part fails for what it holds besides them). ``root`` is
-    assumed to fail; if no part of it fails, it is the culprit.
+    assumed to fail; if no part of it fails, it is the culprit. An object whose parts
+    cannot be told (a ``__reduce__`` that returns no tuple) stops the search there.
     """
     path, obj, on_path, checks = name, root, {id(root): None}, 0
     for _ in range(MAX_DEPTH):
-        for label, part in parts(obj):
+        try:
+            found = list(parts(obj))
+        except Exception:  # noqa: BLE001 - a malformed reduction: pickle's error says it
+            return Culprit(path, obj, complete=False)
+        for label, part in found:
             if type(part) in _ATOMIC or id(part) in on_path:
                 continue
             if checks >= MAX_CHECKS:

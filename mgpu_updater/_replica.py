@@ -165,7 +165,7 @@ def kept_between_calls(model: chainer.Link, loss_func: Optional[Callable] = None
         links += [(f'(loss_func){path}', link) for path, link in loss_func.namedlinks()
                   if id(link) not in known]
     out = []
-    for path, link, in links:
+    for path, link in links:
         values = _plain(link)
         if copies and callable(getattr(link, 'reset_state', None)):
             values = {name: (copy.copy(value) if isinstance(
@@ -274,9 +274,7 @@ _ABSENT = object()
 
 def holds_forward_output(value: Any) -> bool:
     """A Variable that is not a parameter, or a tuple or list that holds one."""
-    if isinstance(value, (tuple, list)):
-        return any(holds_forward_output(v) for v in value)
-    return isinstance(value, chainer.Variable) and not isinstance(value, chainer.Parameter)
+    return any(not isinstance(v, chainer.Parameter) for v in _variables(value))
 
 
 #: the name every replica's own reporter gives the model (its links: ``(model)/path``);

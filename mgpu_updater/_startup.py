@@ -152,10 +152,7 @@ def _local_group(s: Settings) -> LocalGroup:
         replica_model = _copy(s.model)
     except Exception as exc:  # noqa: BLE001 - deepcopy raises what pickling raises
         from . import _pickle_path
-        try:
-            culprit = _pickle_path.find(s.model, 'model')
-        except Exception:  # noqa: BLE001 - a part whose reduction is malformed
-            culprit = _pickle_path.Culprit('model', s.model, complete=False)
+        culprit = _pickle_path.find(s.model, 'model')
         raise TypeError(
             f'the model ({type(s.model).__name__}) cannot be copied for the worker '
             f'processes after its first call (which initialised its lazy parameters): '

@@ -300,10 +300,7 @@ def picklable(name: str, value: Any, resource_hint: str) -> None:
         _payload.check(value)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types
         root = name[4:] if name.startswith('the ') else name
-        try:
-            culprit = _pickle_path.find(value, root)
-        except Exception:  # noqa: BLE001 - a part whose reduction is malformed: say pickle's
-            culprit = _pickle_path.Culprit(root, value, complete=False)
+        culprit = _pickle_path.find(value, root)
         where = culprit.path if culprit.path != root else f'{root} itself'
         found = ('the culprit is' if culprit.complete else
                  'the search stopped, the culprit lies within')
