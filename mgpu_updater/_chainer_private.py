@@ -106,24 +106,38 @@ def set_update_loss_scale(model: chainer.Link, scale: Optional[float]) -> None:
         param._loss_scale = scale
 
 
-def backward_scaled(loss: chainer.Variable, scale: float) -> None:
-    """``loss.backward(loss_scale=scale)``'s gradient, leaving every leaf's stamp None.
+def backward_scaled(loss: chainer.Variable, factor: float,
+                    loss_scale: Optional[float] = None) -> None:
+    """``loss.backward(loss_scale=loss_scale)``'s gradient times ``factor``, leaving every
+    leaf's stamp None.
 
     ``Variable.backward`` seeds a one-element loss's gradient with ``ones_like`` and,
     given ``loss_scale``, multiplies it in place by it (chainer/variable.py:1568-1571),
     then stamps ``loss_scale`` onto every leaf it reaches (chainer/_backprop.py:262), which
     the update rule divides the gradient by before its step. A replica's factor (its part
-    of the update, times the optimizer's loss scale) is no scale for the step to undo, so
+    of the update) times the optimizer's loss scale is no scale for the step to undo, so
     the same seed is made here, by the same operations (the same bits in any dtype), and
     the backward runs without ``loss_scale``: its stamps are None, as a plain backward's,
     and the master writes none before its step unless the optimizer scales the loss
-    (:func:`set_update_loss_scale`).
+    (:func:`set_update_loss_scale`). A gradient the loss was given before (``loss.grad =
+    w``, a weight) is the seed as it is there, not scaled by ``loss_scale``
+    (chainer/variable.py:1558): here it is multiplied by ``factor`` alone.
     """
-    if scale != 1.0:
-        with chainer.using_device(loss.device):
-            seed = loss.device.xp.ones_like(loss.array)
-        seed *= scale
-        loss.grad = seed
+    preset = loss.grad
+    if preset is not None:
+        if factor != 1.0:
+            seed = preset.copy()
+            seed *= factor   # in place: its dtype and shape stay
+            loss.grad = seed
+    else:
+        scale = factor
+        if loss_scale is not None:
+            scale *= loss_scale
+        if scale != 1.0:
+            with chainer.using_device(loss.device):
+                seed = loss.device.xp.ones_like(loss.array)
+            seed *= scale
+            loss.grad = seed
     loss.backward()
 
 

@@ -540,10 +540,8 @@ class Replica:
                     if not cleared:
                         model.cleargrads()
                         cleared = True
-                    scale = scaling.micro_batch(size)
-                    if loss_scale is not None:
-                        scale *= loss_scale
-                    backward_scaled(loss, scale)   # the leaves' stamps stay None
+                    # the leaves' stamps stay None
+                    backward_scaled(loss, scaling.micro_batch(size), loss_scale)
                     if own_sum is not None:
                         own_sum.add()
                     if unchecked:
@@ -657,10 +655,8 @@ class Replica:
             self._check_loss(loss)
         self.model.cleargrads()
         size = batch.size
-        scale = self.scaling.micro_batch(size)
-        if loss_scale is not None:
-            scale *= loss_scale
-        backward_scaled(loss, scale)   # the leaves' stamps stay None
+        # the leaves' stamps stay None
+        backward_scaled(loss, self.scaling.micro_batch(size), loss_scale)
         loss_array = loss.array
         if not self._gradients_checked:
             self._check_gradients(loss)
@@ -743,6 +739,9 @@ class Replica:
         elif loss.size != 1:
             what = (f'a Variable of shape {loss.shape}, not one value: reduce it to a '
                     "scalar (F.mean; or F.sum with loss_reduction='sum')")
+            if loss.grad is not None:
+                what += ('; the gradient set on it (loss.grad) weights its elements: '
+                         'multiply them by it before reducing, F.sum(w * loss)')
         elif numpy.dtype(loss.dtype).kind != 'f':
             what = (f'a Variable of dtype {numpy.dtype(loss.dtype).name}: a loss must be '
                     'floating point (float16, float32 or float64) to be back-propagated')

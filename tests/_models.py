@@ -690,3 +690,34 @@ class ViewTied(chainer.Chain):
 
     def forward(self, x):
         return self.out(F.tanh(self.l2(F.tanh(self.l1(x)))))
+
+
+class WeightedLoss(chainer.Chain):
+    """A classifier that weights its loss's gradient by setting it before the backward
+    (``loss.grad = w``): ``Variable.backward`` seeds from it as it is, not with ones."""
+
+    def __init__(self, weight=0.5):
+        super().__init__()
+        self.weight = weight
+        with self.init_scope():
+            self.predictor = MLP()
+
+    def forward(self, x, t):
+        loss = F.softmax_cross_entropy(self.predictor(x), t)
+        loss.grad = np.array(self.weight, dtype=loss.dtype)
+        return loss
+
+
+class ConstrainsInForward(chainer.Chain):
+    """A classifier whose forward applies a max-norm constraint to its first layer's
+    rows in place, before using it (a constraint written into the model)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.predictor = MLP()
+
+    def forward(self, x, t):
+        W = self.predictor.l1.W.array
+        W *= np.minimum(1.0, 0.5 / np.sqrt((W ** 2).sum(axis=1, keepdims=True)))
+        return F.softmax_cross_entropy(self.predictor(x), t)

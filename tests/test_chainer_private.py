@@ -59,6 +59,7 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/__init__.py', '235-236'): 'global_config._will_recompute = False',
     ('chainer/_backprop.py', '262'): 'x_var._loss_scale = loss_scale',
     ('chainer/variable.py', '1568-1571'): 'self.grad *= loss_scale',
+    ('chainer/variable.py', '1558'): 'if self.array.size == 1 and self.grad_var is None:',
     ('chainer/backends/cuda.py', '77-78'): '_resolution_error = e',
     ('chainer/backends/cuda.py', '133-134'): '_resolution_error = e',
     ('chainer/configuration.py', '66'): "'_local', threading.local()",

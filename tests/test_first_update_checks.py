@@ -20,6 +20,8 @@
 - A window whose losses reach no parameter at all (a constant loss: a detection batch
   without objects) is no sign of a loss_func bound to another model: it trains as
   ``StandardUpdater`` does, and the next window is checked instead.
+- A forward that writes a parameter in place fails on a worker, whose parameters are
+  read-only views of the master's: the error says so and where to constrain instead.
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 
 from _models import (ConstantWhenEmpty, ConstantWhenEmptyForgotten,
-                     ConstantWhenEmptyForgottenMethod, GrowsInForward, ReadsItsGradient,
+                     ConstantWhenEmptyForgottenMethod, ConstrainsInForward, GrowsInForward, ReadsItsGradient,
                      ReadsItsGradientNowAndThen, classifier, dataset, params, run_updates,
                      setup_optimizer)
 
@@ -84,6 +86,10 @@ class _Returns:
             return float(loss.array)
         if self.what == 'vector':
             return F.stack([loss, loss])
+        if self.what == 'weighted vector':   # Variable.backward's seed, set beforehand
+            loss = F.stack([loss, loss])
+            loss.grad = np.array([0.5, 0.5], np.float32)
+            return loss
         if self.what == 'int':
             return chainer.Variable(np.array(3, np.int32))
         raise ValueError(self.what)
@@ -93,6 +99,9 @@ class _Returns:
     ('none', r'returned NoneType None, not a chainer\.Variable'),
     ('float', r'returned float [0-9.]+, not a chainer\.Variable'),
     ('vector', r'returned a Variable of shape \(2,\), not one value'),
+    ('weighted vector', r'returned a Variable of shape \(2,\), not one value: .*; the '
+                        r'gradient set on it \(loss\.grad\) weights its elements: '
+                        r'multiply them by it before reducing, F\.sum\(w \* loss\)'),
     ('int', r'returned a Variable of dtype int32: a loss must be floating point'),
 ])
 def test_a_loss_func_that_returns_no_scalar_loss_is_named(what, said):
@@ -442,3 +451,21 @@ def test_a_tuple_of_variables_kept_in_an_attribute_is_looked_at_too(carry):
             run_updates(updater, model, 2)
     finally:
         updater.finalize()
+
+
+def test_a_forward_that_writes_a_parameter_in_place_is_told_where_to_constrain():
+    model = ConstrainsInForward()
+    updater = _updater(model)
+    try:
+        with pytest.raises(WorkerError, match=r'^replica 1 ') as e:
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    text = str(e.value)
+    assert 'ValueError: output array is read-only' in text
+    assert text.rstrip().endswith(
+        "(On a worker the model's parameters are read-only views of the master's: a "
+        'forward that writes a parameter in place, such as a max-norm constraint, would '
+        "change every replica's, and runs once per micro-batch where StandardUpdater's runs "
+        'once per update. If the array is a parameter, constrain it after the step instead, '
+        "once per update on the master: optimizer.add_hook(hook, timing='post').)")

@@ -25,7 +25,8 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
 
-from _models import SometimesExtra, classifier, dataset, params, run_updates
+from _models import (SometimesExtra, WeightedLoss, classifier, dataset, params,
+                     run_updates)
 
 UPDATES, N, K, B = 3, 2, 2, 4
 
@@ -190,3 +191,24 @@ def test_an_optimizer_that_leaves_missing_gradients_is_warned_about_where_it_can
         assert 'link.disable_update()' in message
         assert record[0].filename == __file__   # pointed at the caller
 
+
+
+@pytest.mark.parametrize('loss_scale', [None, 8.0])
+def test_a_gradient_set_on_the_loss_weights_it_as_under_standard_updater(loss_scale):
+    """``loss.grad = w`` before the backward: the update is w times the plain one under
+    both (every replica's micro-batches too); under loss scaling Chainer seeds from it
+    unscaled and still divides by the scale, and so does ours."""
+    def make_model():
+        np.random.seed(0)
+        return WeightedLoss(0.5)
+
+    def make_optimizer(model):
+        opt = chainer.optimizers.SGD(0.1)
+        opt.setup(model)
+        if loss_scale is not None:
+            opt.loss_scaling(interval=1000, scale=loss_scale)
+        return opt
+
+    ours, ref, start = _train_both(make_model, make_optimizer)
+    _assert_same(ours, ref)
+    assert any(not np.array_equal(ref[n], start[n]) for n in ref)

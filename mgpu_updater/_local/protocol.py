@@ -529,6 +529,23 @@ def slot_views(comm: Any, layouts: ModelLayouts,
     return params, views
 
 
+#: Added to a worker's traceback of numpy's "read-only" error (:class:`ParamViews`).
+READ_ONLY_ADVICE = (
+    "\n(On a worker the model's parameters are read-only views of the master's: a forward "
+    'that writes a parameter in place, such as a max-norm constraint, would change every '
+    "replica's, and runs once per micro-batch where StandardUpdater's runs once per update. "
+    "If the array is a parameter, constrain it after the step instead, once per update on "
+    "the master: optimizer.add_hook(hook, timing='post').)\n")
+
+
+def advice_for(exc: Optional[BaseException]) -> str:
+    """What to add to the traceback of ``exc``, raised in a worker: :data:`READ_ONLY_ADVICE`
+    for numpy's error on writing a read-only array, else ''."""
+    if isinstance(exc, ValueError) and 'read-only' in str(exc):
+        return READ_ONLY_ADVICE
+    return ''
+
+
 class ParamViews:
     """A worker's parameters, read in place from the broadcast parameter buffer.
 

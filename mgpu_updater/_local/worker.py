@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -28,7 +29,7 @@ from typing import Any, Callable, List, NamedTuple, Optional
 
 from .protocol import (Abandoned, Decoder, Done, Failed, Hello, Joining, ParamViews, Ready,
                        Rejoin, Rejoined, Rewind, Rewound, State, StateRequest, Step, Stop,
-                       worker_step)
+                       advice_for, worker_step)
 
 PARENT_POLL = 0.2   # seconds between checks that the master is alive (when polled)
 
@@ -373,7 +374,7 @@ def _spin_for_message(conn: Any, seconds: float) -> None:
 
 def _send_error(conn: Any) -> None:
     try:
-        conn.send(Failed(traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc() + advice_for(sys.exc_info()[1])))
     except Exception:  # noqa: BLE001 - the master is gone; nothing left to tell
         pass
 
