@@ -36,6 +36,7 @@ import copyreg
 import importlib
 import importlib.util
 import io
+import marshal
 import pickle
 import sys
 import types
@@ -70,6 +71,15 @@ class _Pickler(cloudpickle.Pickler):
             # by no name: by value, a class in __main__ deriving from chainer.Link would
             # get a copy of it in the worker, and a metaclass conflict.
             return type, (DeviceResident,)
+        if kind is types.CodeType:
+            # cloudpickle names the file of code it pickles by value '<dynamic-code>': a
+            # worker's traceback through the script's own functions then showed neither
+            # the script nor its lines. marshal keeps every field (the worker runs this
+            # same Python), nested code too.
+            try:
+                return marshal.loads, (marshal.dumps(obj),)
+            except ValueError:   # a constant marshal cannot write (code built by hand)
+                pass
         if isinstance(obj, MultiprocessIterator):
             return _reduce_multiprocess_iterator(obj)
         if isinstance(obj, io.TextIOWrapper) and obj not in (sys.stdout, sys.stderr):

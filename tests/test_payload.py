@@ -207,6 +207,21 @@ def _in_fresh_interpreter(payload: bytes, code: str) -> str:
     return proc.stdout.decode()
 
 
+def test_code_by_value_keeps_its_file_and_lines_for_the_workers_tracebacks():
+    """cloudpickle names the file of code it pickles by value '<dynamic-code>'; ours keeps
+    the script's, nested functions' too, so a worker's traceback shows where and what."""
+    namespace = {'__name__': 'not_an_importable_module'}
+    source = 'def outer(x):\n    def inner(y):\n        raise ValueError(y)\n    return inner(x)\n'
+    exec(compile(source, '/somewhere/train.py', 'exec'), namespace)
+    assert cloudpickle.loads(cloudpickle.dumps(namespace['outer'])).__code__.co_filename \
+        == '<dynamic-code>'
+    outer = pickle.loads(_payload.dumps(namespace['outer']))
+    with pytest.raises(ValueError) as e:
+        outer(3)
+    frames = [(str(f.path), f.lineno + 1, f.name) for f in e.traceback[1:]]
+    assert frames == [('/somewhere/train.py', 4, 'outer'), ('/somewhere/train.py', 3, 'inner')]
+
+
 @pytest.mark.parametrize('name', sorted(SIX_MODULES))
 def test_six_module_objects_travel_by_name(name):
     module = SIX_MODULES[name]()
