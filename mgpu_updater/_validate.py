@@ -27,6 +27,35 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
+def other_updaters_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Refuse what Chainer's updaters take and this one does not, saying what replaces it:
+    ``StandardUpdater``'s ``device``, ``input_device`` and ``loss_scale``,
+    ``ParallelUpdater``'s ``models``, and a converter given by position (the third
+    argument of each). Python's own error named the argument and nothing more."""
+    if len(args) > 2:
+        raise TypeError(
+            f'ParallelAccumulatingUpdater takes the iterators and the optimizer by position '
+            f'and the rest by keyword ({len(args)} positional arguments given, the third '
+            f'{_show(args[2])}): pass e.g. converter=..., devices=[...]')
+    fixes = {
+        'device': lambda v: (f'pass devices=[{v!r}] for one replica, or one entry per '
+                             'device (devices=[0, 1])'),
+        'input_device': lambda v: ('drop it: each replica\'s converter sends its batch to '
+                                   'that replica\'s device (devices=[...])'),
+        'loss_scale': lambda v: (f'set it on the optimizer, optimizer.set_loss_scale({v!r}) '
+                                 '(what StandardUpdater does with it), or use '
+                                 'optimizer.loss_scaling() for dynamic scaling'),
+        'models': lambda v: ("give the one model as the optimizer's target and "
+                             'devices=[...]: each replica is a copy of it'),
+    }
+    for name, fix in fixes.items():
+        if name in kwargs:
+            owner = 'ParallelUpdater' if name == 'models' else 'StandardUpdater'
+            raise TypeError(f'{name} is an argument of {owner}, not of '
+                            f'ParallelAccumulatingUpdater ({name}={_show(kwargs[name])} '
+                            f'given): {fix(kwargs[name])}')
+
+
 def prefetch(value: Any) -> Any:
     """``'auto'`` or an int >= 0 (the micro-batches loaded ahead per replica)."""
     if value == 'auto' and isinstance(value, str):

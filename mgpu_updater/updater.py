@@ -194,6 +194,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             the last micro-batch used).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> 'ParallelAccumulatingUpdater':
+        # before __init__'s arguments are bound, so that a StandardUpdater argument gets
+        # its fix; a subclass's own __init__ takes what it takes
+        if cls.__init__ is ParallelAccumulatingUpdater.__init__:
+            _validate.other_updaters_arguments(args, kwargs)
+        return super().__new__(cls)
+
     def __init__(self, iterators: Any, optimizer: chainer.Optimizer, *,
                  devices: Union[Sequence[Any], Dict[str, Any]],
                  accumulate_steps: int = 1,

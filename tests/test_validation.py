@@ -84,6 +84,46 @@ def test_prefetch_and_policies():
              start_method='fork')
 
 
+# ------------------------------------------------------------------ other updaters' arguments
+@pytest.mark.parametrize('name, value, fix', [
+    ('device', 0, r'pass devices=\[0\] for one replica, or one entry per device'),
+    ('input_device', '@numpy', r"drop it: each replica's converter sends its batch"),
+    ('loss_scale', 8.0, r'set it on the optimizer, optimizer\.set_loss_scale\(8\.0\)'),
+])
+def test_a_standard_updater_argument_is_refused_with_what_replaces_it(name, value, fix):
+    rejected(TypeError, rf'^{name} is an argument of StandardUpdater, not of '
+                        rf'ParallelAccumulatingUpdater \({name}={re.escape(repr(value))} of '
+                        rf'type \w+ given\): {fix}', **{name: value})
+
+
+def test_parallel_updaters_models_and_a_converter_by_position_are_refused():
+    model = L.Classifier(L.Linear(4, 3))
+    rejected(TypeError, r'^models is an argument of ParallelUpdater, not of '
+                        r"ParallelAccumulatingUpdater \(models=.* given\): give the one model "
+                        r"as the optimizer's target", models={'main': model},
+             optimizer=set_up(model))
+    with pytest.raises(TypeError, match=r'^ParallelAccumulatingUpdater takes the iterators '
+                                        r'and the optimizer by position and the rest by '
+                                        r'keyword \(3 positional arguments given'):
+        ParallelAccumulatingUpdater(iterators(), set_up(), chainer.dataset.concat_examples,
+                                    devices=['@numpy', '@numpy'])
+    assert multiprocessing.active_children() == []
+
+
+def test_a_subclass_keeps_its_own_keywords():
+    """Chainer's GAN example pops ``models`` in its updater subclass's __init__: the
+    check of other updaters' arguments leaves a subclass's arguments to it."""
+    class TwoModels(ParallelAccumulatingUpdater):
+        def __init__(self, *args, **kwargs):
+            self.models = kwargs.pop('models')
+            super().__init__(*args, **kwargs)
+
+    model = L.Classifier(L.Linear(4, 3))
+    updater = TwoModels(iterators(), set_up(model), models=(model,), devices=['@numpy'] * 2)
+    updater.finalize()
+    assert updater.models == (model,)
+
+
 # ------------------------------------------------------------------ devices
 def test_devices_empty():
     rejected(ValueError, r"^devices must name at least one device \(\[\] given\); "
