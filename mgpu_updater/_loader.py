@@ -460,15 +460,21 @@ def sample_count(batch: Any) -> int:
     """How many samples a batch, as the iterator returned it, holds.
 
     A list (what Chainer's iterators return: one example per entry) counts its entries.
-    A tuple or dict whose first value is an array counts that array's leading dimension:
-    a custom iterator that returns columns (Chainer's word2vec ``WindowIterator`` returns
-    ``(centers, contexts)``) gives one row per sample. Anything else with a shape counts
-    its leading dimension; anything else, its length.
+    A tuple or dict of columns (a custom iterator's: Chainer's word2vec ``WindowIterator``
+    returns ``(centers, contexts)``) counts the rows of its first array of one or more
+    dimensions (one row per sample; a column before it may be a list of sequences or a
+    number); where it holds no array, lists of one length, that length. Anything else with
+    a shape counts its leading dimension; anything else, its length.
     """
     if isinstance(batch, (tuple, dict)) and batch:
-        first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-        if getattr(first, 'ndim', 0) >= 1:
-            return int(first.shape[0])
+        values = tuple(batch.values()) if isinstance(batch, dict) else batch
+        for value in values:
+            if getattr(value, 'ndim', 0) >= 1:
+                return int(value.shape[0])
+        if all(type(value) is list for value in values):
+            lengths = {len(value) for value in values}
+            if len(lengths) == 1:
+                return lengths.pop()
     return len(batch)
 
 

@@ -3,7 +3,8 @@
 Micro-batches are weighted by their sample counts, so a short batch must count what it
 holds. Chainer's iterators return a list of examples: its length. A custom iterator may
 return columns instead (Chainer's word2vec ``WindowIterator`` returns ``(centers,
-contexts)``): a tuple (or dict) of arrays counts the rows of its first array, not 2.
+contexts)``): a tuple (or dict) of arrays counts the rows of its first array, not 2; a
+column of sequences as a list (text), or a number, before it is passed over.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from _models import params, setup_optimizer
 class ColumnIterator(chainer.dataset.Iterator):
     """Walks ``(x, t)`` once, ``batch_size`` rows at a time, returning the columns."""
 
-    def __init__(self, x, t, batch_size):
+    def __init__(self, x, t, batch_size, as_list=False):
         self.x, self.t, self.batch_size = x, t, batch_size
+        self.as_list = as_list   # x's rows as a list, first (as sequences of text would be)
         self.current_position = 0
         self.epoch = 0
         self.is_new_epoch = False
@@ -35,6 +37,8 @@ class ColumnIterator(chainer.dataset.Iterator):
             raise StopIteration
         i, end = self.current_position, self.current_position + self.batch_size
         batch = self.x[i:end], self.t[i:end]
+        if self.as_list:
+            batch = list(batch[0]), batch[1]
         self.is_new_epoch = end >= len(self.x)
         self.epoch += int(self.is_new_epoch)
         self.current_position = 0 if self.is_new_epoch else end
@@ -54,6 +58,7 @@ class ColumnIterator(chainer.dataset.Iterator):
 
 @chainer.dataset.converter()
 def columns(batch, device):
+    batch = tuple(np.stack(a) if type(a) is list else a for a in batch)
     return tuple(a if device is None else device.send(a) for a in batch)
 
 
@@ -79,10 +84,16 @@ def test_sample_count_rule():
     assert sample_count({'x': x[:3], 't': t[:3]}) == 3
     assert sample_count(x[:2]) == 2
     assert sample_count((x[:1], t[:1])) == 1
+    assert sample_count((list(x[:3]), t[:3])) == 3                      # a list first
+    assert sample_count({'text': ['a', 'bc', 'd'], 't': t[:3]}) == 3
+    assert sample_count((np.float32(0.5), x[:3], t[:3])) == 3            # a number first
+    assert sample_count((['a', 'bc', 'd'], [0, 1, 0])) == 3              # lists only
+    assert sample_count(((x[0], t[0]), (x[1], t[1]), (x[2], t[2]))) == 3  # examples
 
 
+@pytest.mark.parametrize('as_list', [False, True])
 @pytest.mark.parametrize('devices,steps', [(['@numpy'], 2), (['@numpy', '@numpy'], 2)])
-def test_short_column_batches_weigh_as_in_standard_updater(devices, steps):
+def test_short_column_batches_weigh_as_in_standard_updater(devices, steps, as_list):
     """Each replica's shard of 4 rows loads as batches of 3 and 1: one update over all
     rows must equal StandardUpdater's step on one batch of every row."""
     x, t = _data(4 * len(devices))
@@ -90,7 +101,7 @@ def test_short_column_batches_weigh_as_in_standard_updater(devices, steps):
     ours = Regressor()
     np.random.seed(0)
     reference = Regressor()
-    its = [ColumnIterator(x[4 * r:4 * r + 4], t[4 * r:4 * r + 4], 3)
+    its = [ColumnIterator(x[4 * r:4 * r + 4], t[4 * r:4 * r + 4], 3, as_list)
            for r in range(len(devices))]
     updater = ParallelAccumulatingUpdater(its if len(its) > 1 else its[0],
                                           setup_optimizer('sgd', ours), devices=devices,
