@@ -34,6 +34,7 @@ import numpy
 import chainer
 
 from ._chainer_private import config_entry_names, thread_config_entries
+from ._warning import warn
 
 # Not sent: entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236;
 # static graphs and recomputation), not settings of the user's; and keep_graph_on_report,
@@ -60,7 +61,7 @@ def master_config() -> Dict[str, Any]:
         try:
             cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
-            warnings.warn(f'chainer.config.{name} = {value!r} cannot be sent to the worker '
+            warn(f'chainer.config.{name} = {value!r} cannot be sent to the worker '
                           f'processes ({type(exc).__name__}: {exc}); they keep Chainer\'s '
                           'value for it. Set it to a picklable value to have it apply there',
                           stacklevel=3)
@@ -83,7 +84,7 @@ def process_settings() -> ProcessSettings:
         try:
             cloudpickle.dumps(entry)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
-            warnings.warn(f'the warning filter {entry!r} cannot be sent to the worker '
+            warn(f'the warning filter {entry!r} cannot be sent to the worker '
                           f'processes ({type(exc).__name__}: {exc}); they go without it',
                           stacklevel=3)
             continue

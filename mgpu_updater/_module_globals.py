@@ -34,10 +34,10 @@ import os
 import sys
 import sysconfig
 import types
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy
+from . import _warning
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 MAX_NODES = 20000   # objects gone into per walk of the payload
@@ -309,7 +309,7 @@ def warn(found: Dict[int, Sequence[str]], stacklevel: int = 2) -> None:
     if not listed:
         return
     more = f' (and {len(listed) - MAX_NAMED} more)' if len(listed) > MAX_NAMED else ''
-    warnings.warn(
+    _warning.warn(
         'the worker processes import your modules again from their files, and their copies '
         'of the model, loss_func and converter read there what the master\'s do not: '
         f'{"; ".join(listed[:MAX_NAMED])}{more}. The replicas compute with different values '

@@ -30,7 +30,6 @@ overlap the reduction with the next compute yet.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from typing import Any, Dict, List, Optional
 
 import numpy
@@ -43,6 +42,7 @@ from ._local.protocol import before_window, collective_order, issue, pack_window
 from ._replica import WindowResult
 from .comm.base import check_same_order
 from .comm.mpi import MpiCommunicator
+from ._warning import warn
 
 
 class MpiGroup(Group):
@@ -189,7 +189,7 @@ class MpiGroup(Group):
         if len(set(epochs)) > 1:
             self._warned_epochs = True
             if self.rank == 0:
-                warnings.warn(
+                warn(
                     f'the ranks are at different epochs ({epochs}, in rank order): their '
                     'shards or batch sizes differ, so a stop trigger or extension counted '
                     'in epochs fires at different updates on different ranks, and a rank '

@@ -12,9 +12,9 @@ Loading a snapshot into the updater, or the positions put back, clears the mark.
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, List
+from ._warning import warn
 
 #: iterator -> why its position is not its replica's (a running updater's, or lost)
 _marks: 'weakref.WeakKeyDictionary[Any, str]' = weakref.WeakKeyDictionary()
@@ -49,7 +49,7 @@ def warn_if_marked(iterators: List[Any]) -> None:
         except TypeError:
             continue
         if why is not None:
-            warnings.warn(
+            warn(
                 f"iterator {rank} (worker {rank}'s) may not stand where its replica stopped "
                 f'reading: {why}, and its worker read a copy of it. This updater\'s replica '
                 f'{rank} then reads those samples again. Finalize the other updater first '

@@ -13,7 +13,6 @@ import math
 import random
 import time
 import types
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -28,6 +27,7 @@ from ._chunks import Chunking, check_split, split, splits
 from ._functions import cell_is_set, global_names
 from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
+from ._warning import warn
 
 
 class WindowResult(NamedTuple):
@@ -789,7 +789,7 @@ class Replica:
         self._carried = None
         stored = read_again(first_stored)
         if stored:
-            warnings.warn(
+            warn(
                 f'{self.name}: the forward starts from state it stored at its last call, in '
                 f'{stored} (as L.LSTM keeps h and c). Each update calls the model once per '
                 'micro-batch (accumulate_steps, micro_batch_size), so a micro-batch starts '

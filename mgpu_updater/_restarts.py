@@ -10,10 +10,10 @@ restarts before it.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from .errors import WorkerError, WorkerRestartWarning
+from ._warning import warn
 
 REPORT_KEY = '(updater)/worker_restarts'   # named as the model is (updater._named)
 
@@ -65,7 +65,7 @@ class RestartLog:
     def record(self, restart: Restart) -> None:
         """A worker was replaced: keep it, and warn."""
         self.restarts.append(restart)
-        warnings.warn(WorkerRestartWarning(
+        warn(WorkerRestartWarning(
             f'replica {restart.replica} on device {restart.device!r}: {restart.what}, found '
             f'in update {restart.update}; a new worker process (pid {restart.pid}) took its '
             f'place within {restart.seconds:.1f} s, and update {restart.update} is redone '

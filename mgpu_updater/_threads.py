@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple
+from ._warning import warn
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
 #: libraries. When any is set, ``'auto'`` leaves the libraries as they are.
@@ -168,7 +168,7 @@ def core_shares(setting: Any, replicas: int, on_cpu: bool) -> Optional[List[Tupl
     if len(cores) < replicas:
         if setting is True and (replicas, tuple(cores)) not in _said_unbound:
             _said_unbound.add((replicas, tuple(cores)))   # once, not at every restart
-            warnings.warn(
+            warn(
                 f'bind_cores=True binds nothing: {replicas} replica processes on this host '
                 f'and {len(cores)} core(s) in its affinity ({sorted(cores)}), so a share '
                 'would be empty. Give the process more cores (taskset), use fewer '

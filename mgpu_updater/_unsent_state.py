@@ -35,7 +35,6 @@ import copy
 import math
 import threading
 import time
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import chainer
@@ -44,6 +43,7 @@ import numpy
 from ._chainer_private import is_static_graph_machinery, named_persistents, persistent_names
 from ._inherit import config_values
 from ._pickle_path import parts
+from ._warning import warn
 
 INTERVAL = 10.0       # seconds between two checks, at least (a change stays: found later)
 COST_SHARE = 0.01     # a walk takes at most this share of the time since the last one
@@ -178,10 +178,10 @@ class UnsentState:
                        'after the change')
             if fail:
                 raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            warn(message, RuntimeWarning, stacklevel=stacklevel)
         hooks = _differences(built, now, 'hooks')
         if hooks:
-            warnings.warn(
+            warn(
                 f'link hooks of the master\'s model changed {when}: {hooks}. The worker '
                 "processes' replicas keep the hooks they were built with, so they compute "
                 'otherwise where a hook changes the forward (WeightStandardization, '
@@ -207,7 +207,7 @@ class UnsentState:
         listed = '; '.join(f'{name}: {_short(old)} -> {_short(new)}'
                            for name, old, new in changed[:5])
         more = f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''
-        warnings.warn(
+        warn(
             f'chainer.config changed {when}: {listed}{more}. The worker processes took the '
             "master's configuration once, at their start, and compute with it as it was "
             'then. Set the configuration before the first update, or finalize this '
@@ -236,7 +236,7 @@ class UnsentState:
                     'trains: disable_update() would stop that optimizer too (a parameter '
                     'has one update rule), so train such a loop with one replica, or '
                     "with ChainerMN's create_multi_node_optimizer for each network")
-            warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+            warn(message, RuntimeWarning, stacklevel=stacklevel)
 
     def _walk(self) -> Tuple[Dict[str, Any], float]:
         start = time.perf_counter()

@@ -5,7 +5,6 @@ Every message names the argument, echoes the value and says what to do.
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy
@@ -15,6 +14,7 @@ from chainer.iterators import ShuffleOrderSampler
 from chainer.dataset import iterator as iterator_module
 
 from . import _payload, _pickle_path
+from ._warning import warn
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -197,7 +197,7 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
               if batches[0] is not None and n is not None and n > batches[0]]
     if longer:
         i, n = max(longer, key=lambda pair: pair[1])
-        warnings.warn(
+        warn(
             f"{name}[0], the master's, makes {batches[0]} batches of its shard per epoch, "
             f"fewer than {name}[{i}] ({n}): the updater's epoch (epoch, epoch_detail, a "
             "stop_trigger in epochs, the end of data under repeat=False) follows the "
@@ -274,7 +274,7 @@ def gradient_reallocation(optimizer: chainer.Optimizer, summed: bool) -> None:
     own = getattr(own, '__func__', own)   # a method's function; set on the instance: itself
     if not summed or base is None or own is base:
         return
-    warnings.warn(
+    warn(
         f'the optimizer ({type(optimizer).__name__}) overrides reallocate_cleared_grads, '
         'which decides what a parameter without a gradient steps on; with several '
         'replicas, pipelined=True or MPI ranks the step is on a summed gradient that every '

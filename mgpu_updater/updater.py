@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,6 +24,7 @@ from ._replica import (MODEL_OBSERVER, UPDATER_KEYS, Replica, WindowResult, comb
 from ._restarts import RestartLog
 from ._unsent_state import HeldObjects, UnsentState
 from .errors import NonFiniteGradientError, NonFiniteLossError
+from ._warning import new_updater, warn
 
 
 class ParallelAccumulatingUpdater(StandardUpdater):
@@ -223,6 +223,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                  update_timeout: Optional[float] = None,
                  bind_cores: Union[bool, str] = 'auto',
                  max_worker_restarts: int = 0) -> None:
+        new_updater()   # this updater's warnings are shown, whatever an earlier one showed
         self._finalized = False
         self._group: Group = ClosedGroup()
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
@@ -641,7 +642,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if self.nonfinite == 'raise':
                 raise NonFiniteLossError(of_update, loss)
             self._skipped += 1
-            warnings.warn(f'skipping {self._step_of(of_update)}: the loss is {loss}',
+            warn(f'skipping {self._step_of(of_update)}: the loss is {loss}',
                           RuntimeWarning)
         return factor
 
@@ -693,7 +694,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self.nonfinite == 'raise':
             raise NonFiniteGradientError(of_update, loss, loss_scale)
         self._skipped += 1
-        warnings.warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
+        warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
                       f'or NaN under the static loss scale {loss_scale:g}',
                       RuntimeWarning)
         return False
@@ -799,7 +800,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             elif observer == MODEL_OBSERVER:
                 name = 'main'
                 if name in chainer_private.observer_names(reporter):
-                    warnings.warn(
+                    warn(
                         'the model is not registered with the reporter current at this '
                         "update, which names another observer 'main' (the Trainer's "
                         "updater's model): this update's values are reported as main/*, in "
@@ -944,7 +945,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if found is not None:
             error = NonFiniteLossError(*found, applied=True)
             if in_flight:
-                warnings.warn(str(error), RuntimeWarning)
+                warn(str(error), RuntimeWarning)
             else:
                 raise error
 
@@ -991,4 +992,4 @@ def _release(group: Group, loader: Optional[Loader],
         if loader is not None:
             loader.close()
         if found is not None:
-            warnings.warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)
+            warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)

@@ -159,6 +159,25 @@ def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_s
         ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
 
 
+def test_each_updater_shows_its_warnings_under_pythons_default_filters():
+    """Python shows a warning once per text and place: a sweep building updater after
+    updater in one process saw the first trial's warning only, though every trial trained
+    the same way. Each updater built shows its own; within one, a warning is not repeated."""
+    import warnings
+
+    def build_warned():
+        its = [chainer.iterators.SerialIterator(dataset(n), 2, repeat=False) for n in (5, 7)]
+        return ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('default')
+        for _ in range(3):
+            build_warned().finalize()
+    shown = [w for w in caught if "the master's, makes 3 batches" in str(w.message)]
+    assert len(shown) == 3
+    assert {w.filename for w in shown} == {__file__}
+
+
 class _Twice(chainer.iterators.OrderSampler):
     """Every example twice an epoch (oversampling)."""
 

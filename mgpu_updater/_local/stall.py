@@ -26,10 +26,10 @@ import shutil
 import signal
 import tempfile
 import time
-import warnings
 from typing import Any, Callable, Collection, Dict, List, Optional
 
 from ..errors import StallWarning, WorkerError
+from .._warning import warn
 
 STACK_SIGNAL = signal.SIGUSR1
 DUMP_WAIT = 1.0   # seconds the master waits for a worker's stack after the signal
@@ -179,7 +179,7 @@ class StallWatch:
         if self.warn_after is not None and not self._warned and waited >= self.warn_after:
             self._warned = True
             ranks = sorted(waiting)
-            warnings.warn(StallWarning(
+            warn(StallWarning(
                 f'update {self.update}: the master has waited {waited:.1f} s for replicas '
                 f'{ranks} ({", ".join(self._device_of(r) for r in ranks)}), which have not '
                 'finished their windows (stall_warning='

@@ -46,13 +46,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from typing import Any, Callable, Collection, Dict, NamedTuple, Optional, Tuple
 
 import numpy
 
 from .. import _cuda
 from .base import BufferSpec, Communicator, PeerFailure, check_spec, named_buffer
+from .._warning import warn
 
 __all__ = ['NcclCommunicator', 'NcclHandle', 'act_as_own_host', 'ranks_as_hosts']
 
@@ -440,7 +440,7 @@ class NcclCommunicator(Communicator):
         try:
             self.wait(self.timeout if self.timeout is not None else _FINALIZE_TIMEOUT)
         except Exception as e:  # wait() has abandoned the communicator
-            warnings.warn(f'the collectives in flight on rank {self.rank} did not finish '
+            warn(f'the collectives in flight on rank {self.rank} did not finish '
                           f'before the other ranks were stopped; the nccl communicator was '
                           f'aborted: {e}', RuntimeWarning)
 
@@ -553,7 +553,7 @@ class NcclCommunicator(Communicator):
             try:
                 self.wait(timeout)
             except BaseException as e:  # wait() has abandoned the communicator
-                warnings.warn(f'the nccl communicator of rank {self.rank} was aborted '
+                warn(f'the nccl communicator of rank {self.rank} was aborted '
                               f'instead of destroyed: {e}', RuntimeWarning)
                 self._release()
                 if not isinstance(e, Exception):
@@ -593,10 +593,10 @@ def _bounded(call: Callable[[], None], timeout: float, what: str) -> bool:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        warnings.warn(f'{what} did not return within {timeout:g} s; leaving it to process '
+        warn(f'{what} did not return within {timeout:g} s; leaving it to process '
                       'exit', RuntimeWarning)
         return False
     if 'error' in failed:
-        warnings.warn(f'{what} failed: {failed["error"]}', RuntimeWarning)
+        warn(f'{what} failed: {failed["error"]}', RuntimeWarning)
         return False
     return True
