@@ -456,22 +456,27 @@ class Prefetcher(Loader):
         self._thread.join(_STOP_WAIT)
 
 
+_COLUMNS = 8   # values of a tuple or dict batch looked at for a column of rows, at most
+
+
 def sample_count(batch: Any) -> int:
     """How many samples a batch, as the iterator returned it, holds.
 
     A list (what Chainer's iterators return: one example per entry) counts its entries.
     A tuple or dict of columns (a custom iterator's: Chainer's word2vec ``WindowIterator``
     returns ``(centers, contexts)``) counts the rows of its first array of one or more
-    dimensions (one row per sample; a column before it may be a list of sequences or a
-    number); where it holds no array, lists of one length, that length. Anything else with
-    a shape counts its leading dimension; anything else, its length.
+    dimensions among its first :data:`_COLUMNS` values (one row per sample; a column before
+    it may be a list of sequences or a number); a dict of lists of one length, that
+    length. (A tuple of lists alone may be examples as much as columns: it counts its
+    entries.) Anything else with a shape counts its leading dimension; anything else, its
+    length.
     """
     if isinstance(batch, (tuple, dict)) and batch:
         values = tuple(batch.values()) if isinstance(batch, dict) else batch
-        for value in values:
+        for value in values[:_COLUMNS]:
             if getattr(value, 'ndim', 0) >= 1:
                 return int(value.shape[0])
-        if all(type(value) is list for value in values):
+        if isinstance(batch, dict) and all(type(value) is list for value in values):
             lengths = {len(value) for value in values}
             if len(lengths) == 1:
                 return lengths.pop()

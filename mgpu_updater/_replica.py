@@ -740,8 +740,8 @@ class Replica:
             what = (f'a Variable of shape {loss.shape}, not one value: reduce it to a '
                     "scalar (F.mean; or F.sum with loss_reduction='sum')")
             if loss.grad is not None:
-                what += ('; the gradient set on it (loss.grad) weights its elements: '
-                         'multiply them by it before reducing, F.sum(w * loss)')
+                what += ('; the gradient set on it (loss.grad) weights its elements, '
+                         "summed: return F.sum(w * loss) with loss_reduction='sum'")
         elif numpy.dtype(loss.dtype).kind != 'f':
             what = (f'a Variable of dtype {numpy.dtype(loss.dtype).name}: a loss must be '
                     'floating point (float16, float32 or float64) to be back-propagated')

@@ -29,16 +29,22 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
 
 def other_updaters_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     """Refuse what Chainer's updaters take and this one does not, saying what replaces it:
-    ``StandardUpdater``'s ``device``, ``input_device`` and ``loss_scale``,
-    ``ParallelUpdater``'s ``models``, and a converter given by position (the third
-    argument of each). Python's own error named the argument and nothing more."""
+    ``StandardUpdater``'s ``iterator``, ``device``, ``input_device`` and ``loss_scale``,
+    ``ParallelUpdater``'s ``models``, and arguments after the optimizer given by position
+    (Chainer's updaters take a converter there). Python's own error named the argument and
+    nothing more."""
     if len(args) > 2:
+        extra = ', '.join(type(a).__name__ for a in args[2:])
         raise TypeError(
-            f'ParallelAccumulatingUpdater takes the iterators and the optimizer by position '
-            f'and the rest by keyword ({len(args)} positional arguments given, the third '
-            f'{_show(args[2])}): pass e.g. converter=..., devices=[...]')
+            f'ParallelAccumulatingUpdater takes only the iterators and the optimizer by '
+            f'position ({len(args)} positional arguments given; after the optimizer: '
+            f'{extra}): pass the rest by keyword, e.g. converter=..., devices=[...]')
     fixes = {
-        'device': lambda v: (f'pass devices=[{v!r}] for one replica, or one entry per '
+        'iterator': lambda v: ('pass the iterators by position or as iterators=[...], one '
+                               'per device (shard_iterators builds them)'),
+        'device': lambda v: ('drop it: devices=[...] names every replica\'s device'
+                             if 'devices' in kwargs else
+                             f'pass devices=[{v!r}] for one replica, or one entry per '
                              'device (devices=[0, 1])'),
         'input_device': lambda v: ('drop it: each replica\'s converter sends its batch to '
                                    'that replica\'s device (devices=[...])'),

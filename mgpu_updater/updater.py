@@ -1,6 +1,7 @@
 """ParallelAccumulatingUpdater: the master side."""
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -993,3 +994,9 @@ def _release(group: Group, loader: Optional[Loader],
             loader.close()
         if found is not None:
             warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)
+
+
+# help(), inspect.signature() and the API reference read a class's signature from its
+# __new__ where it has one: it is __init__'s
+ParallelAccumulatingUpdater.__new__.__signature__ = inspect.signature(  # type: ignore
+    ParallelAccumulatingUpdater.__init__)

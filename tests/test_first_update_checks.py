@@ -100,8 +100,8 @@ class _Returns:
     ('float', r'returned float [0-9.]+, not a chainer\.Variable'),
     ('vector', r'returned a Variable of shape \(2,\), not one value'),
     ('weighted vector', r'returned a Variable of shape \(2,\), not one value: .*; the '
-                        r'gradient set on it \(loss\.grad\) weights its elements: '
-                        r'multiply them by it before reducing, F\.sum\(w \* loss\)'),
+                        r'gradient set on it \(loss\.grad\) weights its elements, summed: '
+                        r"return F\.sum\(w \* loss\) with loss_reduction='sum'"),
     ('int', r'returned a Variable of dtype int32: a loss must be floating point'),
 ])
 def test_a_loss_func_that_returns_no_scalar_loss_is_named(what, said):

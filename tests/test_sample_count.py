@@ -87,8 +87,9 @@ def test_sample_count_rule():
     assert sample_count((list(x[:3]), t[:3])) == 3                      # a list first
     assert sample_count({'text': ['a', 'bc', 'd'], 't': t[:3]}) == 3
     assert sample_count((np.float32(0.5), x[:3], t[:3])) == 3            # a number first
-    assert sample_count((['a', 'bc', 'd'], [0, 1, 0])) == 3              # lists only
+    assert sample_count({'text': ['a', 'bc', 'd'], 't': [0, 1, 0]}) == 3  # lists only
     assert sample_count(((x[0], t[0]), (x[1], t[1]), (x[2], t[2]))) == 3  # examples
+    assert sample_count(([x[0], t[0]], [x[1], t[1]], [x[2], t[2]])) == 3  # ... as lists
 
 
 @pytest.mark.parametrize('as_list', [False, True])

@@ -86,14 +86,31 @@ def test_prefetch_and_policies():
 
 # ------------------------------------------------------------------ other updaters' arguments
 @pytest.mark.parametrize('name, value, fix', [
-    ('device', 0, r'pass devices=\[0\] for one replica, or one entry per device'),
     ('input_device', '@numpy', r"drop it: each replica's converter sends its batch"),
     ('loss_scale', 8.0, r'set it on the optimizer, optimizer\.set_loss_scale\(8\.0\)'),
+    ('iterator', [], r'pass the iterators by position or as iterators=\[\.\.\.\]'),
 ])
 def test_a_standard_updater_argument_is_refused_with_what_replaces_it(name, value, fix):
     rejected(TypeError, rf'^{name} is an argument of StandardUpdater, not of '
                         rf'ParallelAccumulatingUpdater \({name}={re.escape(repr(value))} of '
                         rf'type \w+ given\): {fix}', **{name: value})
+
+
+def test_standard_updaters_device_is_refused_with_what_replaces_it():
+    with pytest.raises(TypeError, match=r"^device is an argument of StandardUpdater, not of "
+                                        r"ParallelAccumulatingUpdater \(device=0 of type int "
+                                        r"given\): pass devices=\[0\] for one replica, or "
+                                        r"one entry per device \(devices=\[0, 1\]\)$"):
+        ParallelAccumulatingUpdater(iterators(), set_up(), device=0)
+    rejected(TypeError, r"^device is an argument of StandardUpdater, not of "
+                        r"ParallelAccumulatingUpdater \(device=0 of type int given\): drop it: "
+                        r"devices=\[\.\.\.\] names every replica's device", device=0)
+
+
+def test_the_signature_is_that_of_init():
+    import inspect
+    names = list(inspect.signature(ParallelAccumulatingUpdater).parameters)
+    assert names[:4] == ['iterators', 'optimizer', 'devices', 'accumulate_steps']
 
 
 def test_parallel_updaters_models_and_a_converter_by_position_are_refused():
@@ -102,9 +119,11 @@ def test_parallel_updaters_models_and_a_converter_by_position_are_refused():
                         r"ParallelAccumulatingUpdater \(models=.* given\): give the one model "
                         r"as the optimizer's target", models={'main': model},
              optimizer=set_up(model))
-    with pytest.raises(TypeError, match=r'^ParallelAccumulatingUpdater takes the iterators '
-                                        r'and the optimizer by position and the rest by '
-                                        r'keyword \(3 positional arguments given'):
+    with pytest.raises(TypeError, match=r'^ParallelAccumulatingUpdater takes only the '
+                                        r'iterators and the optimizer by position \(3 '
+                                        r'positional arguments given; after the optimizer: '
+                                        r'_ArbitraryCallableConverter\): pass the rest by '
+                                        r'keyword, e\.g\. converter=\.\.\., devices'):
         ParallelAccumulatingUpdater(iterators(), set_up(), chainer.dataset.concat_examples,
                                     devices=['@numpy', '@numpy'])
     assert multiprocessing.active_children() == []
@@ -159,23 +178,45 @@ def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_s
         ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
 
 
-def test_each_updater_shows_its_warnings_under_pythons_default_filters():
+def _build_warned():
+    its = [chainer.iterators.SerialIterator(dataset(n), 2, repeat=False) for n in (5, 7)]
+    return ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])
+
+
+@pytest.mark.parametrize('action, times', [('default', 3), ('once', 1), ('module', 1)])
+def test_each_updater_shows_its_warnings_under_pythons_default_filters(action, times):
     """Python shows a warning once per text and place: a sweep building updater after
     updater in one process saw the first trial's warning only, though every trial trained
-    the same way. Each updater built shows its own; within one, a warning is not repeated."""
+    the same way. Each updater built shows its own; within one, a warning is not repeated;
+    'once' and 'module' keep their meaning for the process."""
     import warnings
 
-    def build_warned():
-        its = [chainer.iterators.SerialIterator(dataset(n), 2, repeat=False) for n in (5, 7)]
-        return ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])
-
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('default')
+        warnings.simplefilter(action)
         for _ in range(3):
-            build_warned().finalize()
+            _build_warned().finalize()
     shown = [w for w in caught if "the master's, makes 3 batches" in str(w.message)]
-    assert len(shown) == 3
+    assert len(shown) == times
     assert {w.filename for w in shown} == {__file__}
+
+
+def test_a_warning_attributed_to_a_main_module_without_a_file_is_shown():
+    """``python -c`` (or a script from stdin): the module's loader has no source to give,
+    and the warning is printed all the same."""
+    code = ('import chainer, numpy\n'
+            'from mgpu_updater import ParallelAccumulatingUpdater\n'
+            'd = lambda n: chainer.datasets.TupleDataset(numpy.zeros((n, 4), numpy.float32), '
+            'numpy.zeros(n, numpy.int32))\n'
+            'its = [chainer.iterators.SerialIterator(d(n), 2, repeat=False) for n in (5, 7)]\n'
+            'opt = chainer.optimizers.SGD()\n'
+            'opt.setup(chainer.links.Classifier(chainer.links.Linear(4, 3)))\n'
+            "ParallelAccumulatingUpdater(its, opt, devices=['@numpy', '@numpy']).finalize()\n"
+            "print('built')\n")
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == 'built\n'
+    assert "<string>:7: RuntimeWarning: iterators[0], the master's, makes 3" in done.stderr
 
 
 class _Twice(chainer.iterators.OrderSampler):
