@@ -16,7 +16,10 @@ on the master only. So the master sends them:
   each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``;
 - numpy's floating-point error handling (``numpy.seterr``) as that thread has it, and the
   warning filters (``warnings.simplefilter('error')``): a division by zero that raises in
-  the master raises in a worker too.
+  the master raises in a worker too;
+- the recursion limit (``sys.setrecursionlimit``, which a script of a tree-structured
+  network raises in ``main()``: the workers failed with ``RecursionError`` where the
+  master trained).
 
 A thread the package starts to run the user's code (the loader thread, which runs the
 iterator, the dataset and the converter: ``_loader``) inherits from the thread that starts
@@ -26,6 +29,7 @@ error handling (:func:`thread_settings`).
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 from typing import Any, Dict, List, NamedTuple
 
@@ -74,10 +78,12 @@ class ProcessSettings(NamedTuple):
     """What else of the master's process a worker takes on (:func:`process_settings`)."""
     numpy_errors: Dict[str, str]   # numpy.geterr()
     warning_filters: List[Any]     # warnings.filters, those that can be sent
+    recursion_limit: int           # sys.getrecursionlimit()
 
 
 def process_settings() -> ProcessSettings:
-    """numpy's error handling as the calling thread has it, and the warning filters."""
+    """numpy's error handling as the calling thread has it, the warning filters and the
+    recursion limit."""
     import cloudpickle
     filters = []
     for entry in warnings.filters:
@@ -89,12 +95,13 @@ def process_settings() -> ProcessSettings:
                           stacklevel=3)
             continue
         filters.append(entry)
-    return ProcessSettings(numpy.geterr(), filters)
+    return ProcessSettings(numpy.geterr(), filters, sys.getrecursionlimit())
 
 
 def apply_process_settings(settings: ProcessSettings) -> None:
     """Take on the master's :class:`ProcessSettings` in this (worker) process."""
     numpy.seterr(**settings.numpy_errors)
+    sys.setrecursionlimit(settings.recursion_limit)
     warnings.filters[:] = settings.warning_filters
     warnings._filters_mutated()   # as warnings.simplefilter does after changing the list
 

@@ -25,6 +25,12 @@ own copy (a counter of calls), and is never named; what changed otherwise since 
 look changed between updates, and is named in a warning, once per value, with the fix (a
 persistent of the model, which every update sends).
 
+The first walk also finds sets whose order the workers do not share
+(:func:`unordered`): a set of strings, or of objects hashed by identity, iterates in
+another order in each process (Python randomizes string hashes per process unless
+``PYTHONHASHSEED`` is set), so a forward that iterates one runs otherwise on each worker:
+named in a warning, once.
+
 A walk costs milliseconds for a large model (5 ms for ResNet-50 on a 2-core VM); a check
 is three of them, at updates 2 and 3 and then at most every :data:`INTERVAL` seconds and
 at most :data:`COST_SHARE` of the time between checks; the other updates read a clock.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -88,6 +95,8 @@ class UnsentState:
         self.named: List[str] = []
         #: paths of parameters of links outside the model (their own advice)
         self._parameter_paths: set = set()
+        #: paths of sets each process iterates in its own order (:func:`unordered`)
+        self._unordered: List[str] = []
         #: Chainer's configuration as sent to the workers at their start (_inherit), as
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
@@ -117,8 +126,10 @@ class UnsentState:
 
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
-            self._last, self._cost = self._walk()
+            self._last, self._cost = self._walk(self._unordered)
             self._built = _structure(self.roots)
+            if self._unordered:
+                warn(_unordered_message(self._unordered), RuntimeWarning, stacklevel=3)
         else:
             self._windowed, cost = self._walk()
             self._cost += cost
@@ -238,7 +249,9 @@ class UnsentState:
                     "with ChainerMN's create_multi_node_optimizer for each network")
             warn(message, RuntimeWarning, stacklevel=stacklevel)
 
-    def _walk(self) -> Tuple[Dict[str, Any], float]:
+    def _walk(self, unordered: Optional[List[str]] = None) -> Tuple[Dict[str, Any], float]:
+        """path -> value of every plain value reachable; the paths of the sets
+        :func:`unordered` finds appended to ``unordered``, where given."""
         start = time.perf_counter()
         out: Dict[str, Any] = {}
         sent = _sent_every_update(self.roots)   # ids of the persistents' values
@@ -283,6 +296,8 @@ class UnsentState:
             if kind in _CONTAINERS and len(obj) > MAX_ITEMS:
                 out[path] = (kind.__name__, len(obj))   # too many to look into each time
                 continue
+            if unordered is not None and kind in (set, frozenset) and unordered_set(obj):
+                unordered.append(path)
             seen.add(id(obj))
             nodes += 1
             # a link's persistents are sent every update; Chainer's own bookkeeping is no
@@ -301,6 +316,32 @@ class UnsentState:
                 continue
             stack.extend(reversed(found))
         return out, time.perf_counter() - start
+
+
+_STABLE_HASH = (type(None), bool, int, float, complex, numpy.number)
+
+
+def unordered_set(items: Any) -> bool:
+    """Whether the set ``items`` may iterate in another order in another process: it has
+    two items or more, and one whose hash is the process's own (a string or bytes, where
+    ``PYTHONHASHSEED``, which the workers inherit, is not set to a number; an object
+    hashed by identity, or by a hash of its own)."""
+    if len(items) < 2:
+        return False
+    seeded = os.environ.get('PYTHONHASHSEED', 'random') not in ('random', '')
+    return not all(isinstance(item, _STABLE_HASH) or (seeded and type(item) in (str, bytes))
+                   for item in items)
+
+
+def _unordered_message(paths: List[str]) -> str:
+    listed = ', '.join(paths[:5]) + (f' (and {len(paths) - 5} more)' if len(paths) > 5 else '')
+    return (f'{listed}: a set that each process iterates in its own order (the order of '
+            "strings' hashes is the process's own unless PYTHONHASHSEED is set, that of "
+            "objects hashed by identity always): a forward that iterates it (for x in ...) "
+            'runs in another order on each worker than on the master. Iterate a list, or '
+            'sorted(...), instead; for strings, setting PYTHONHASHSEED (e.g. to 0) in the '
+            'environment before Python starts does too. A set only tested for membership '
+            'is fine')
 
 
 #: what Chainer's Link, Chain and ChainList keep of their own (their parameters and

@@ -242,6 +242,42 @@ def test_workers_raise_where_the_master_would_on_a_floating_point_error(how):
         updater.finalize()
 
 
+class DeepRecursion(chainer.Chain):
+    """A forward that recurses ``depth`` calls deep, as a recursive network over a deep
+    tree does (past Python's default limit of 1000)."""
+
+    def __init__(self, depth=1500):
+        super().__init__()
+        self.depth = depth
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def _down(self, h, n):
+        return h if n == 0 else self._down(h, n - 1)
+
+    def forward(self, x):
+        return self.l1(self._down(x, self.depth))
+
+
+def test_workers_take_the_masters_recursion_limit():
+    """The script raises it in main(), where StandardUpdater trains: so do the workers
+    (they raised RecursionError)."""
+    import sys
+    np.random.seed(0)
+    model = L.Classifier(DeepRecursion())
+    data = dataset(8, seed=1)
+    its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model), devices=DEVICES)
+    saved = sys.getrecursionlimit()
+    sys.setrecursionlimit(4000)
+    try:
+        run_updates(updater, model, 2)
+    finally:
+        sys.setrecursionlimit(saved)
+        updater.finalize()
+    assert updater.iteration == 2
+
+
 class LazyMask(chainer.Chain):
     """Draws a fixed mask from a generator of its own at its first forward, as a random
     projection or a fixed feature mask is made: part of the model, the same in every

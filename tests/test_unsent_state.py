@@ -416,3 +416,37 @@ def test_a_config_value_changed_in_place_is_named_and_another_threads_look_is_no
     finally:
         delattr(chainer.global_config, 'mgpu_test_curriculum')
         delattr(chainer.config._local, 'mgpu_test_mine')
+
+
+class _Plain:
+    """An object hashed by identity, as a link is."""
+
+
+@pytest.mark.parametrize('items, hash_seed, named', [
+    ({'a', 'b'}, None, True),            # strings: each process's own hash order
+    (frozenset({b'a', b'b'}), None, True),
+    ({'a', 'b'}, '0', False),            # ... unless the workers inherit a fixed seed
+    ({'a', 'b'}, 'random', True),
+    ({_Plain(), _Plain()}, '0', True),   # by identity: never the same
+    ({1, 2.5, None}, None, False),       # numbers hash alike everywhere
+    ({'a'}, None, False),                # one item has one order
+])
+def test_a_set_each_process_iterates_in_its_own_order_is_named_once(monkeypatch, items,
+                                                                    hash_seed, named):
+    """Spawned workers rebuild a set in their own hash order: a forward that iterates a
+    set of layer names ran the layers in another order on each worker."""
+    if hash_seed is None:
+        monkeypatch.delenv('PYTHONHASHSEED', raising=False)
+    else:
+        monkeypatch.setenv('PYTHONHASHSEED', hash_seed)
+    model = Annealed()
+    model.order = items
+    watch = UnsentState({'model': model})
+    message = _update(watch)
+    if named:
+        assert message.startswith('model.order: a set that each process iterates in its '
+                                  'own order'), message
+        assert 'Iterate a list, or sorted(...), instead' in message
+    else:
+        assert message == ''
+    assert _update(watch) == _update(watch) == ''   # once
