@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Any, List, Optional
 
 import numpy
@@ -119,12 +120,26 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     lazily, or build one iterator per device yourself, each over a dataset that holds
     only its part.
     """
-    from ._validate import positive_int
+    from ._validate import _show, flag, positive_int
     n = positive_int('n', n)
     batch_size = positive_int('batch_size', batch_size)
-    if len(dataset) < n:
-        raise ValueError(f'dataset has {len(dataset)} example(s), fewer than the {n} shards '
-                         'asked for; use fewer devices or a larger dataset')
+    shuffle = flag('shuffle', shuffle)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                             or not 0 <= seed < 2 ** 32):
+        raise (ValueError if isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
+               else TypeError)(
+            f'seed must be None or an int from 0 to 2**32 - 1 ({_show(seed)} given); pass '
+            'e.g. seed=0 (None keeps the dataset\'s order, cut into contiguous shards)')
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise TypeError(f'dataset must have a length and be indexable, as a TupleDataset, a '
+                        f'list or an array is ({_show(dataset)} given); pass the dataset '
+                        'itself, not an iterator over it') from None
+    if size < n:
+        raise ValueError(f'dataset has {size} example(s), fewer than the {n} shards asked '
+                         f'for (shard_iterators(dataset, n, batch_size): n is the number of '
+                         'devices); use fewer devices or a larger dataset')
     if seed is None:
         order = numpy.arange(len(dataset))
     else:
@@ -136,7 +151,7 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
         kwargs = dict(iterator_kwargs)
         if shuffle and seed is not None and _takes_order_sampler(iterator_class):
             kwargs.setdefault('order_sampler', chainer.iterators.ShuffleOrderSampler(
-                numpy.random.RandomState(seed + 1 + i)))
+                numpy.random.RandomState((seed + 1 + i) % 2 ** 32)))
         else:
             kwargs.setdefault('shuffle', shuffle)
         shards.append(iterator_class(sub, batch_size, **kwargs))

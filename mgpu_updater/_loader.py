@@ -456,7 +456,7 @@ class Prefetcher(Loader):
         self._thread.join(_STOP_WAIT)
 
 
-_COLUMNS = 8   # values of a tuple or dict batch looked at for a column of rows, at most
+_COLUMNS = 8   # values of a tuple batch looked at for a column of rows, at most
 
 
 def sample_count(batch: Any) -> int:
@@ -465,15 +465,15 @@ def sample_count(batch: Any) -> int:
     A list (what Chainer's iterators return: one example per entry) counts its entries.
     A tuple or dict of columns (a custom iterator's: Chainer's word2vec ``WindowIterator``
     returns ``(centers, contexts)``) counts the rows of its first array of one or more
-    dimensions among its first :data:`_COLUMNS` values (one row per sample; a column before
-    it may be a list of sequences or a number); a dict of lists of one length, that
-    length. (A tuple of lists alone may be examples as much as columns: it counts its
-    entries.) Anything else with a shape counts its leading dimension; anything else, its
-    length.
+    dimensions (one row per sample; a column before it may be a list of sequences or a
+    number), looked for among a tuple's first :data:`_COLUMNS` values; a dict of lists of
+    one length, that length. (A tuple of lists alone may be examples as much as columns:
+    it counts its entries.) Anything else with a shape counts its leading dimension;
+    anything else, its length.
     """
     if isinstance(batch, (tuple, dict)) and batch:
-        values = tuple(batch.values()) if isinstance(batch, dict) else batch
-        for value in values[:_COLUMNS]:
+        values = tuple(batch.values()) if isinstance(batch, dict) else batch[:_COLUMNS]
+        for value in values:
             if getattr(value, 'ndim', 0) >= 1:
                 return int(value.shape[0])
         if isinstance(batch, dict) and all(type(value) is list for value in values):

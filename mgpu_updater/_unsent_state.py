@@ -25,8 +25,8 @@ own copy (a counter of calls), and is never named; what changed otherwise since 
 look changed between updates, and is named in a warning, once per value, with the fix (a
 persistent of the model, which every update sends).
 
-The first walk also finds sets whose order the workers do not share
-(:func:`unordered`): a set of strings, or of objects hashed by identity, iterates in
+A walk when the watch is built, before the first window, finds the sets whose order the
+workers do not share (:func:`unordered_set`): a set of strings, or of objects hashed by identity, iterates in
 another order in each process (Python randomizes string hashes per process unless
 ``PYTHONHASHSEED`` is set), so a forward that iterates one runs otherwise on each worker:
 named in a warning, once.
@@ -38,8 +38,10 @@ at most :data:`COST_SHARE` of the time between checks; the other updates read a 
 from __future__ import annotations
 
 import copy
+import enum
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -95,12 +97,15 @@ class UnsentState:
         self.named: List[str] = []
         #: paths of parameters of links outside the model (their own advice)
         self._parameter_paths: set = set()
-        #: paths of sets each process iterates in its own order (:func:`unordered`)
-        self._unordered: List[str] = []
         #: Chainer's configuration as sent to the workers at their start (_inherit), as
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
         self._config_thread = threading.get_ident()
+        # before the first window, so that a warning made an error stops nothing begun
+        unordered: List[str] = []
+        self._walk(unordered)
+        if unordered:
+            warn(_unordered_message(unordered), RuntimeWarning, stacklevel=3)
 
     def check_held(self) -> None:
         """:meth:`HeldObjects.check`; what it raises about is not warned about again by
@@ -126,10 +131,8 @@ class UnsentState:
 
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
-            self._last, self._cost = self._walk(self._unordered)
+            self._last, self._cost = self._walk()
             self._built = _structure(self.roots)
-            if self._unordered:
-                warn(_unordered_message(self._unordered), RuntimeWarning, stacklevel=3)
         else:
             self._windowed, cost = self._walk()
             self._cost += cost
@@ -293,11 +296,11 @@ class UnsentState:
                 continue   # a dataset a closure holds is no value a forward reads
             if is_static_graph_machinery(kind):
                 continue   # each replica's own schedules, built by its own forward
+            if unordered is not None and kind in (set, frozenset) and unordered_set(obj):
+                unordered.append(path)
             if kind in _CONTAINERS and len(obj) > MAX_ITEMS:
                 out[path] = (kind.__name__, len(obj))   # too many to look into each time
                 continue
-            if unordered is not None and kind in (set, frozenset) and unordered_set(obj):
-                unordered.append(path)
             seen.add(id(obj))
             nodes += 1
             # a link's persistents are sent every update; Chainer's own bookkeeping is no
@@ -318,19 +321,31 @@ class UnsentState:
         return out, time.perf_counter() - start
 
 
-_STABLE_HASH = (type(None), bool, int, float, complex, numpy.number)
+_NUMBERS = (type(None), bool, int, float, complex, numpy.number)
 
 
 def unordered_set(items: Any) -> bool:
     """Whether the set ``items`` may iterate in another order in another process: it has
-    two items or more, and one whose hash is the process's own (a string or bytes, where
-    ``PYTHONHASHSEED``, which the workers inherit, is not set to a number; an object
-    hashed by identity, or by a hash of its own)."""
+    two items or more, and one whose hash is the process's own (a string, bytes or an
+    enum member, unless this process and the workers hash with ``PYTHONHASHSEED=0``; an
+    object hashed by identity, or by a hash of its own), also inside a tuple or frozenset.
+    (Numbers hash alike everywhere; a set of them that was once larger may still iterate
+    otherwise once rebuilt, which is not looked for.)"""
     if len(items) < 2:
         return False
-    seeded = os.environ.get('PYTHONHASHSEED', 'random') not in ('random', '')
-    return not all(isinstance(item, _STABLE_HASH) or (seeded and type(item) in (str, bytes))
-                   for item in items)
+    seeded = sys.flags.hash_randomization == 0 and os.environ.get('PYTHONHASHSEED') == '0'
+    return any(not _stable_hash(item, seeded) for item in items)
+
+
+def _stable_hash(item: Any, seeded: bool) -> bool:
+    if isinstance(item, _NUMBERS):
+        return True
+    if type(item) in (tuple, frozenset):
+        return all(_stable_hash(part, seeded) for part in item)
+    if type(item) in (str, bytes) or (isinstance(item, enum.Enum)
+                                      and type(item).__hash__ is enum.Enum.__hash__):
+        return seeded
+    return False
 
 
 def _unordered_message(paths: List[str]) -> str:
@@ -339,9 +354,8 @@ def _unordered_message(paths: List[str]) -> str:
             "strings' hashes is the process's own unless PYTHONHASHSEED is set, that of "
             "objects hashed by identity always): a forward that iterates it (for x in ...) "
             'runs in another order on each worker than on the master. Iterate a list, or '
-            'sorted(...), instead; for strings, setting PYTHONHASHSEED (e.g. to 0) in the '
-            'environment before Python starts does too. A set only tested for membership '
-            'is fine')
+            'sorted(...), instead; for strings, PYTHONHASHSEED=0 in the environment before '
+            'Python starts does too. A set only tested for membership is fine')
 
 
 #: what Chainer's Link, Chain and ChainList keep of their own (their parameters and

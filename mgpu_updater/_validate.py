@@ -30,9 +30,9 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
 def other_updaters_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
     """Refuse what Chainer's updaters take and this one does not, saying what replaces it:
     ``StandardUpdater``'s ``iterator``, ``device``, ``input_device`` and ``loss_scale``,
-    ``ParallelUpdater``'s ``models``, and arguments after the optimizer given by position
-    (Chainer's updaters take a converter there). Python's own error named the argument and
-    nothing more."""
+    ``ParallelUpdater``'s ``models``, arguments after the optimizer given by position
+    (Chainer's updaters take a converter there), and ``devices`` left out. Python's own
+    error named the argument and nothing more."""
     if len(args) > 2:
         extra = ', '.join(type(a).__name__ for a in args[2:])
         raise TypeError(
@@ -60,6 +60,10 @@ def other_updaters_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> N
             raise TypeError(f'{name} is an argument of {owner}, not of '
                             f'ParallelAccumulatingUpdater ({name}={_show(kwargs[name])} '
                             f'given): {fix(kwargs[name])}')
+    if 'devices' not in kwargs:
+        raise TypeError("ParallelAccumulatingUpdater needs devices=[...], one per replica: "
+                        "e.g. devices=['@numpy'] (one CPU replica), devices=[0, 1] (two "
+                        'GPUs), with one iterator per device')
 
 
 def prefetch(value: Any) -> Any:
@@ -166,17 +170,18 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
                         f'device ({_show(value)} given); wrap the dataset in e.g. '
                         'chainer.iterators.SerialIterator')
     value = list(value)
+    for i, it in enumerate(value):   # before the count: a dataset is a list too
+        if not isinstance(it, iterator_module.Iterator):
+            raise TypeError(f'{name}[{i}] is {_show(it)}, not a '
+                            'chainer.dataset.Iterator; wrap the dataset in e.g. '
+                            'chainer.iterators.SerialIterator, one per device '
+                            '(mgpu_updater.shard_iterators builds them from one dataset)')
     if len(value) != n_devices:
         example = (f", e.g. iterators={{'main': {_its(n_devices)}}}"
                    if name != 'iterators' else '')
         raise ValueError(f'{name} has {len(value)} iterator(s) but devices has '
                          f'{n_devices}; give exactly one iterator per device{example} '
                          '(mgpu_updater.shard_iterators builds them from one dataset)')
-    for i, it in enumerate(value):
-        if not isinstance(it, iterator_module.Iterator):
-            raise TypeError(f'{name}[{i}] is {_show(it)}, not a '
-                            'chainer.dataset.Iterator; wrap the dataset in e.g. '
-                            'chainer.iterators.SerialIterator')
     if len({id(it) for it in value}) != len(value):
         raise ValueError(f'{name} holds the same iterator object more than once; each '
                          'device needs its own iterator over its own shard')
@@ -188,6 +193,11 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
             batches.append(None)
             continue
         batch_size = getattr(it, 'batch_size', None)
+        if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) \
+                and batch_size <= 0:
+            raise ValueError(f'{name}[{i}] has batch_size={batch_size!r}: each batch '
+                             'must hold at least one sample; build the iterator with '
+                             'batch_size >= 1')
         sampler = getattr(it, 'order_sampler', None)
         # an order sampler of one's own may make an epoch of another length (oversampling)
         told = sampler is None or type(sampler) is ShuffleOrderSampler
@@ -255,8 +265,15 @@ def main_optimizer(value: Any) -> Any:
 
 def optimizer(value: Any) -> chainer.Link:
     if not isinstance(value, chainer.Optimizer):
-        raise TypeError(f'optimizer must be a chainer.Optimizer ({type(value).__name__} '
-                        'given)')
+        if hasattr(value, 'actual_optimizer') and hasattr(value, 'communicator'):
+            raise TypeError(
+                f'optimizer must be a plain chainer.Optimizer, not ChainerMN\'s multi-node '
+                f'one ({type(value).__name__} given): pass the optimizer it wraps and the '
+                'communicator, optimizer=opt, communicator=comm; the updater reduces the '
+                'gradients across the ranks itself')
+        raise TypeError(f'optimizer must be a chainer.Optimizer set up on the model '
+                        f'({_show(value)} given); e.g. optimizer = '
+                        'chainer.optimizers.Adam(); optimizer.setup(model)')
     target = getattr(value, 'target', None)
     if target is None:
         raise ValueError(f'optimizer ({type(value).__name__}) was not set up; call '

@@ -24,9 +24,9 @@ def new_updater() -> None:
     """Forget what the default action showed: the updater being built shows it again.
     (Its keys are ``(text, category, lineno)``; ``'once'`` writes ``(text, category)`` and
     ``'module'`` ``(text, category, 0)``, which stay.)"""
-    for registry in _registries.values():
-        for key in [k for k in registry if type(k) is tuple and len(k) == 3 and k[2]]:
-            del registry[key]
+    for registry in list(_registries.values()):   # (another thread may warn meanwhile)
+        for key in [k for k in list(registry) if type(k) is tuple and len(k) == 3 and k[2]]:
+            registry.pop(key, None)
 
 
 def warn(message: Any, category: Type[Warning] = UserWarning, stacklevel: int = 1) -> None:

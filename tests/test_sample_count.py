@@ -90,6 +90,9 @@ def test_sample_count_rule():
     assert sample_count({'text': ['a', 'bc', 'd'], 't': [0, 1, 0]}) == 3  # lists only
     assert sample_count(((x[0], t[0]), (x[1], t[1]), (x[2], t[2]))) == 3  # examples
     assert sample_count(([x[0], t[0]], [x[1], t[1]], [x[2], t[2]])) == 3  # ... as lists
+    many = {f'c{i}': ['a'] * 5 for i in range(9)}
+    many['x'] = x[:3]   # a dict's columns are all looked at
+    assert sample_count(many) == 3
 
 
 @pytest.mark.parametrize('as_list', [False, True])

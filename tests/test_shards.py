@@ -96,3 +96,34 @@ def test_shard_iterators_shuffle_with_their_seed_whatever_chainer_iterator(itera
 def test_shard_iterators_give_a_class_without_order_sampler_shuffle():
     its = shard_iterators(np.arange(40), 2, 4, iterator_class=_NoSampler, seed=0)
     assert [it.order_sampler is not None for it in its] == [True, True]   # shuffle=True
+
+
+@pytest.mark.parametrize('kwargs, error, said', [
+    (dict(shuffle='no'), TypeError, r"^shuffle must be True or False \('no' of type str"),
+    (dict(shuffle=None), TypeError, r'^shuffle must be True or False \(None'),
+    (dict(seed='abc'), TypeError, r"^seed must be None or an int from 0 to 2\*\*32 - 1 "
+                                  r"\('abc' of type str given\); pass e\.g\. seed=0"),
+    (dict(seed=True), TypeError, r'^seed must be None or an int'),
+    (dict(seed=-1), ValueError, r'^seed must be None or an int from 0 to 2\*\*32 - 1 \(-1'),
+    (dict(seed=2 ** 32), ValueError, r'^seed must be None or an int'),
+])
+def test_shard_iterators_refuse_what_would_train_otherwise_naming_it(kwargs, error, said):
+    with pytest.raises(error, match=said):
+        shard_iterators(dataset(20, seed=0), 2, 4, **kwargs)
+
+
+def test_shard_iterators_take_the_largest_seed():
+    """Each iterator shuffles with a seed derived from ``seed``: within numpy's range."""
+    first = [next(it) for it in shard_iterators(dataset(20, seed=0), 2, 4, seed=2 ** 32 - 1)]
+    assert [len(b) for b in first] == [4, 4]
+
+
+def test_shard_iterators_name_a_dataset_without_a_length():
+    with pytest.raises(TypeError, match=r'^dataset must have a length and be indexable, as a '
+                                        r'TupleDataset, a list or an array is \(.*given\); '
+                                        r'pass the dataset itself, not an iterator over it'):
+        shard_iterators(chainer.iterators.SerialIterator(dataset(20, seed=0), 4), 2, 4)
+    with pytest.raises(ValueError, match=r'fewer than the 32 shards asked for \(shard_iterators'
+                                         r'\(dataset, n, batch_size\): n is the number of '
+                                         r'devices\)'):
+        shard_iterators(dataset(20, seed=0), 32, 2)

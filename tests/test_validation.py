@@ -200,6 +200,37 @@ def test_each_updater_shows_its_warnings_under_pythons_default_filters(action, t
     assert {w.filename for w in shown} == {__file__}
 
 
+def test_building_an_updater_while_another_thread_warns_is_safe():
+    """Trials in threads (a sweep with n_jobs > 1): one thread's warnings go into the
+    registries while another's updater is built and clears them."""
+    import warnings
+    from mgpu_updater import _warning
+    errors, stop = [], threading.Event()
+
+    def warning():
+        i = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter('default')   # each new text recorded in a registry
+            warnings.showwarning = lambda *args, **kwargs: None
+            while not stop.is_set():
+                i += 1
+                _warning.warn(f'w{i}', RuntimeWarning)
+    thread = threading.Thread(target=warning)
+    thread.start()
+    try:
+        deadline = time.perf_counter() + 0.5
+        while time.perf_counter() < deadline:
+            try:
+                _warning.new_updater()
+            except Exception as exc:  # noqa: BLE001 - the failure looked for
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+
+
 def test_a_warning_attributed_to_a_main_module_without_a_file_is_shown():
     """``python -c`` (or a script from stdin): the module's loader has no source to give,
     and the warning is printed all the same."""
@@ -308,8 +339,49 @@ def test_optimizer_not_set_up():
 
 
 def test_not_an_optimizer():
-    rejected(TypeError, r'^optimizer must be a chainer\.Optimizer \(Classifier given\)',
+    rejected(TypeError, r'^optimizer must be a chainer\.Optimizer set up on the model '
+                        r'\(<chainer\.links\.model\.classifier\.Classifier object .* given\); '
+                        r'e\.g\. optimizer = chainer\.optimizers\.Adam\(\); '
+                        r'optimizer\.setup\(model\)$',
              optimizer=L.Classifier(L.Linear(4, 3)))
+
+
+def test_a_chainermn_multi_node_optimizer_is_told_to_pass_the_one_it_wraps():
+    class _MultiNodeOptimizer:   # what create_multi_node_optimizer returns, in short
+        def __init__(self, actual_optimizer, communicator):
+            self.actual_optimizer, self.communicator = actual_optimizer, communicator
+
+    rejected(TypeError, r"^optimizer must be a plain chainer\.Optimizer, not ChainerMN's "
+                        r'multi-node one \(_MultiNodeOptimizer given\): pass the optimizer it '
+                        r'wraps and the communicator, optimizer=opt, communicator=comm',
+             optimizer=_MultiNodeOptimizer(set_up(), object()))
+
+
+def test_devices_left_out_is_named_with_examples():
+    with pytest.raises(TypeError, match=r"^ParallelAccumulatingUpdater needs devices=\[\.\.\.\], "
+                                        r"one per replica: e\.g\. devices=\['@numpy'\]"):
+        ParallelAccumulatingUpdater(iterators(), set_up())
+
+
+def test_auto_new_epoch_is_a_flag():
+    rejected(TypeError, r"^auto_new_epoch must be True or False \('no' of type str given\)",
+             auto_new_epoch='no')
+
+
+@pytest.mark.parametrize('batch_size', [0, -2])
+def test_an_iterator_without_samples_per_batch_is_refused(batch_size):
+    its = iterators()
+    its[1].batch_size = batch_size
+    rejected(ValueError, rf'^iterators\[1\] has batch_size={batch_size}: each batch must hold '
+                         r'at least one sample; build the iterator with batch_size >= 1$',
+             iterators=its)
+
+
+def test_a_list_dataset_given_as_iterators_is_named_as_such():
+    examples = [(numpy.zeros(4, numpy.float32), 0)] * 20
+    rejected(TypeError, r'^iterators\[0\] is .*, not a chainer\.dataset\.Iterator; wrap the '
+                        r'dataset in e\.g\. chainer\.iterators\.SerialIterator, one per device',
+             iterators=examples)
 
 
 def test_model_without_parameters():
