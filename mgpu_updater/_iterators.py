@@ -123,19 +123,20 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     from ._validate import _show, flag, positive_int
     n = positive_int('n', n)
     batch_size = positive_int('batch_size', batch_size)
-    shuffle = flag('shuffle', shuffle)
+    shuffle = flag('shuffle', shuffle, ints=True)
+    if isinstance(seed, numpy.ndarray) and seed.ndim == 0 and seed.dtype.kind in 'iu':
+        seed = int(seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                              or not 0 <= seed < 2 ** 32):
         raise (ValueError if isinstance(seed, numbers.Integral) and not isinstance(seed, bool)
                else TypeError)(
             f'seed must be None or an int from 0 to 2**32 - 1 ({_show(seed)} given); pass '
             'e.g. seed=0 (None keeps the dataset\'s order, cut into contiguous shards)')
-    try:
-        size = len(dataset)
-    except TypeError:
+    if not hasattr(type(dataset), '__len__'):
         raise TypeError(f'dataset must have a length and be indexable, as a TupleDataset, a '
                         f'list or an array is ({_show(dataset)} given); pass the dataset '
-                        'itself, not an iterator over it') from None
+                        'itself, not an iterator over it')
+    size = len(dataset)
     if size < n:
         raise ValueError(f'dataset has {size} example(s), fewer than the {n} shards asked '
                          f'for (shard_iterators(dataset, n, batch_size): n is the number of '

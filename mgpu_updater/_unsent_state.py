@@ -25,8 +25,8 @@ own copy (a counter of calls), and is never named; what changed otherwise since 
 look changed between updates, and is named in a warning, once per value, with the fix (a
 persistent of the model, which every update sends).
 
-A walk when the watch is built, before the first window, finds the sets whose order the
-workers do not share (:func:`unordered_set`): a set of strings, or of objects hashed by identity, iterates in
+A walk when the watch is built, before the first window, and the first walk after it
+find the sets whose order the workers do not share (:func:`unordered_set`): a set of strings, or of objects hashed by identity, iterates in
 another order in each process (Python randomizes string hashes per process unless
 ``PYTHONHASHSEED`` is set), so a forward that iterates one runs otherwise on each worker:
 named in a warning, once.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import math
 import os
 import sys
@@ -101,11 +102,12 @@ class UnsentState:
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
         self._config_thread = threading.get_ident()
-        # before the first window, so that a warning made an error stops nothing begun
-        unordered: List[str] = []
-        self._walk(unordered)
-        if unordered:
-            warn(_unordered_message(unordered), RuntimeWarning, stacklevel=3)
+        # the sets the model holds from the start, named before the first window; those
+        # its first forward makes, after it (after_window)
+        self._unordered: List[str] = []
+        self._walk(self._unordered)
+        if self._unordered:
+            warn(_unordered_message(self._unordered), RuntimeWarning, stacklevel=4)
 
     def check_held(self) -> None:
         """:meth:`HeldObjects.check`; what it raises about is not warned about again by
@@ -131,8 +133,12 @@ class UnsentState:
 
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
-            self._last, self._cost = self._walk()
+            unordered: List[str] = []
+            self._last, self._cost = self._walk(unordered)
             self._built = _structure(self.roots)
+            made = [path for path in unordered if path not in self._unordered]
+            if made:
+                warn(_unordered_message(made), RuntimeWarning, stacklevel=4)
         else:
             self._windowed, cost = self._walk()
             self._cost += cost
@@ -328,22 +334,25 @@ def unordered_set(items: Any) -> bool:
     """Whether the set ``items`` may iterate in another order in another process: it has
     two items or more, and one whose hash is the process's own (a string, bytes or an
     enum member, unless this process and the workers hash with ``PYTHONHASHSEED=0``; an
-    object hashed by identity, or by a hash of its own), also inside a tuple or frozenset.
-    (Numbers hash alike everywhere; a set of them that was once larger may still iterate
-    otherwise once rebuilt, which is not looked for.)"""
+    object hashed by identity, or by a hash of its own), also inside a tuple or frozenset;
+    of a large set, its first :data:`MAX_ITEMS` items are looked at. (Numbers hash alike
+    everywhere; a set of them that was once larger may still iterate otherwise once
+    rebuilt, which is not looked for.)"""
     if len(items) < 2:
         return False
     seeded = sys.flags.hash_randomization == 0 and os.environ.get('PYTHONHASHSEED') == '0'
-    return any(not _stable_hash(item, seeded) for item in items)
+    return any(not _stable_hash(item, seeded, 0)
+               for item in itertools.islice(items, MAX_ITEMS))
 
 
-def _stable_hash(item: Any, seeded: bool) -> bool:
+def _stable_hash(item: Any, seeded: bool, depth: int) -> bool:
     if isinstance(item, _NUMBERS):
         return True
     if type(item) in (tuple, frozenset):
-        return all(_stable_hash(part, seeded) for part in item)
-    if type(item) in (str, bytes) or (isinstance(item, enum.Enum)
-                                      and type(item).__hash__ is enum.Enum.__hash__):
+        return depth >= MAX_DEPTH or all(_stable_hash(part, seeded, depth + 1)
+                                         for part in itertools.islice(item, MAX_ITEMS))
+    if isinstance(item, (str, bytes)) or (isinstance(item, enum.Enum)
+                                          and type(item).__hash__ is enum.Enum.__hash__):
         return seeded
     return False
 
@@ -351,7 +360,7 @@ def _stable_hash(item: Any, seeded: bool) -> bool:
 def _unordered_message(paths: List[str]) -> str:
     listed = ', '.join(paths[:5]) + (f' (and {len(paths) - 5} more)' if len(paths) > 5 else '')
     return (f'{listed}: a set that each process iterates in its own order (the order of '
-            "strings' hashes is the process's own unless PYTHONHASHSEED is set, that of "
+            "strings' hashes is the process's own unless PYTHONHASHSEED=0, that of "
             "objects hashed by identity always): a forward that iterates it (for x in ...) "
             'runs in another order on each worker than on the master. Iterate a list, or '
             'sorted(...), instead; for strings, PYTHONHASHSEED=0 in the environment before '

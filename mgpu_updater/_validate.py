@@ -60,7 +60,7 @@ def other_updaters_arguments(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> N
             raise TypeError(f'{name} is an argument of {owner}, not of '
                             f'ParallelAccumulatingUpdater ({name}={_show(kwargs[name])} '
                             f'given): {fix(kwargs[name])}')
-    if 'devices' not in kwargs:
+    if 'devices' not in kwargs and (args or kwargs):   # (copy and pickle pass nothing)
         raise TypeError("ParallelAccumulatingUpdater needs devices=[...], one per replica: "
                         "e.g. devices=['@numpy'] (one CPU replica), devices=[0, 1] (two "
                         'GPUs), with one iterator per device')
@@ -187,17 +187,17 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
                          'device needs its own iterator over its own shard')
     batches: List[Any] = []   # per pass over its shard, where it can be told
     for i, it in enumerate(value):
-        try:
-            size = len(it.dataset)
-        except Exception:  # noqa: BLE001 - no dataset or no length: nothing to say here
-            batches.append(None)
-            continue
         batch_size = getattr(it, 'batch_size', None)
         if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) \
                 and batch_size <= 0:
             raise ValueError(f'{name}[{i}] has batch_size={batch_size!r}: each batch '
                              'must hold at least one sample; build the iterator with '
                              'batch_size >= 1')
+        try:
+            size = len(it.dataset)
+        except Exception:  # noqa: BLE001 - no dataset or no length: nothing to say here
+            batches.append(None)
+            continue
         sampler = getattr(it, 'order_sampler', None)
         # an order sampler of one's own may make an epoch of another length (oversampling)
         told = sampler is None or type(sampler) is ShuffleOrderSampler
@@ -265,7 +265,8 @@ def main_optimizer(value: Any) -> Any:
 
 def optimizer(value: Any) -> chainer.Link:
     if not isinstance(value, chainer.Optimizer):
-        if hasattr(value, 'actual_optimizer') and hasattr(value, 'communicator'):
+        if type(value).__module__.split('.')[0] == 'chainermn' \
+                or type(value).__name__ == '_MultiNodeOptimizer':
             raise TypeError(
                 f'optimizer must be a plain chainer.Optimizer, not ChainerMN\'s multi-node '
                 f'one ({type(value).__name__} given): pass the optimizer it wraps and the '
@@ -478,10 +479,12 @@ def seconds_or_none(name: str, value: Any) -> Any:
     return None if value is None else seconds(name, value, 'no limit')
 
 
-def flag(name: str, value: Any) -> bool:
-    """True or False (numpy's too); anything else, a string such as ``'no'`` above all,
-    is refused rather than read by its truth."""
-    if not isinstance(value, (bool, numpy.bool_)):
+def flag(name: str, value: Any, ints: bool = False) -> bool:
+    """True or False (numpy's too; with ``ints``, 0 and 1 as well, where Chainer's own
+    argument takes them); anything else, a string such as ``'no'`` above all, is refused
+    rather than read by its truth."""
+    if not (isinstance(value, (bool, numpy.bool_)) or (
+            ints and isinstance(value, numbers.Integral) and value in (0, 1))):
         raise TypeError(f'{name} must be True or False ({value!r} of type '
                         f'{type(value).__name__} given); pass {name}=True or {name}=False')
     return bool(value)

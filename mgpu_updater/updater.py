@@ -247,7 +247,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.update_timeout = _validate.seconds_or_none('update_timeout', update_timeout)
         self.max_worker_restarts = _validate.positive_int('max_worker_restarts',
                                                           max_worker_restarts, minimum=0)
-        auto_new_epoch = _validate.flag('auto_new_epoch', auto_new_epoch)
+        auto_new_epoch = _validate.flag('auto_new_epoch', auto_new_epoch, ints=True)
         self.report_times = _validate.flag('report_times', report_times)
         self.pipelined = _validate.flag('pipelined', pipelined)
         self._step = _step.choose(self.pipelined)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy
 import numpy as np
 import pytest
 
@@ -127,3 +128,23 @@ def test_shard_iterators_name_a_dataset_without_a_length():
                                          r'\(dataset, n, batch_size\): n is the number of '
                                          r'devices\)'):
         shard_iterators(dataset(20, seed=0), 32, 2)
+
+
+def test_shard_iterators_take_what_chainer_and_numpy_take_for_flags_and_seeds():
+    """shuffle=0 or 1 (argparse's type=int), a seed as a 0-d numpy array: as before."""
+    def first(**kwargs):
+        return [next(it)[0][0].tolist() for it in shard_iterators(dataset(20, seed=0), 2, 4,
+                                                                   **kwargs)]
+    assert first(shuffle=1, seed=numpy.array(3)) == first(shuffle=True, seed=3)
+    assert first(shuffle=0) == first(shuffle=False)
+
+
+def test_a_datasets_own_error_in_its_length_is_its_own():
+    class Broken:
+        def __len__(self):
+            raise TypeError('the dataset could not count its files')
+
+        def __getitem__(self, i):
+            return i
+    with pytest.raises(TypeError, match='^the dataset could not count its files$'):
+        shard_iterators(Broken(), 2, 4)

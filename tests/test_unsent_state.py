@@ -457,3 +457,36 @@ def test_a_set_each_process_iterates_in_its_own_order_is_named_once(monkeypatch,
     else:
         assert message == ''
         assert _update(watch) == _update(watch) == ''
+
+
+def test_a_set_the_first_forward_makes_is_named_after_it(monkeypatch):
+    monkeypatch.delenv('PYTHONHASHSEED', raising=False)
+    model = Annealed()
+    model.heads = set()
+
+    def forward():
+        model.heads.update({'cls', 'aux', 'reg'})   # made by the first call
+
+    watch = UnsentState({'model': model})
+    message = _update(watch, forward)
+    assert message.startswith('model.heads: a set that each process iterates'), message
+    assert _update(watch, forward) == ''
+
+
+def test_string_like_items_hash_alike_under_a_zero_seed():
+    """In a process started with PYTHONHASHSEED=0 (the workers inherit it), strings, their
+    subclasses and enum members of them order alike: not named; objects by identity are."""
+    import subprocess
+    code = ('import enum\n'
+            'from mgpu_updater._unsent_state import unordered_set\n'
+            'class Head(str, enum.Enum):\n'
+            "    CLS = 'cls'\n"
+            "    AUX = 'aux'\n"
+            'class Name(str):\n'
+            '    pass\n'
+            'print(unordered_set({Head.CLS, Head.AUX}), '
+            "unordered_set({Name('a'), Name('b')}), unordered_set({object(), object()}))\n")
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONHASHSEED='0'), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ['False', 'False', 'True']

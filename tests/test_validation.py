@@ -346,6 +346,12 @@ def test_not_an_optimizer():
              optimizer=L.Classifier(L.Linear(4, 3)))
 
 
+def test_an_object_answering_every_attribute_is_no_multi_node_optimizer():
+    from unittest import mock
+    rejected(TypeError, r'^optimizer must be a chainer\.Optimizer set up on the model',
+             optimizer=mock.MagicMock())
+
+
 def test_a_chainermn_multi_node_optimizer_is_told_to_pass_the_one_it_wraps():
     class _MultiNodeOptimizer:   # what create_multi_node_optimizer returns, in short
         def __init__(self, actual_optimizer, communicator):
@@ -366,6 +372,18 @@ def test_devices_left_out_is_named_with_examples():
 def test_auto_new_epoch_is_a_flag():
     rejected(TypeError, r"^auto_new_epoch must be True or False \('no' of type str given\)",
              auto_new_epoch='no')
+    assert build(auto_new_epoch=0).auto_new_epoch is False   # as StandardUpdater takes it
+    assert build(auto_new_epoch=numpy.bool_(True)).auto_new_epoch is True
+
+
+def test_the_updater_copies_and_pickles_as_before():
+    """copy and pickle make the object with a bare __new__: no argument is missing there."""
+    import copy
+    import pickle
+    updater = build(devices=['@numpy'], iterators=iterators(1))
+    assert type(copy.copy(updater)) is ParallelAccumulatingUpdater
+    assert pickle.loads(pickle.dumps(updater)).accumulate_steps == 1
+    updater.finalize()
 
 
 @pytest.mark.parametrize('batch_size', [0, -2])
