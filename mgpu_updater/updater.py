@@ -237,8 +237,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.reuse_host_memory = _validate.reuse_host_memory(reuse_host_memory)
         self.bind_cores = _validate.bind_cores(bind_cores)
         #: under micro_batch_size='auto': every replica's chunk size as of the last
-        #: update (0: the whole batch), in replica order (MPI: rank order); saved in
-        #: snapshots
+        #: update (0: no micro-batch yet; empty before the first update), in replica
+        #: order (MPI: rank order); saved in snapshots
         self.micro_batch_sizes: List[int] = []
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
