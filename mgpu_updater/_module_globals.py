@@ -37,6 +37,7 @@ import types
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy
+
 from . import _warning
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from typing import Any, List
+
 from ._warning import warn
 
 #: iterator -> why its position is not its replica's (a running updater's, or lost)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
+
 from ._warning import warn
 
 #: The environment variables by which a user sets the thread counts of the BLAS and OpenMP
