@@ -499,7 +499,8 @@ def _sent_every_update(roots: Dict[str, Any]) -> set:
                 if value is not None and type(value) not in _PLAIN:
                     out.add(id(value))
             for param in obj.params():
-                out.update(id(a) for a in (param.array, param.grad) if a is not None)
+                if param.array is not None:   # (an uninitialised one has no gradient to read)
+                    out.update(id(a) for a in (param.array, param.grad) if a is not None)
     return out
 
 

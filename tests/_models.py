@@ -446,6 +446,17 @@ class RaisesAtCall(chainer.Chain):
         return F.softmax_cross_entropy(self.net(x), t)
 
 
+class RaisesBesideUnusedLazyLink(RaisesAtCall):
+    """:class:`RaisesAtCall` with a lazy link no forward calls: Chainer raises on reading
+    that link's gradient until ``cleargrads()`` ran, which a failure before the first
+    backward precedes."""
+
+    def __init__(self, at):
+        super().__init__(at)
+        with self.init_scope():
+            self.unused = L.Linear(None, 2)
+
+
 class LazyRaisesInTestMode(chainer.Chain):
     """A lazy model whose forward cannot run in test mode."""
 

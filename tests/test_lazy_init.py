@@ -18,8 +18,9 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 
 from _models import (BufferInForward, LazyCell, LazyFixedProjection, LazyPairs,
-                     LazyRaisesInTestMode, LazyRecurrent, LazyReservoir, StaticLazyClassifier,
-                     TrainOnlyHead, UnusedLazyLink, dataset, params, setup_optimizer)
+                     LazyRaisesInTestMode, LazyRecurrent, LazyReservoir,
+                     RaisesBesideUnusedLazyLink, StaticLazyClassifier, TrainOnlyHead,
+                     UnusedLazyLink, dataset, params, setup_optimizer)
 
 B, UPDATES = 4, 2
 
@@ -182,3 +183,15 @@ def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
     reference = _reference(reference_model, 2, updates)
     for name, value in params(model).items():
         np.testing.assert_allclose(value, reference[name], rtol=1e-5, err_msg=name)
+
+
+def test_a_failure_before_the_first_backward_leaves_no_worker_behind():
+    """The first training forward raises (call 2; call 1 initialised the lazy sizes) on a
+    model with a lazy link no forward calls, whose gradient cannot be read yet: closing
+    the workers read it and stopped there, leaving the worker running."""
+    import multiprocessing
+    model = RaisesBesideUnusedLazyLink(at=2)
+    updater = _ours(model, ['@numpy', '@numpy'])
+    with pytest.raises(ValueError, match='forward call 2'):
+        _run(updater, 1)
+    assert multiprocessing.active_children() == []

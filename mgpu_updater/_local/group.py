@@ -312,12 +312,14 @@ class LocalGroup(Group):
 
     def close(self, abort: bool = False) -> None:
         try:
-            for views in (getattr(self, 'params', None), getattr(self, 'grads', None)):
-                if views is not None:   # (None: closed while being built)
-                    views.detach()
-            if not abort:
-                self.comm.drain()   # our collectives in flight end before the workers stop
-            self.pool.close()
+            try:
+                for views in (getattr(self, 'params', None), getattr(self, 'grads', None)):
+                    if views is not None:   # (None: closed while being built)
+                        views.detach()
+                if not abort:
+                    self.comm.drain()   # our collectives in flight end before the workers stop
+            finally:
+                self.pool.close()   # whatever failed before: no worker is left behind
         finally:
             if self.board is not None:
                 self.board.close()
@@ -423,6 +425,8 @@ class SummedGrads:
         views = {id(view): view for view in self.views.values()}
         copies: Dict[int, Any] = {}
         for param in self.params.values():
+            if param.array is None:   # a lazy link no forward called: no gradient to read
+                continue
             grad = param.grad
             if grad is not None and views.get(id(grad)) is grad:
                 if id(grad) not in copies:
