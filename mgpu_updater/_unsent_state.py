@@ -171,6 +171,7 @@ class UnsentState:
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
         self.forward.update(self._changed(begun, windowed))   # left out of both below
+        self.forward.update(_rewritten(begun, windowed))   # (written alike by the window)
         changed = dict(self._changed(last, begun))
         changed.update(self._changed(windowed, now))
         self._last, self._begun, self._windowed = now, None, None
@@ -509,6 +510,19 @@ def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
         budget[0] -= array.nbytes
         return array.copy()
     return ('array', id(array), array.shape, array.dtype.str)
+
+
+_MADE_ANEW = (float, complex)   # a new object at every write, whatever its value
+
+
+def _rewritten(before: Dict[str, Any], after: Dict[str, Any]) -> set:
+    """Paths whose number the window wrote anew, equal or not: a metric a forward keeps as
+    a float (chainer-chemistry's ``Classifier``: ``self.metrics = {'accuracy': ...}``) is
+    a new object at each write, where a value nothing writes stays the same object; one
+    that kept its value through the window watched would be named at its next change (an
+    ``Evaluator`` calls the forward between updates)."""
+    return {path for path, value in after.items()
+            if type(value) in _MADE_ANEW and path in before and before[path] is not value}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -490,3 +490,22 @@ def test_string_like_items_hash_alike_under_a_zero_seed():
                           env=dict(os.environ, PYTHONHASHSEED='0'), timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ['False', 'False', 'True']
+
+
+def test_a_number_the_forward_writes_alike_in_the_window_watched_is_the_forwards():
+    """A metric a forward keeps as a float (chainer-chemistry's Classifier), the same
+    value through the first check's window, then another (a later batch, an Evaluator's
+    call between updates): the forward's, not named."""
+    model = Annealed()
+    model.metrics = {'accuracy': 0.25}
+    values = iter([0.25, 0.25, 0.25, 0.25, 0.75])
+
+    def forward():   # a new float object at every call, as float(array) makes
+        model.metrics = {'accuracy': np.float64(next(values)).item()}
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == ''
+    assert _update(watch, forward) == ''   # the check begins
+    assert _update(watch, forward) == ''   # ... and ends: the window wrote it
+    assert 'model.metrics' in str(watch.forward)
+    model.metrics = {'accuracy': np.float64(0.5).item()}   # as an Evaluator's call would
+    assert _caught(watch.finish) == ''
