@@ -139,9 +139,9 @@ def ensure_grads(model: chainer.Link) -> None:
     backward leaves to a parameter that is only summed whole). Two parameters that hold
     one array (``a + b``) keep it: every rank's two sums are the same values."""
     for param in model.params():
-        grad = param.grad
         if param.array is None:   # a link never called: no gradient (initialized_params)
             continue
+        grad = param.grad
         if grad is None:
             with chainer.using_device(param.device):
                 param.grad = param.device.xp.zeros_like(param.array)

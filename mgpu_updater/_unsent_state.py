@@ -98,6 +98,9 @@ class UnsentState:
         self.named: List[str] = []
         #: paths of parameters of links outside the model (their own advice)
         self._parameter_paths: set = set()
+        #: of the check in progress, the paths of numbers held as found (_rewritten)
+        self._begun_found: set = set()
+        self._windowed_found: set = set()
         #: Chainer's configuration as sent to the workers at their start (_inherit), as
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
@@ -140,12 +143,15 @@ class UnsentState:
             if made:
                 warn(_unordered_message(made), RuntimeWarning, stacklevel=4)
         else:
-            self._windowed, cost = self._walk()
+            self._windowed_found = set()
+            self._windowed, cost = self._walk(as_found=self._windowed_found)
             self._cost += cost
 
     def at_begin(self) -> None:
         if self._begun is None or self._windowed is None:
-            self._begun, self._cost = self._walk()   # (again, if no window ran since)
+            self._begun_found = set()
+            # (again, if no window ran since)
+            self._begun, self._cost = self._walk(as_found=self._begun_found)
             self._windowed = None
             return
         self._conclude(stacklevel=4)
@@ -171,7 +177,9 @@ class UnsentState:
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
         self.forward.update(self._changed(begun, windowed))   # left out of both below
-        self.forward.update(_rewritten(begun, windowed))   # (written alike by the window)
+        # (written alike by the window)
+        self.forward.update(_rewritten(begun, windowed,
+                                       self._begun_found & self._windowed_found))
         changed = dict(self._changed(last, begun))
         changed.update(self._changed(windowed, now))
         self._last, self._begun, self._windowed = now, None, None
@@ -259,9 +267,12 @@ class UnsentState:
                     "with ChainerMN's create_multi_node_optimizer for each network")
             warn(message, RuntimeWarning, stacklevel=stacklevel)
 
-    def _walk(self, unordered: Optional[List[str]] = None) -> Tuple[Dict[str, Any], float]:
+    def _walk(self, unordered: Optional[List[str]] = None,
+              as_found: Optional[set] = None) -> Tuple[Dict[str, Any], float]:
         """path -> value of every plain value reachable; the paths of the sets
-        :func:`unordered` finds appended to ``unordered``, where given."""
+        :func:`unordered_set` finds appended to ``unordered``, and those of the numbers
+        :func:`_rewritten` can tell by identity (held as found, not made by the walk
+        from a numpy scalar) added to ``as_found``, where given."""
         start = time.perf_counter()
         out: Dict[str, Any] = {}
         sent = _sent_every_update(self.roots)   # ids of the persistents' values
@@ -275,6 +286,8 @@ class UnsentState:
             kind = type(obj)
             if kind in _PLAIN:
                 out[path] = obj
+                if as_found is not None and kind in _MADE_ANEW:
+                    as_found.add(path)
                 continue
             if id(obj) in sent:
                 continue
@@ -515,14 +528,15 @@ def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
 _MADE_ANEW = (float, complex)   # a new object at every write, whatever its value
 
 
-def _rewritten(before: Dict[str, Any], after: Dict[str, Any]) -> set:
+def _rewritten(before: Dict[str, Any], after: Dict[str, Any], found: set) -> set:
     """Paths whose number the window wrote anew, equal or not: a metric a forward keeps as
     a float (chainer-chemistry's ``Classifier``: ``self.metrics = {'accuracy': ...}``) is
     a new object at each write, where a value nothing writes stays the same object; one
     that kept its value through the window watched would be named at its next change (an
-    ``Evaluator`` calls the forward between updates)."""
-    return {path for path, value in after.items()
-            if type(value) in _MADE_ANEW and path in before and before[path] is not value}
+    ``Evaluator`` calls the forward between updates). Only the ``found`` paths, whose
+    values both walks held as they found them (a numpy scalar is read anew each walk)."""
+    return {path for path in found
+            if path in before and path in after and before[path] is not after[path]}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -509,3 +509,15 @@ def test_a_number_the_forward_writes_alike_in_the_window_watched_is_the_forwards
     assert 'model.metrics' in str(watch.forward)
     model.metrics = {'accuracy': np.float64(0.5).item()}   # as an Evaluator's call would
     assert _caught(watch.finish) == ''
+
+
+def test_a_numpy_scalar_an_extension_anneals_is_named():
+    """A numpy scalar is read anew at each look: its identity tells nothing of who wrote
+    it, and one nothing wrote in the window is not the forward's."""
+    model = Annealed()
+    model.beta = np.float32(0.0)
+    watch = UnsentState({'model': model})
+    assert _update(watch) == _update(watch) == _update(watch) == ''
+    assert 'model.beta' not in watch.forward
+    model.beta = np.linspace(0, 1, 5)[2]
+    assert 'model.beta: 0.0 -> 0.5' in _caught(watch.finish)
