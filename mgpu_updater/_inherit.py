@@ -66,9 +66,9 @@ def master_config() -> Dict[str, Any]:
             cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
             warn(f'chainer.config.{name} = {value!r} cannot be sent to the worker '
-                          f'processes ({type(exc).__name__}: {exc}); they keep Chainer\'s '
-                          'value for it. Set it to a picklable value to have it apply there',
-                          stacklevel=3)
+                 f'processes ({type(exc).__name__}: {exc}); they keep Chainer\'s '
+                 'value for it. Set it to a picklable value to have it apply there',
+                 stacklevel=3)
             continue
         entries[name] = value
     return entries
@@ -91,8 +91,8 @@ def process_settings() -> ProcessSettings:
             cloudpickle.dumps(entry)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
             warn(f'the warning filter {entry!r} cannot be sent to the worker '
-                          f'processes ({type(exc).__name__}: {exc}); they go without it',
-                          stacklevel=3)
+                 f'processes ({type(exc).__name__}: {exc}); they go without it',
+                 stacklevel=3)
             continue
         filters.append(entry)
     return ProcessSettings(numpy.geterr(), filters, sys.getrecursionlimit())

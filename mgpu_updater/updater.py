@@ -645,7 +645,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 raise NonFiniteLossError(of_update, loss)
             self._skipped += 1
             warn(f'skipping {self._step_of(of_update)}: the loss is {loss}',
-                          RuntimeWarning)
+                 RuntimeWarning)
         return factor
 
     def _step_of(self, of_update: int) -> str:
@@ -697,8 +697,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             raise NonFiniteGradientError(of_update, loss, loss_scale)
         self._skipped += 1
         warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
-                      f'or NaN under the static loss scale {loss_scale:g}',
-                      RuntimeWarning)
+             f'or NaN under the static loss scale {loss_scale:g}',
+             RuntimeWarning)
         return False
 
     def _report(self, results: List[WindowResult], own: WindowResult,

@@ -441,8 +441,8 @@ class NcclCommunicator(Communicator):
             self.wait(self.timeout if self.timeout is not None else _FINALIZE_TIMEOUT)
         except Exception as e:  # wait() has abandoned the communicator
             warn(f'the collectives in flight on rank {self.rank} did not finish '
-                          f'before the other ranks were stopped; the nccl communicator was '
-                          f'aborted: {e}', RuntimeWarning)
+                 f'before the other ranks were stopped; the nccl communicator was '
+                 f'aborted: {e}', RuntimeWarning)
 
     def _check_during_wait(self) -> None:
         """A dead peer raises what ``check_peer_alive`` raises (it names the peer); an
@@ -554,7 +554,7 @@ class NcclCommunicator(Communicator):
                 self.wait(timeout)
             except BaseException as e:  # wait() has abandoned the communicator
                 warn(f'the nccl communicator of rank {self.rank} was aborted '
-                              f'instead of destroyed: {e}', RuntimeWarning)
+                     f'instead of destroyed: {e}', RuntimeWarning)
                 self._release()
                 if not isinstance(e, Exception):
                     raise
@@ -594,7 +594,7 @@ def _bounded(call: Callable[[], None], timeout: float, what: str) -> bool:
     thread.join(timeout)
     if thread.is_alive():
         warn(f'{what} did not return within {timeout:g} s; leaving it to process '
-                      'exit', RuntimeWarning)
+             'exit', RuntimeWarning)
         return False
     if 'error' in failed:
         warn(f'{what} failed: {failed["error"]}', RuntimeWarning)
