@@ -332,7 +332,7 @@ class UnsentState:
             try:
                 for label, part in parts(obj):
                     if label[1:] in names or (private and label.startswith('._')
-                                              and label != '._local_link_hooks'):
+                                              and label not in _WALKED_PRIVATE):
                         continue
                     found.append((path + label, part, depth + 1))
             except Exception:  # noqa: BLE001 - what cannot be taken apart is not watched
@@ -387,6 +387,11 @@ def _unordered_message(paths: List[str]) -> str:
 _LINK_INTERNALS = frozenset(
     set(vars(chainer.Chain())) | set(vars(chainer.ChainList()))
     | {'_device'}) - {'_local_link_hooks'}
+
+#: Chainer's private attributes that hold the user's objects, walked as theirs: a link's
+#: hooks, and what a ``chainer.Sequential`` calls between its links (a callable object
+#: with a value an extension anneals is the model's value as much as a link's attribute)
+_WALKED_PRIVATE = frozenset({'._local_link_hooks', '._layers'})
 
 
 class HeldObjects:

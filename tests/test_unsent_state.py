@@ -329,6 +329,36 @@ def test_a_link_hooks_attribute_changed_between_updates_is_named():
     assert 'SpectralNormalization' not in message
 
 
+class _Slope:
+    """A callable object between a Sequential's links: an activation with a slope."""
+
+    def __init__(self, slope):
+        self.slope = slope
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1   # the forward's own count
+        return x * self.slope
+
+
+def test_a_value_of_a_callable_between_a_sequentials_links_is_named():
+    """What a ``chainer.Sequential`` calls between its links sits in Chainer's private
+    ``_layers``: its values are the model's as much as a link's attribute. Chainer's
+    functions there (``F.relu``, pickled by name) hold nothing to watch."""
+    slope = _Slope(1.0)
+    model = chainer.Sequential(chainer.links.Linear(4, 3), chainer.functions.relu, slope)
+
+    def forward():
+        model(np.ones((2, 4), np.float32))
+    watch = UnsentState({'model': model})
+    _update(watch, forward)
+    slope.slope = 0.5                       # an extension anneals it
+    _update(watch, forward)
+    message = _update(watch, forward)
+    assert 'model._layers[2].slope: 1.0 -> 0.5' in message
+    assert 'calls' not in message           # each replica's forward counts its own
+
+
 def test_a_link_hook_added_or_removed_between_updates_is_warned_about():
     link, forward = _linear_with_hooks()
     watch = UnsentState({'model': link})
