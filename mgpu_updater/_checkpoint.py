@@ -35,8 +35,12 @@ class _Copying(DictionarySerializer):
         return _Copying(self.target, self.path + key + '/')
 
 
-class _CopyingArrays:
-    """A saving serializer that hands on a copy of each numpy array it is given."""
+class _CopyingArrays(chainer.serializer.Serializer):
+    """A saving serializer that hands on a copy of each numpy array it is given. A
+    ``Serializer`` itself: a link's ``serialize`` that tells saving from loading as
+    Chainer's own code does (``isinstance(serializer, chainer.serializer.Serializer)``,
+    ``LogReport``'s way) must save through it, not load (a snapshot then wiped what it
+    saved, in the snapshot and in the model)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

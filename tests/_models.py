@@ -732,3 +732,25 @@ class ConstrainsInForward(chainer.Chain):
         W = self.predictor.l1.W.array
         W *= np.minimum(1.0, 0.5 / np.sqrt((W ** 2).sum(axis=1, keepdims=True)))
         return F.softmax_cross_entropy(self.predictor(x), t)
+
+
+class SavesExtraState(chainer.Chain):
+    """``classifier``'s MLP with state of its own that its ``serialize`` saves and loads,
+    telling the two apart as Chainer's own code does (``LogReport``):
+    ``isinstance(serializer, chainer.serializer.Serializer)``."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.mlp = MLP()
+        self.count = 0
+
+    def forward(self, x):
+        return self.mlp(x)
+
+    def serialize(self, serializer):
+        super().serialize(serializer)
+        if isinstance(serializer, chainer.serializer.Serializer):
+            serializer('count', np.int64(self.count))
+        else:
+            self.count = int(serializer('count', 0))

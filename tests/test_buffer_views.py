@@ -261,6 +261,26 @@ def test_a_snapshot_saved_from_a_fork_holds_the_parameters_of_its_update(tmp_pat
         assert not np.array_equal(value, dict(model.namedparams())[name].array), name
 
 
+def test_a_snapshot_saves_what_a_links_own_serialize_saves():
+    """The snapshot's copies of the master's parameters go through a serializer of the
+    package's: a link's ``serialize`` that saves only where it is given a Chainer
+    ``Serializer`` (``LogReport``'s idiom) took the load branch there, and the snapshot
+    and the live model lost the link's state (a count of 3 saved and left as 0)."""
+    from chainer.serializers import DictionarySerializer
+    np.random.seed(0)
+    model = chainer.links.Classifier(_models.SavesExtraState())
+    _, updater = _models.two_cpu_replicas(model=model)
+    try:
+        updater.update()
+        model.predictor.count = 3   # an extension's count
+        saved = DictionarySerializer()
+        updater.serialize(saved)
+    finally:
+        updater.finalize()
+    assert model.predictor.count == 3
+    assert int(saved.target['model:main/predictor/count']) == 3
+
+
 def test_a_master_parameter_replaced_between_updates_is_copied_in_and_bound_again():
     master_model, worker_model, layouts, master, worker = _pair()
     try:
