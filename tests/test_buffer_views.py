@@ -269,10 +269,10 @@ def test_a_snapshot_saves_what_a_links_own_serialize_saves():
     from chainer.serializers import DictionarySerializer
     np.random.seed(0)
     model = chainer.links.Classifier(_models.SavesExtraState())
+    model.predictor.count = 3   # as the workers hold it too
     _, updater = _models.two_cpu_replicas(model=model)
     try:
         updater.update()
-        model.predictor.count = 3   # an extension's count
         saved = DictionarySerializer()
         updater.serialize(saved)
     finally:
