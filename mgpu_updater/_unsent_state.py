@@ -13,9 +13,10 @@ training is just different.
 :class:`UnsentState` makes that loud. It collects every plain value (numbers, strings,
 None, numpy arrays, and the arrays of parameters of links outside the model: a teacher,
 the other network of a GAN) reachable from them the way the workers' payload pickled them
-(:func:`mgpu_updater._pickle_path.parts`), leaving out what every update sends (the
-model's parameters, their arrays wherever else they are held, and persistents), other
-Variables (a forward's results), Chainer's own bookkeeping (the private
+(:func:`mgpu_updater._pickle_path.parts`), Variables that are no parameter by their
+arrays (a mask; a forward's results, new Variables at every call, are the forward's),
+leaving out what every update sends (the model's parameters, their arrays wherever else
+they are held, and persistents), Chainer's own bookkeeping (the private
 attributes of its classes: a link hook's scratch vectors; ``@static_graph``'s
 schedules), Chainer's datasets and iterators, and what lies inside a container of more
 than :data:`MAX_ITEMS` items (its length counts). It takes them after the master's first
@@ -45,7 +46,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import chainer
 import numpy
@@ -293,14 +294,22 @@ class UnsentState:
                 continue
             if isinstance(obj, chainer.Variable):
                 array = obj.array
-                if isinstance(obj, chainer.Parameter) and array is not None and \
-                        id(array) not in sent:
+                if array is None or id(array) in sent:
+                    continue   # the model's parameter, sent every update (or none yet)
+                value = _array_value(array, budget) if type(array) is numpy.ndarray \
+                    else ('array', id(array), tuple(array.shape), str(array.dtype))
+                if isinstance(obj, chainer.Parameter):
                     # a parameter of a link outside the model (a teacher, the other
                     # network of a GAN): no update sends it
                     self._parameter_paths.add(path)
-                    out[path] = _array_value(array, budget) if type(array) is numpy.ndarray \
-                        else ('array', id(array), tuple(array.shape), str(array.dtype))
-                continue   # else the model's, sent every update, or a forward's result
+                    out[path] = value
+                else:
+                    # a mask or a constant held as a Variable; a forward's result (L.
+                    # Classifier's self.y) is a new Variable at every write (_rewritten)
+                    out[path] = _HeldVariable((id(obj), id(array)), value)
+                    if as_found is not None:
+                        as_found.add(path)
+                continue
             if kind is numpy.ndarray:
                 out[path] = _array_value(obj, budget)
                 continue
@@ -533,6 +542,14 @@ def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
 _MADE_ANEW = (float, complex)   # a new object at every write, whatever its value
 
 
+class _HeldVariable(NamedTuple):
+    """A Variable that is not a parameter, as a watched value: its array's value, and
+    the identities of the Variable and its array, which a forward that keeps its results
+    (``self.y = h``) writes anew at every call (:func:`_rewritten`)."""
+    ids: Tuple[int, int]
+    value: Any
+
+
 def _rewritten(before: Dict[str, Any], after: Dict[str, Any], found: set) -> set:
     """Paths whose number the window wrote anew, equal or not: a metric a forward keeps as
     a float (chainer-chemistry's ``Classifier``: ``self.metrics = {'accuracy': ...}``) is
@@ -541,12 +558,20 @@ def _rewritten(before: Dict[str, Any], after: Dict[str, Any], found: set) -> set
     ``Evaluator`` calls the forward between updates). Only the ``found`` paths, whose
     values both walks held as they found them (a numpy scalar is read anew each walk)."""
     return {path for path in found
-            if path in before and path in after and before[path] is not after[path]}
+            if path in before and path in after and _written(before[path], after[path])}
+
+
+def _written(before: Any, after: Any) -> bool:
+    if type(before) is _HeldVariable and type(after) is _HeldVariable:
+        return before.ids != after.ids
+    return before is not after
 
 
 def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
+    if type(a) is _HeldVariable:
+        return _same(a.value, b.value)
     if type(a) is numpy.ndarray:
         return a.shape == b.shape and a.dtype == b.dtype and bool(
             numpy.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
@@ -583,6 +608,8 @@ _UNSET = _Unset()
 
 
 def _short(value: Any) -> str:
+    if type(value) is _HeldVariable:
+        value = value.value
     if type(value) is numpy.ndarray:
         return f'an array {value.shape} {value.dtype}'
     if type(value) is tuple and value and value[0] == 'array':

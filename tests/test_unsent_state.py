@@ -551,3 +551,39 @@ def test_a_numpy_scalar_an_extension_anneals_is_named():
     assert 'model.beta' not in watch.forward
     model.beta = np.linspace(0, 1, 5)[2]
     assert 'model.beta: 0.0 -> 0.5' in _caught(watch.finish)
+
+
+@pytest.mark.parametrize('change', ['in place', 'array set', 'replaced'])
+def test_a_mask_held_as_a_variable_changed_between_updates_is_named(change):
+    """A constant kept as a ``chainer.Variable`` that is no parameter (a mask, with
+    ``requires_grad=False``): no update sends it, as no update sends a numpy array kept
+    so (two replicas trained 0.17 apart, without a word)."""
+    model = Annealed()
+    model.mask = chainer.Variable(np.ones(4, np.float32), requires_grad=False)
+    watch = UnsentState({'model': model})
+    assert _update(watch) == _update(watch) == ''   # the first window; the check begins
+    if change == 'in place':
+        model.mask.array[0] = 0.0
+    elif change == 'array set':
+        model.mask.array = np.zeros(4, np.float32)
+    else:
+        model.mask = chainer.Variable(np.zeros(4, np.float32), requires_grad=False)
+    assert 'model.mask: an array (4,) float32 -> an array (4,) float32' in _update(watch)
+
+
+def test_a_variable_the_forward_keeps_is_the_forwards_though_its_value_repeats():
+    """A forward that keeps its results as Variables (``L.Classifier``'s ``self.y``,
+    ``self.accuracy``) makes new ones at every call, of the same value here through the
+    first check's window; another value later (an Evaluator's call between updates) is
+    the forward's, not named."""
+    model = Annealed()
+    values = iter([1.0, 1.0, 1.0, 1.0, 0.5])
+
+    def forward():
+        model.accuracy = chainer.Variable(np.asarray(next(values), np.float32))
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == _update(watch, forward) == ''
+    assert _update(watch, forward) == ''
+    assert 'model.accuracy' in watch.forward
+    forward()   # as an Evaluator's call would
+    assert _caught(watch.finish) == ''
