@@ -64,35 +64,61 @@ class FlatLayout:
              scale: Optional[float] = None, skip: Collection[str] = ()) -> None:
         """Copy each array into its slice (zeros where an array is ``None``), but those
         in ``skip``."""
-        for dtype, entries in self.groups.items():
-            flat = buffer(f'{self.prefix}/{dtype}')
-            for e in entries:
-                if e.name in skip:
-                    continue
-                dst = flat[e.offset:e.offset + e.size]
-                src = arrays[e.name]
-                if src is None:
-                    dst.fill(0)
-                elif scale is None:
-                    dst[...] = src.reshape(-1)
-                else:
-                    # one fused multiply-copy; 'unsafe' keeps float16 as float16
-                    _xp(dst).multiply(src.reshape(-1), scale, out=dst, casting='unsafe')
+        try:
+            for dtype, entries in self.groups.items():
+                flat = buffer(f'{self.prefix}/{dtype}')
+                for e in entries:
+                    if e.name in skip:
+                        continue
+                    dst = flat[e.offset:e.offset + e.size]
+                    src = arrays[e.name]
+                    if src is None:
+                        dst.fill(0)
+                    elif scale is None:
+                        dst[...] = src.reshape(-1)
+                    else:
+                        # one fused multiply-copy; 'unsafe' keeps float16 as float16
+                        _xp(dst).multiply(src.reshape(-1), scale, out=dst, casting='unsafe')
+        except ValueError as exc:
+            raise self._reshaped(arrays, exc)
 
     def unpack(self, buffer: Callable[[str], Any], arrays: Mapping[str, Any],
                scale: Optional[float] = None, skip: Collection[str] = ()) -> None:
         """Copy each slice back into the existing arrays, in place (but those in ``skip``)."""
-        for dtype, entries in self.groups.items():
-            flat = buffer(f'{self.prefix}/{dtype}')
-            for e in entries:
-                if e.name in skip:
-                    continue
-                dst = arrays[e.name]
-                src = flat[e.offset:e.offset + e.size].reshape(e.shape)
-                if scale is None:
-                    dst[...] = src
-                else:
-                    _xp(dst).multiply(src, scale, out=dst, casting='unsafe')
+        try:
+            for dtype, entries in self.groups.items():
+                flat = buffer(f'{self.prefix}/{dtype}')
+                for e in entries:
+                    if e.name in skip:
+                        continue
+                    dst = arrays[e.name]
+                    src = flat[e.offset:e.offset + e.size].reshape(e.shape)
+                    if scale is None:
+                        dst[...] = src
+                    else:
+                        _xp(dst).multiply(src, scale, out=dst, casting='unsafe')
+        except ValueError as exc:
+            raise self._reshaped(arrays, exc)
+
+    def _reshaped(self, arrays: Mapping[str, Any], exc: ValueError) -> Exception:
+        """The error where an array no longer fits its slice: one the model changed the
+        shape of during training (a persistent a forward grows, a parameter replaced by
+        one of another shape) is named, with the fix; else ``exc`` as it came."""
+        found = [f'{e.name} {e.shape} -> {tuple(arrays[e.name].shape)}'
+                 for entries in self.groups.values() for e in entries
+                 if arrays.get(e.name) is not None
+                 and tuple(arrays[e.name].shape) != e.shape]
+        if not found:
+            return exc
+        error = RuntimeError(
+            f"the model's arrays {'; '.join(found)} changed shape during training (a "
+            'persistent the forward grows, a parameter replaced by one of another shape): '
+            'each update carries every parameter and persistent between the replicas in a '
+            'slot of the shape it had when they were built. Give such an array its full '
+            'shape from the start (a buffer of fixed size that the forward fills), or '
+            'finalize this updater and build a new one after the change')
+        error.__cause__ = exc
+        return error
 
 
     def views(self, buffer: Callable[[str], Any], names: Collection[str]) -> Dict[str, Any]:

@@ -773,6 +773,13 @@ class Replica:
                 'forward, where each replica gives them its own values and no update can '
                 'carry arrays it did not start with. Give them their arrays in __init__ '
                 "(self.add_persistent('buf', numpy.zeros(n, 'f')))")
+        if changed and not added and not gone and set(changed) <= arrays:
+            raise RuntimeError(
+                f'{self.name}: its forward changed the shape or dtype of the persistents '
+                f'{changed} during its first update: each update carries every persistent '
+                'between the replicas in a slot of the shape and dtype it had when they '
+                'were built. Give such a persistent its full shape and dtype in __init__ '
+                '(a buffer of fixed size that the forward fills)')
         raise RuntimeError(
             f'{self.name}: its model changed during its first update '
             f'({"; ".join(parts)}). A link created inside forward (for example in '

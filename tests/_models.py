@@ -754,3 +754,23 @@ class SavesExtraState(chainer.Chain):
             serializer('count', np.int64(self.count))
         else:
             self.count = int(serializer('count', 0))
+
+
+class GrowsPersistent(chainer.Chain):
+    """``MLP`` with a persistent queue of inputs that its forward grows by a row at its
+    call ``at_call`` (in training) and rolls otherwise, as a memory bank would."""
+
+    def __init__(self, at_call):
+        super().__init__()
+        with self.init_scope():
+            self.mlp = MLP()
+        self.at_call = at_call
+        self.calls = 0
+        self.add_persistent('queue', np.zeros((1, 5), np.float32))
+
+    def forward(self, x):
+        if chainer.config.train:
+            self.calls += 1
+            rows = x[:1] if self.calls == self.at_call else x[:0]
+            self.queue = np.concatenate([self.queue, rows])
+        return self.mlp(x)

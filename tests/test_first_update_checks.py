@@ -37,7 +37,8 @@ import chainer.links as L
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 
 from _models import (ConstantWhenEmpty, ConstantWhenEmptyForgotten,
-                     ConstantWhenEmptyForgottenMethod, ConstrainsInForward, GrowsInForward, ReadsItsGradient,
+                     ConstantWhenEmptyForgottenMethod, ConstrainsInForward, GrowsInForward, GrowsPersistent,
+                     ReadsItsGradient,
                      ReadsItsGradientNowAndThen, classifier, dataset, params, run_updates,
                      setup_optimizer)
 
@@ -58,6 +59,22 @@ def test_a_link_created_in_forward_is_refused_at_the_first_update():
                            r"'/predictor/extra/b'\]\)\. A link created inside forward") as e:
             run_updates(updater, model, 1)
         assert "give it as None" in str(e.value)
+    finally:
+        updater.finalize()
+    assert updater.worker_pids() == []
+
+
+def test_a_persistent_the_first_forward_grows_is_refused_naming_it():
+    """Not the advice for a link created in forward: a buffer the forward grows needs its
+    full shape from the start."""
+    model = L.Classifier(GrowsPersistent(at_call=1))
+    updater = _updater(model)
+    try:
+        with pytest.raises(RuntimeError, match=r"its forward changed the shape or dtype of "
+                           r"the persistents \['/predictor/queue'\] during its first update") \
+                as e:
+            run_updates(updater, model, 1)
+        assert 'full shape and dtype in __init__' in str(e.value)
     finally:
         updater.finalize()
     assert updater.worker_pids() == []

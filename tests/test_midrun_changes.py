@@ -24,7 +24,8 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater, _unsent_state, shard_iterators
 
-from _models import classifier, dataset, params, run_updates, setup_optimizer
+from _models import (GrowsPersistent, classifier, dataset, params, run_updates,
+                     setup_optimizer)
 
 B = 4
 
@@ -163,3 +164,20 @@ def test_the_updaters_converter_or_loss_func_set_anew_raises_at_the_next_update(
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def test_a_persistent_the_forward_grows_at_a_later_update_raises_naming_it():
+    """A memory bank the forward grows at its third call: the slot that carries it
+    between the replicas keeps its first shape. The error names it and its shapes, where
+    numpy's said 'operands could not be broadcast together with shapes (10,) () (5,)'."""
+    model = L.Classifier(GrowsPersistent(at_call=3))
+    _, updater = _updater(model, 2)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            run_updates(updater, model, 4)
+        assert ("/predictor/queue (1, 5) -> (2, 5) changed shape during training"
+                in str(e.value)), str(e.value)
+        assert 'full shape from the start' in str(e.value)
+    finally:
+        updater.finalize()
+    assert updater.worker_pids() == []
