@@ -145,6 +145,27 @@ def backward_scaled(loss: chainer.Variable, factor: float,
 # Converters
 
 
+_SETTING_TYPES = (bool, int, float, str)
+
+
+def optimizer_fingerprint(optimizer: chainer.Optimizer) -> Tuple[Any, ...]:
+    """What decides one optimizer's step beside the gradient: its class, its
+    hyperparameters (``lr``, ``momentum``, Adam's ``alpha``...) and its hooks, by timing,
+    name, class and plain settings (``WeightDecay``'s ``rate``). The hooks are kept in
+    the private dicts of the optimizer's ``_hookable`` (chainer/optimizer.py:591), its
+    ``_pre_update_hooks`` and ``_post_update_hooks`` (:29-30)."""
+    hooks = []
+    hookable = getattr(optimizer, '_hookable', None)
+    for timing in ('pre', 'post'):
+        for name, hook in (getattr(hookable, f'_{timing}_update_hooks', None) or {}).items():
+            settings = getattr(hook, '__dict__', None) or {}
+            hooks.append((timing, name, type(hook).__qualname__, tuple(sorted(
+                (k, v) for k, v in settings.items() if type(v) in _SETTING_TYPES))))
+    kind = type(optimizer)
+    return (f'{kind.__module__}.{kind.__qualname__}',
+            tuple(sorted(optimizer.hyperparam.get_dict().items())), tuple(hooks))
+
+
 def call_converter(converter: Any, batch: Any, device: Any) -> Any:
     """``converter(batch, device)`` as ``StandardUpdater`` calls it.
 

@@ -36,6 +36,7 @@ import numpy
 
 import chainer
 
+from ._chainer_private import optimizer_fingerprint
 from ._flat_buffers import ModelLayouts, state_arrays
 from ._groups import Group, ensure_grads
 from ._local.protocol import before_window, collective_order, issue, pack_window
@@ -57,8 +58,11 @@ class MpiGroup(Group):
     """
 
     def __init__(self, communicator: Any, model: chainer.Link, local_weight: float,
-                 settings: Optional[Dict[str, Any]] = None) -> None:
+                 settings: Optional[Dict[str, Any]] = None,
+                 optimizer: Optional[chainer.Optimizer] = None) -> None:
         self.model = model
+        #: this rank's optimizer, compared with every rank's at each update
+        self.optimizer = optimizer
         self.layouts = ModelLayouts(model)
         self.comm = MpiCommunicator(communicator, self.layouts.spec(), model.device)
         self.size = self.comm.size
@@ -135,16 +139,18 @@ class MpiGroup(Group):
         comm.end_update()
         index = layouts.index_of(model)
         kept = self._rank0_values(index) if self.rank == 0 else None
-        gathered = comm.allgather_obj((own, comm.issued(), kept))
-        check_same_order({rank: issued for rank, (_, issued, _) in enumerate(gathered)},
+        stepping = None if self.optimizer is None else optimizer_fingerprint(self.optimizer)
+        gathered = comm.allgather_obj((own, comm.issued(), kept, stepping))
+        check_same_order({rank: issued for rank, (_, issued, _, _) in enumerate(gathered)},
                          comm.updates)
+        _check_same_optimizer([g[3] for g in gathered], comm.updates)
         ensure_grads(model)
         layouts.grad.unpack(comm.buffer, index.grad_arrays())
         persistents = dict(index.persistent_arrays())
         layouts.stat.unpack(comm.buffer, persistents)
         if self.rank != 0:
             self._take_rank0_values(index, persistents, gathered[0][2])
-        results = [result for result, _, _ in gathered]
+        results = [result for result, _, _, _ in gathered]
         results[self.rank] = own
         self._check_epochs(results)
         return results
@@ -177,7 +183,8 @@ class MpiGroup(Group):
             raise RuntimeError(
                 f'the parameters of rank(s) {apart} differ from rank 0 at the start of an '
                 'update; every rank must run the same optimizer on the same model (a '
-                'non-deterministic optimizer hook or a model changed on one rank only?)')
+                'non-deterministic optimizer hook, or a model that an extension run on some '
+                'ranks only changed?)')
 
     def _check_epochs(self, results: List[WindowResult]) -> None:
         """Warn once when the ranks disagree on the epoch: an epoch trigger would then
@@ -210,6 +217,41 @@ class MpiGroup(Group):
             self.comm.abort()
         else:
             self.comm.finalize()
+
+
+def _check_same_optimizer(fingerprints: List[Any], update: int) -> None:
+    """Raise, on every rank alike (each sees the same list), where a rank's optimizer
+    would take another step than rank 0's on the same summed gradient: another class,
+    hyperparameter or hook, given so (``lr=0.1`` on one rank) or set so since by an
+    extension that runs on some ranks only (``ExponentialShift`` under ``if comm.rank ==
+    0``). The ranks' parameters would drift apart, silently; raised before the step."""
+    first = fingerprints[0]
+    apart = [r for r, theirs in enumerate(fingerprints) if theirs != first]
+    if not apart or first is None:
+        return
+    theirs = fingerprints[apart[0]]
+    differ = []
+    if first[0] != theirs[0]:
+        differ.append(f'class: rank 0: {first[0]}, rank {apart[0]}: {theirs[0]}')
+    elif first[1] != theirs[1]:   # (another class has other hyperparameters anyway)
+        ours, other = dict(first[1]), dict(theirs[1])
+        keys = sorted(k for k in set(ours) | set(other)
+                      if ours.get(k, _NONE) != other.get(k, _NONE))
+        differ.append(', '.join(f'{k}: rank 0: {ours.get(k)!r}, rank {apart[0]}: '
+                                f'{other.get(k)!r}' for k in keys))
+    if first[2] != theirs[2]:
+        differ.append(f'hooks: rank 0: {list(first[2])}, rank {apart[0]}: {list(theirs[2])}')
+    raise RuntimeError(
+        f"the optimizers of rank(s) {apart} differ from rank 0's at update {update} "
+        f'({"; ".join(differ)}): each rank steps its own optimizer on the same summed '
+        'gradient, so their parameters would drift apart. Build the same optimizer on '
+        'every rank, and '
+        'extend every rank\'s trainer with each extension that changes it (ExponentialShift '
+        'and the other shifts, a hook added later); only extensions that report '
+        '(LogReport, PrintReport, ProgressBar) may run on rank 0 alone')
+
+
+_NONE = object()   # a hyperparameter one optimizer has and another has not
 
 
 def _describe(layout: Any) -> str:

@@ -60,6 +60,7 @@ class Settings(NamedTuple):
     update_timeout: Optional[float] = None   # ... and before the update gives up
     nonfinite: Optional[str] = None          # the non-finite loss policy (MPI ranks agree)
     restarts: Any = None            # _restarts.RestartLog (max_worker_restarts > 0), or None
+    optimizer: Any = None           # the master's optimizer (MPI ranks compare theirs)
 
 
 class Started(NamedTuple):
@@ -95,7 +96,7 @@ def start(s: Settings) -> Started:
             from ._multihost import MpiGroup   # imports mpi4py
             group = MpiGroup(s.communicator, s.model, nominal, settings={
                 'loss_reduction': s.loss_reduction, 'replica_reduction': s.replica_reduction,
-                'pipelined': s.pipelined, 'nonfinite': s.nonfinite})
+                'pipelined': s.pipelined, 'nonfinite': s.nonfinite}, optimizer=s.optimizer)
             nominal = group.nominal_samples
         elif len(s.devices) > 1:
             group = _local_group(s)

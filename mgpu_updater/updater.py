@@ -382,7 +382,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self._loss_first,
             stall_warning=self.stall_warning, update_timeout=self.update_timeout,
-            core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite))
+            core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
+            optimizer=self.get_optimizer('main')))
         self._loader, self._replica, self._group, self._nominal_samples = started
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main

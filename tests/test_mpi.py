@@ -151,6 +151,22 @@ def test_a_different_setting_on_one_rank_raises_on_every_rank(checks):
                             "rank 1: 'sum'") in message
 
 
+def test_a_rank_whose_optimizer_differs_raises_on_every_rank_before_the_step(checks):
+    """Another lr on one rank (given so, or halved later by an extension run on rank 0
+    alone, ChainerMN's habit for extensions) drifted the ranks' parameters apart (0.04 in
+    three updates), silently; each rank steps its own optimizer."""
+    given, drifted = zip(*checks['optimizer_mismatch'])
+    for raised, message in given:
+        assert raised == 1
+        assert ("the optimizers of rank(s) [1] differ from rank 0's at update 1 "
+                '(lr: rank 0: 0.1, rank 1: 0.2)') in message, message
+    for raised, message in drifted:
+        assert raised == 2
+        assert "differ from rank 0's at update 2 (lr: rank 0: 0.05, rank 1: 0.1)" in message
+        assert 'extend every rank\'s trainer with each extension that changes it' in message
+    assert checks['optimizer_mismatch_params_equal'] == [True, True]
+
+
 def test_counters_a_forward_moves_hold_rank_0s_on_every_rank(checks):
     """Rank 0 counts 3 samples a micro-batch, rank 1 five: every rank holds rank 0's count
     after each update (as local workers hold the master's), so debug mode's check that

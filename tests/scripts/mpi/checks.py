@@ -19,6 +19,8 @@ what the test asserts on:
   one makes every rank raise CollectiveOrderError, naming both sequences;
 - ``settings_mismatch``: a rank given another ``loss_reduction`` (or ``replica_reduction``,
   ``pipelined``, ``nonfinite``) raises on every rank, naming it;
+- ``optimizer_mismatch``: a rank whose optimizer has another hyperparameter, given so
+  or set so later on that rank alone, raises on every rank before the step, naming it;
 - ``counters``: integer persistents a forward moves (a counter of samples, a Python int
   counter) hold rank 0's on every rank, and ``set_debug(True)`` sees the ranks agree.
 """
@@ -333,6 +335,36 @@ def check_settings_mismatch():
                              loss_reduction='sum' if RANK == 1 else 'mean')
 
 
+def check_optimizer_mismatch(updates=3):
+    """Rank 1 built its optimizer with another lr (raised at update 1); then an lr an
+    'extension' halves on rank 0 alone after update 1 (raised at update 2, before its
+    step: the ranks' parameters still equal). Each: (update raised at, message, this
+    rank's parameters)."""
+    out = []
+    for drift in (False, True):
+        model = classifier(seed=0)
+        opt = setup_optimizer('sgd', model)
+        if not drift and RANK == 1:
+            opt.lr *= 2
+        it = chainer.iterators.SerialIterator(dataset(16, seed=RANK), 4, shuffle=False)
+        updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'],
+                                              communicator=comm)
+        raised = message = None
+        try:
+            for i in range(updates):
+                try:
+                    run_updates(updater, model, 1)
+                except RuntimeError as e:
+                    raised, message = i + 1, str(e)
+                    break
+                if drift and RANK == 0:
+                    opt.lr /= 2   # as ExponentialShift under `if comm.rank == 0` would
+        finally:
+            updater.finalize()
+        out.append((raised, message, params(model)))
+    return out
+
+
 class Counting(chainer.Chain):
     """Counts the samples (an int64 array) and the calls (a Python int) of its forward."""
 
@@ -381,6 +413,12 @@ def main(out_path):
     result['lazy_mismatch'] = gathered(check_lazy_mismatch())
     result['order_mismatch'] = check_order_mismatch()
     result['settings_mismatch'] = gathered(check_settings_mismatch())
+    mine = check_optimizer_mismatch()
+    everyone = gathered(mine)
+    result['optimizer_mismatch'] = [
+        [(raised, message) for raised, message, _ in rank] for rank in everyone]
+    result['optimizer_mismatch_params_equal'] = [
+        bitwise_equal([rank[case][2] for rank in everyone]) for case in range(2)]
     result['counters'] = check_counters()
     if RANK == 0:
         with open(out_path, 'w') as f:
