@@ -19,6 +19,7 @@ from chainer.serializers import DictionarySerializer, NpzDeserializer
 from ._chainer_private import (fresh_rule_state, load_unshuffled_multiprocess_iterator,
                                multiprocess_iterator_state, multithread_iterator_state,
                                order_sampler_rng)
+from ._warning import warn
 
 
 class _Copying(DictionarySerializer):
@@ -163,6 +164,8 @@ def serialize_counters(updater: Any, serializer: Any) -> None:
         serializer('n_devices', updater.n_devices)
         serializer('accumulate_steps', updater.accumulate_steps)
         serializer('pipelined', int(updater.pipelined))
+        if updater._communicator is not None:   # its iterator state is this rank's
+            serializer('rank', updater._communicator.rank)
     updater._skipped = serializer('skipped_updates', updater._skipped)
     if updater.micro_batch_size == 'auto':
         _serialize_micro_batch_sizes(updater, serializer)
@@ -214,6 +217,16 @@ def check_layout(updater: Any, deserializer: Any) -> None:
             'the same devices and accumulate_steps (the iterator shards and the batch '
             'composition depend on both), or start from its model and optimizer alone, '
             f'loading them before training: {alone}')
+    rank = _read_int(deserializer, 'rank')
+    own = None if updater._communicator is None else updater._communicator.rank
+    if rank is not None and own is not None and rank != own:
+        warn(f'rank {own} loads a snapshot that rank {rank} saved: its iterator state (the '
+             f"position in the shard, its shuffled order) is rank {rank}'s, so rank {own} "
+             'resumes in another order than the run it continues had. Save a snapshot on '
+             'every rank and load its own: extensions.snapshot(filename='
+             "f'snapshot_iter_{{.updater.iteration}}_rank{comm.rank}') on every rank (not "
+             "one file for all ranks, nor ChainerMN's multi_node_snapshot with ranks in one "
+             'replica set)', RuntimeWarning, stacklevel=5)
     pipelined = _read_int(deserializer, 'pipelined')
     if pipelined is not None and bool(pipelined) != updater.pipelined:
         raise ValueError(

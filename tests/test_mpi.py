@@ -206,6 +206,14 @@ def test_resume_from_per_rank_snapshots_continues_identically(tmp_path):
     assert r['record_a'][3:] == r['record_resumed']
     assert r['records_equal_across_ranks']
     assert {'snapshot_iter_3_rank0', 'snapshot_iter_3_rank1'} <= set(r['snapshots'])
+    # each rank's own file loads without a word; rank 0's file on rank 1 is named: its
+    # iterator state is rank 0's (resumed 0.017 off the uninterrupted run, silently)
+    assert r['own_snapshot_warnings'] == [[], []]
+    on_rank_0, on_rank_1 = r['rank_0_snapshot_warnings']
+    assert on_rank_0 == []
+    assert len(on_rank_1) == 1 and on_rank_1[0].startswith(
+        "rank 1 loads a snapshot that rank 0 saved: its iterator state (the position in "
+        "the shard, its shuffled order) is rank 0's"), on_rank_1
     # rank 0's LogReport shows the aggregated values, the multi-node evaluator's too
     log = r['logreport']
     assert [e['main/loss'] for e in log] == [e['main/loss'] for e in r['record_a']]

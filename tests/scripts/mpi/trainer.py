@@ -2,7 +2,8 @@
 
 ``resume``: a Trainer with the multi-node evaluator, a LogReport on rank 0 and one snapshot
 per rank. Run A trains 6 updates straight; run B trains 3, then a fresh trainer loads each
-rank's own snapshot and trains 3 more. Rank 0 writes ``OUT_DIR/resume.json``: parameters
+rank's own snapshot and trains 3 more (and every rank loads rank 0's once more, which
+rank 1 is warned about). Rank 0 writes ``OUT_DIR/resume.json``: parameters
 of A and B (bitwise), reports of A and B, rank 0's LogReport, the evaluator's values.
 
 ``fail``: rank 1's loss function raises at the 3rd update while rank 0 waits in the
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -82,11 +84,13 @@ def resume(out):
     b, _, _ = make_trainer(os.path.join(out, 'b'), SNAP_AT, snapshot_at=SNAP_AT)
     b.run()
     c, model_c, rec_c = make_trainer(os.path.join(out, 'b'), UPDATES)
-    chainer.serializers.load_npz(
-        os.path.join(out, 'b', f'snapshot_iter_{SNAP_AT}_rank{RANK}'), c)
+    own = _loaded(c, f'snapshot_iter_{SNAP_AT}_rank{RANK}', out)
     c.run()
+    # every rank loads rank 0's file (one snapshot for all ranks): named on rank 1
+    crossed = _loaded(make_trainer(os.path.join(out, 'd'), UPDATES)[0],
+                      f'snapshot_iter_{SNAP_AT}_rank0', out)
     pa, pc = params(model_a), params(model_c)
-    everyone = comm.mpi_comm.allgather((pa, pc, rec_a.log, rec_c.log))
+    everyone = comm.mpi_comm.allgather((pa, pc, rec_a.log, rec_c.log, own, crossed))
     if RANK == 0:
         log = a.get_extension('LogReport').log
         result = {
@@ -99,9 +103,19 @@ def resume(out):
             'records_equal_across_ranks': all(e[2] == rec_a.log for e in everyone),
             'logreport': [{k: float(v) for k, v in entry.items()} for entry in log],
             'snapshots': sorted(os.listdir(os.path.join(out, 'b'))),
+            'own_snapshot_warnings': [e[4] for e in everyone],
+            'rank_0_snapshot_warnings': [e[5] for e in everyone],
         }
         with open(os.path.join(out, 'resume.json'), 'w') as f:
             json.dump(result, f, indent=1)
+
+
+def _loaded(trainer, name, out):
+    """Load the snapshot ``name`` into ``trainer``; the RuntimeWarnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        chainer.serializers.load_npz(os.path.join(out, 'b', name), trainer)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
 
 
 def fail(out):
