@@ -191,6 +191,29 @@ def _save_fresh_states(optimizer: Any, serializer: Any) -> None:
             node(key, value)
 
 
+def save_epoch_flags(serializer: Any, view: Any) -> None:
+    """The update's own ``is_new_epoch`` and ``previous_epoch_detail`` (``view``: the
+    updater's epoch bookkeeping): over a window of several micro-batches they are the
+    whole update's, not its last micro-batch's, which is all the iterator's state holds."""
+    previous = getattr(view, 'previous_epoch_detail', None)
+    serializer('is_new_epoch', int(bool(view.is_new_epoch)))
+    serializer('previous_epoch_detail', -1.0 if previous is None else float(previous))
+
+
+def load_epoch_flags(deserializer: Any) -> Any:
+    """``(is_new_epoch, previous_epoch_detail)`` as :func:`save_epoch_flags` saved them, or
+    None (a snapshot without them)."""
+    try:
+        new, previous = (deserializer('is_new_epoch', None),
+                         deserializer('previous_epoch_detail', None))
+    except KeyError:
+        return None
+    if new is None or previous is None:
+        return None
+    previous = float(numpy.asarray(previous))
+    return bool(numpy.asarray(new)), None if previous < 0 else previous
+
+
 def check_layout(updater: Any, deserializer: Any) -> None:
     """Refuse a snapshot this updater cannot resume from, reading only ``n_devices``,
     ``accumulate_steps`` and ``pipelined`` (so that nothing is overwritten): one taken with

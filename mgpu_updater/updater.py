@@ -840,6 +840,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'before the failure')
         _checkpoint.serialize_counters(self, serializer)
         if saving:
+            _checkpoint.save_epoch_flags(serializer, self._epoch_view)
             main = self._loader.state() if self._loader else capture_state(
                 self.get_iterator('main'))
             _checkpoint.save_iterators(serializer, main, self._worker_iterators,
@@ -854,6 +855,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         _positions.put_back(self._worker_iterators)
         self._positions_lost = None
         self._epoch = None
+        flags = _checkpoint.load_epoch_flags(serializer)
+        if flags is not None and flags != (main.is_new_epoch,
+                                           getattr(main, 'previous_epoch_detail', None)):
+            # the update's, over its micro-batches: the iterator holds its last one's
+            self._epoch = EpochInfo(main.epoch, main.epoch_detail, flags[1], flags[0])
         # taken at the end of the data: a reset of the main iterator next starts a new pass
         # on every replica, as after an end met here
         self._ended = capture_state(main) if (

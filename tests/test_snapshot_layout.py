@@ -265,3 +265,38 @@ def test_a_multiprocess_iterator_that_does_not_shuffle_resumes_exactly(tmp_path)
     straight, resumed = _resumed_run(tmp_path, make, at=2, total=5)
     for name, value in straight.items():
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_the_updates_epoch_flags_hold_after_a_load(tmp_path):
+    """Over a window of several micro-batches the update's ``is_new_epoch`` is whether any
+    of them began an epoch, and its ``previous_epoch_detail`` the first's; the iterator's
+    state holds its last micro-batch's. Loaded, the updater read the iterator's until its
+    next update (False and 1.0 here, for True and 0.857), as an extension's
+    ``initialize`` or a hand-written resume would see them."""
+    def ours():
+        model = classifier(seed=0)
+        it = SerialIterator(dataset(21, seed=1), 3, shuffle=False)   # 7 micro-batches
+        return ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                           devices=['@numpy'], accumulate_steps=2)
+    updater = ours()
+    seen = []
+    trainer = training.Trainer(updater, (4, 'iteration'), out=str(tmp_path))
+    trainer.extend(lambda t: seen.append((t.updater.is_new_epoch,
+                                          t.updater.previous_epoch_detail)),
+                   trigger=(1, 'iteration'))
+    trainer.extend(extensions.snapshot(filename='snap'), trigger=(4, 'iteration'))
+    try:
+        trainer.run()
+    finally:
+        updater.finalize()
+    path = str(tmp_path / 'snap')
+    assert seen[-1] == (True, 6 / 7)   # update 4 began epoch 1 at its first micro-batch
+    loaded = ours()
+    try:
+        chainer.serializers.load_npz(path, loaded, path='updater/')
+        assert (loaded.is_new_epoch, loaded.previous_epoch_detail) == seen[-1]
+        assert loaded.epoch_detail == 8 / 7
+        run_updates(loaded, loaded.get_optimizer('main').target, 1)
+        assert (loaded.is_new_epoch, loaded.previous_epoch_detail) == (False, 8 / 7)
+    finally:
+        loaded.finalize()
