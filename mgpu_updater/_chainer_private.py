@@ -145,25 +145,43 @@ def backward_scaled(loss: chainer.Variable, factor: float,
 # Converters
 
 
-_SETTING_TYPES = (bool, int, float, str)
-
-
 def optimizer_fingerprint(optimizer: chainer.Optimizer) -> Tuple[Any, ...]:
-    """What decides one optimizer's step beside the gradient: its class, its
-    hyperparameters (``lr``, ``momentum``, Adam's ``alpha``...) and its hooks, by timing,
-    name, class and plain settings (``WeightDecay``'s ``rate``). The hooks are kept in
-    the private dicts of the optimizer's ``_hookable`` (chainer/optimizer.py:591), its
-    ``_pre_update_hooks`` and ``_post_update_hooks`` (:29-30)."""
+    """What decides one optimizer's step beside the gradient, comparable between processes:
+    its class, its own hyperparameters (``lr``, ``momentum``, Adam's ``alpha``...; not
+    those set on one parameter's update rule) and its hooks, by timing, name and class,
+    with the settings of Chainer's own (``WeightDecay``'s ``rate``; a user's hook may keep
+    what it measured in its attributes, which no two ranks share). NaN compares equal to
+    NaN. The hooks are kept in the private dicts of the optimizer's ``_hookable``
+    (chainer/optimizer.py:591), its ``_pre_update_hooks`` and ``_post_update_hooks``
+    (:29-30)."""
     hooks = []
     hookable = getattr(optimizer, '_hookable', None)
     for timing in ('pre', 'post'):
         for name, hook in (getattr(hookable, f'_{timing}_update_hooks', None) or {}).items():
-            settings = getattr(hook, '__dict__', None) or {}
-            hooks.append((timing, name, type(hook).__qualname__, tuple(sorted(
-                (k, v) for k, v in settings.items() if type(v) in _SETTING_TYPES))))
+            kind = type(hook)
+            settings = ()
+            if kind.__module__.startswith('chainer.optimizer_hooks'):
+                settings = tuple(sorted((k, _comparable(v)) for k, v in vars(hook).items()
+                                        if isinstance(v, (bool, int, float, str))))
+            hooks.append((timing, name, f'{kind.__module__}.{kind.__qualname__}', settings))
     kind = type(optimizer)
     return (f'{kind.__module__}.{kind.__qualname__}',
-            tuple(sorted(optimizer.hyperparam.get_dict().items())), tuple(hooks))
+            tuple(sorted((k, _comparable(v))
+                         for k, v in optimizer.hyperparam.get_dict().items())),
+            tuple(hooks))
+
+
+def _comparable(value: Any) -> Any:
+    """A hyperparameter as ``==`` can compare it after pickling: NaN as a string, an
+    array or numpy scalar as its values."""
+    if isinstance(value, numpy.ndarray):
+        return ('array', value.shape, str(value.dtype),
+                tuple(_comparable(v) for v in value.ravel().tolist()))
+    if isinstance(value, numpy.generic):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return 'nan'
+    return value
 
 
 def call_converter(converter: Any, batch: Any, device: Any) -> Any:
@@ -204,6 +222,13 @@ def persistent_slots(link: chainer.Link) -> List[Tuple[str, chainer.Link, str]]:
     caller that keeps this list reads the current values without walking the links again."""
     return [((f'{path}/{name}' if path != '/' else f'/{name}'), sub, name)
             for path, sub in link.namedlinks() for name in sorted(sub._persistent)]
+
+
+#: The private attributes of Chainer's links that hold the user's objects: a link's hooks
+#: (chainer/link.py:184), a ``ChainList``'s links (:1051; a ``Chain``'s ``_children`` is a
+#: set of their names, :882) and what a ``Sequential`` calls, links and functions
+#: (chainer/sequential.py:123).
+LINK_HOOKS, CHAIN_LIST_LINKS, SEQUENTIAL_LAYERS = '_local_link_hooks', '_children', '_layers'
 
 
 def persistent_names(link: chainer.Link) -> FrozenSet[str]:

@@ -46,12 +46,14 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import chainer
 import numpy
 
-from ._chainer_private import is_static_graph_machinery, named_persistents, persistent_names
+from ._chainer_private import (CHAIN_LIST_LINKS, LINK_HOOKS, SEQUENTIAL_LAYERS,
+                               is_static_graph_machinery, named_persistents, persistent_names)
 from ._inherit import config_values
 from ._pickle_path import parts
 from ._warning import warn
@@ -61,6 +63,9 @@ COST_SHARE = 0.01     # a walk takes at most this share of the time since the la
 MAX_NODES = 20000     # objects gone into per walk; the rest is not watched
 MAX_DEPTH = 30
 ARRAY_BYTES = 16 << 20   # numpy arrays copied per walk; beyond, compared by id, shape, dtype
+#: of which the arrays of Variables that are no parameter, at most (a forward's results,
+#: ``L.Classifier``'s ``y``, come before a model's masks in its attributes)
+VARIABLE_BYTES = 1 << 20
 
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
 _CONTAINERS = frozenset((list, tuple, dict, set, frozenset))
@@ -99,9 +104,10 @@ class UnsentState:
         self.named: List[str] = []
         #: paths of parameters of links outside the model (their own advice)
         self._parameter_paths: set = set()
-        #: of the check in progress, the paths of numbers held as found (_rewritten)
+        #: of the check in progress, the paths of numbers held as found at its start, and
+        #: those its window wrote alike (_rewritten)
         self._begun_found: set = set()
-        self._windowed_found: set = set()
+        self._rewritten: set = set()
         #: Chainer's configuration as sent to the workers at their start (_inherit), as
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
@@ -144,13 +150,16 @@ class UnsentState:
             if made:
                 warn(_unordered_message(made), RuntimeWarning, stacklevel=4)
         else:
-            self._windowed_found = set()
-            self._windowed, cost = self._walk(as_found=self._windowed_found)
+            found: set = set()
+            self._windowed, cost = self._walk(as_found=found)
             self._cost += cost
+            # now, while what the window left is held (a Variable is held weakly)
+            self._rewritten = _rewritten(self._begun or {}, self._windowed,
+                                         self._begun_found & found)
 
     def at_begin(self) -> None:
         if self._begun is None or self._windowed is None:
-            self._begun_found = set()
+            self._begun_found, self._rewritten = set(), set()
             # (again, if no window ran since)
             self._begun, self._cost = self._walk(as_found=self._begun_found)
             self._windowed = None
@@ -178,9 +187,7 @@ class UnsentState:
         now, cost = self._walk()
         last, begun, windowed = self._last, self._begun, self._windowed
         self.forward.update(self._changed(begun, windowed))   # left out of both below
-        # (written alike by the window)
-        self.forward.update(_rewritten(begun, windowed,
-                                       self._begun_found & self._windowed_found))
+        self.forward.update(self._rewritten)   # (written alike by the window)
         changed = dict(self._changed(last, begun))
         changed.update(self._changed(windowed, now))
         self._last, self._begun, self._windowed = now, None, None
@@ -279,6 +286,7 @@ class UnsentState:
         sent = _sent_every_update(self.roots)   # ids of the persistents' values
         seen: set = set()
         budget = [ARRAY_BYTES]
+        variables = [VARIABLE_BYTES]   # what of it Variables' arrays may take
         stack: List[Tuple[str, Any, int]] = [(name, obj, 0)
                                             for name, obj in reversed(self.roots.items())]
         nodes = 0
@@ -296,17 +304,21 @@ class UnsentState:
                 array = obj.array
                 if array is None or id(array) in sent:
                     continue   # the model's parameter, sent every update (or none yet)
-                value = _array_value(array, budget) if type(array) is numpy.ndarray \
-                    else ('array', id(array), tuple(array.shape), str(array.dtype))
                 if isinstance(obj, chainer.Parameter):
                     # a parameter of a link outside the model (a teacher, the other
                     # network of a GAN): no update sends it
                     self._parameter_paths.add(path)
-                    out[path] = value
+                    out[path] = _array_value(array, budget) \
+                        if type(array) is numpy.ndarray else _device_array(array)
                 else:
                     # a mask or a constant held as a Variable; a forward's result (L.
                     # Classifier's self.y) is a new Variable at every write (_rewritten)
-                    out[path] = _HeldVariable((id(obj), id(array)), value)
+                    value = _device_array(array)
+                    if type(array) is numpy.ndarray and array.nbytes <= min(budget[0],
+                                                                            variables[0]):
+                        variables[0] -= array.nbytes
+                        value = _array_value(array, budget)
+                    out[path] = _HeldVariable(weakref.ref(obj), value)
                     if as_found is not None:
                         as_found.add(path)
                 continue
@@ -317,7 +329,7 @@ class UnsentState:
                 out[path] = obj.item()
                 continue
             if isinstance(obj, chainer.get_array_types()):   # on a device: not read here
-                out[path] = ('array', id(obj), tuple(obj.shape), str(obj.dtype))
+                out[path] = _device_array(obj)
                 continue
             if id(obj) in seen or depth >= MAX_DEPTH:
                 continue
@@ -334,8 +346,10 @@ class UnsentState:
             nodes += 1
             # a link's persistents are sent every update; Chainer's own bookkeeping is no
             # value a forward reads from the user
-            names = (_LINK_INTERNALS | persistent_names(obj)) \
-                if isinstance(obj, chainer.Link) else frozenset()
+            names = frozenset()
+            if isinstance(obj, chainer.Link):   # a ChainList's links are its _children
+                names = (_LINK_INTERNALS - _CHAIN_LIST_LINKS if isinstance(
+                    obj, chainer.ChainList) else _LINK_INTERNALS) | persistent_names(obj)
             private = _of_chainer(kind)
             found = []
             try:
@@ -395,12 +409,16 @@ def _unordered_message(paths: List[str]) -> str:
 #: holds values its forward reads; Chainer's own hooks' private scratch values are not)
 _LINK_INTERNALS = frozenset(
     set(vars(chainer.Chain())) | set(vars(chainer.ChainList()))
-    | {'_device'}) - {'_local_link_hooks'}
+    | {'_device'}) - {LINK_HOOKS}
 
 #: Chainer's private attributes that hold the user's objects, walked as theirs: a link's
-#: hooks, and what a ``chainer.Sequential`` calls between its links (a callable object
-#: with a value an extension anneals is the model's value as much as a link's attribute)
-_WALKED_PRIVATE = frozenset({'._local_link_hooks', '._layers'})
+#: hooks, a ``chainer.ChainList``'s links (a ``Chain``'s are its attributes; its
+#: ``_children`` is a set of their names), and what a ``chainer.Sequential`` calls between
+#: its links (a callable object with a value an extension anneals is the model's value
+#: as much as a link's attribute)
+_WALKED_PRIVATE = frozenset('.' + name for name in (LINK_HOOKS, CHAIN_LIST_LINKS,
+                                                     SEQUENTIAL_LAYERS))
+_CHAIN_LIST_LINKS = frozenset({CHAIN_LIST_LINKS})
 
 
 class HeldObjects:
@@ -532,6 +550,11 @@ def _sent_every_update(roots: Dict[str, Any]) -> set:
     return out
 
 
+def _device_array(array: Any) -> Tuple[Any, ...]:
+    """An array not read here (on a device, or beyond the walk's copies), by identity."""
+    return ('array', id(array), tuple(array.shape), str(array.dtype))
+
+
 def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
     if array.nbytes <= budget[0]:
         budget[0] -= array.nbytes
@@ -544,9 +567,10 @@ _MADE_ANEW = (float, complex)   # a new object at every write, whatever its valu
 
 class _HeldVariable(NamedTuple):
     """A Variable that is not a parameter, as a watched value: its array's value, and
-    the identities of the Variable and its array, which a forward that keeps its results
-    (``self.y = h``) writes anew at every call (:func:`_rewritten`)."""
-    ids: Tuple[int, int]
+    the Variable itself (weakly: a forward's result holds its graph), which a forward
+    that keeps its results (``self.y = h``) makes anew at every call (:func:`_rewritten`;
+    an id would not tell, as CPython gives a new object the address of one just freed)."""
+    variable: Any   # weakref.ref
     value: Any
 
 
@@ -563,7 +587,8 @@ def _rewritten(before: Dict[str, Any], after: Dict[str, Any], found: set) -> set
 
 def _written(before: Any, after: Any) -> bool:
     if type(before) is _HeldVariable and type(after) is _HeldVariable:
-        return before.ids != after.ids
+        held = before.variable()
+        return held is None or held is not after.variable()
     return before is not after
 
 

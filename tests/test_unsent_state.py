@@ -577,9 +577,11 @@ def test_a_variable_the_forward_keeps_is_the_forwards_though_its_value_repeats()
     first check's window; another value later (an Evaluator's call between updates) is
     the forward's, not named."""
     model = Annealed()
+    model.accuracy = None
     values = iter([1.0, 1.0, 1.0, 1.0, 0.5])
 
     def forward():
+        model.accuracy = None   # as L.Classifier does first: the next may take its address
         model.accuracy = chainer.Variable(np.asarray(next(values), np.float32))
     watch = UnsentState({'model': model})
     assert _update(watch, forward) == _update(watch, forward) == ''
@@ -587,3 +589,29 @@ def test_a_variable_the_forward_keeps_is_the_forwards_though_its_value_repeats()
     assert 'model.accuracy' in watch.forward
     forward()   # as an Evaluator's call would
     assert _caught(watch.finish) == ''
+
+
+def test_a_forwards_large_result_leaves_the_copies_to_a_mask(monkeypatch):
+    """The walk copies numpy arrays up to a budget, and a Variable's at most a part of it:
+    ``L.Classifier`` keeps its ``y`` before its predictor's attributes, and a large one
+    took the budget a mask edited in place was then compared by without (not named)."""
+    monkeypatch.setattr(_unsent_state, 'ARRAY_BYTES', 4000)
+    monkeypatch.setattr(_unsent_state, 'VARIABLE_BYTES', 1000)
+    model = Annealed()
+    model.accuracy = chainer.Variable(np.zeros(750, np.float32))   # 3000 bytes
+    model.mask = np.ones(500, np.float32)                           # 2000 bytes
+    watch = UnsentState({'model': model})
+    assert _update(watch) == _update(watch) == ''
+    model.mask[0] = 0.0
+    assert 'model.mask: an array (500,) float32 -> an array (500,) float32' in _update(watch)
+
+
+def test_a_value_of_a_chain_lists_link_is_named():
+    """A ``chainer.ChainList`` keeps its links in its private ``_children`` alone (a
+    ``Chain`` keeps them as attributes too): their values were not watched at all."""
+    model = chainer.ChainList(chainer.links.Linear(4, 3))
+    model[0].beta = 0.5
+    watch = UnsentState({'model': model})
+    assert _update(watch) == _update(watch) == ''
+    model[0].beta = 1.0
+    assert 'model._children[0].beta: 0.5 -> 1.0' in _update(watch)
