@@ -129,6 +129,7 @@ def _one(value: Any, size: int, start: int, stop: int, where: str) -> Any:
             f'micro_batch_size cannot split this batch of {size} samples: the converter '
             f'returned {where} as {type(value).__name__}'
             + ('' if length is None else f' of length {length}') + ', not an array or list '
-            'with one entry per sample. Use micro_batch_size=None, or a converter that '
-            'returns per-sample arrays (a tuple or dict of them)')
+            'with one entry per sample (one that drops or adds rows, or lays out another '
+            'axis first, cannot be cut by sample). Use micro_batch_size=None, or a '
+            'converter that returns one row per example (a tuple or dict of such arrays)')
     return value[start:stop]

@@ -112,6 +112,8 @@ class Loader:
         #: whether each Batch holds the examples it was converted from as well (where a
         #: replica splits its batches, until it has checked a cut: _chunks.check_split)
         self.keep_examples = keep_examples
+        #: how its batches count their samples (a tuple of lists: examples or columns)
+        self._counts = TupleOfLists()
 
     def _read(self) -> Optional[Tuple[Any, EpochInfo]]:
         """The iterator's next batch as it gave it, with its epoch bookkeeping after it;
@@ -132,7 +134,7 @@ class Loader:
             arrays = call_converter(self.converter, batch, self.converter_device)
         else:   # GPU: convert on the host, copy from pinned memory on a side stream
             arrays = stager.stage(call_converter(self.converter, batch, None))
-        return Batch(sample_count(batch), arrays, epoch,
+        return Batch(self._counts.count(batch, self.iterator), arrays, epoch,
                      batch if self.keep_examples else None)
 
     def convert_aside(self, examples: Any) -> Any:
@@ -167,7 +169,7 @@ class Loader:
         epoch = it if live_epoch else EpochInfo(
             it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
             it.is_new_epoch)
-        return Batch(sample_count(batch),
+        return Batch(self._counts.count(batch, self.iterator),
                      call_converter(self.converter, batch, self.converter_device), epoch,
                      batch if self.keep_examples else None)
 
@@ -459,7 +461,7 @@ class Prefetcher(Loader):
 _COLUMNS = 8   # values of a tuple batch looked at for a column of rows, at most
 
 
-def sample_count(batch: Any) -> int:
+def sample_count(batch: Any, columns: Optional[bool] = None) -> int:
     """How many samples a batch, as the iterator returned it, holds.
 
     A list (what Chainer's iterators return: one example per entry) counts its entries.
@@ -467,10 +469,15 @@ def sample_count(batch: Any) -> int:
     returns ``(centers, contexts)``) counts the rows of its first array of one or more
     dimensions (one row per sample; a column before it may be a list of sequences or a
     number), looked for among a tuple's first :data:`_COLUMNS` values; a dict of lists of
-    one length, that length. (A tuple of lists alone may be examples as much as columns:
-    it counts its entries.) Anything else with a shape counts its leading dimension;
+    one length, that length. A tuple of lists alone (:func:`lists_length`) may be
+    examples as much as columns: ``columns`` says which (:class:`TupleOfLists` decides),
+    else it counts its entries. Anything else with a shape counts its leading dimension;
     anything else, its length.
     """
+    if columns and type(batch) is tuple:
+        length = lists_length(batch)
+        if length is not None:
+            return length
     if isinstance(batch, (tuple, dict)) and batch:
         values = tuple(batch.values()) if isinstance(batch, dict) else batch[:_COLUMNS]
         for value in values:
@@ -481,6 +488,51 @@ def sample_count(batch: Any) -> int:
             if len(lengths) == 1:
                 return lengths.pop()
     return len(batch)
+
+
+def lists_length(batch: tuple) -> Optional[int]:
+    """The one length of a tuple batch's values where they are all lists (or tuples), as
+    a tuple of examples and a tuple of columns both are: ``((x0, t0), (x1, t1), (x2,
+    t2))``, ``([x0, x1, x2], [t0, t1, t2])``; else None."""
+    if not batch or not all(type(value) in (list, tuple) for value in batch):
+        return None
+    lengths = {len(value) for value in batch}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
+class TupleOfLists:
+    """Which a tuple of lists of one length is, as its iterator returns them: examples
+    (it counts its entries) or columns (it counts their entries). Where the two counts
+    differ, the iterator's ``batch_size`` tells: the count that equals it; the first batch
+    that tells decides for the later ones (a short last batch tells neither). One that
+    does not, with none decided, is refused: the weighting would be a guess."""
+
+    def __init__(self) -> None:
+        #: True: columns; False: examples; None: not decided yet
+        self.columns: Optional[bool] = None
+
+    def count(self, batch: Any, iterator: Any) -> int:
+        if type(batch) is not tuple:
+            return sample_count(batch)
+        if self.columns is None:
+            length = lists_length(batch)
+            if length is not None and length != len(batch):
+                self.columns = self._decide(batch, length, iterator)
+        return sample_count(batch, self.columns)
+
+    @staticmethod
+    def _decide(batch: tuple, length: int, iterator: Any) -> bool:
+        size = getattr(iterator, 'batch_size', None)
+        if size == length:
+            return True
+        if size == len(batch):
+            return False
+        raise ValueError(
+            f'the iterator ({type(iterator).__name__}) returned a batch that is a tuple '
+            f'of {len(batch)} lists of {length} entries each: {length} samples in '
+            f'{len(batch)} columns, or {len(batch)} samples of {length} fields each, and '
+            f'its batch_size ({size!r}) tells neither. Return a list of examples (as '
+            "Chainer's iterators do), or the columns as a dict of lists or as arrays")
 
 
 def _is_gpu(device: Any) -> bool:

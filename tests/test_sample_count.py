@@ -17,7 +17,7 @@ import chainer.links as L
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
-from mgpu_updater._loader import sample_count
+from mgpu_updater._loader import TupleOfLists, sample_count
 
 from _models import params, setup_optimizer
 
@@ -27,7 +27,9 @@ class ColumnIterator(chainer.dataset.Iterator):
 
     def __init__(self, x, t, batch_size, as_list=False):
         self.x, self.t, self.batch_size = x, t, batch_size
-        self.as_list = as_list   # x's rows as a list, first (as sequences of text would be)
+        # x's rows as a list, first (as sequences of text would be); 'all': every column
+        # a list (a seq2seq iterator's (xs, ys))
+        self.as_list = as_list
         self.current_position = 0
         self.epoch = 0
         self.is_new_epoch = False
@@ -37,7 +39,9 @@ class ColumnIterator(chainer.dataset.Iterator):
             raise StopIteration
         i, end = self.current_position, self.current_position + self.batch_size
         batch = self.x[i:end], self.t[i:end]
-        if self.as_list:
+        if self.as_list == 'all':
+            batch = list(batch[0]), list(batch[1])
+        elif self.as_list:
             batch = list(batch[0]), batch[1]
         self.is_new_epoch = end >= len(self.x)
         self.epoch += int(self.is_new_epoch)
@@ -95,7 +99,7 @@ def test_sample_count_rule():
     assert sample_count(many) == 3
 
 
-@pytest.mark.parametrize('as_list', [False, True])
+@pytest.mark.parametrize('as_list', [False, True, 'all'])
 @pytest.mark.parametrize('devices,steps', [(['@numpy'], 2), (['@numpy', '@numpy'], 2)])
 def test_short_column_batches_weigh_as_in_standard_updater(devices, steps, as_list):
     """Each replica's shard of 4 rows loads as batches of 3 and 1: one update over all
@@ -120,3 +124,29 @@ def test_short_column_batches_weigh_as_in_standard_updater(devices, steps, as_li
     got, expected = params(ours), params(reference)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+class _Sized:
+    def __init__(self, batch_size):
+        self.batch_size = batch_size
+
+
+def test_a_tuple_of_lists_is_read_by_the_iterators_batch_size():
+    """Columns ``(xs, ts)`` and examples ``([x0, t0], [x1, t1], [x2, t2])`` are both a
+    tuple of lists of one length: the iterator's batch size tells which (columns counted
+    2 whatever their length, silently); a short batch after it is read alike."""
+    x, t = _data(4)
+    columns = TupleOfLists()
+    assert columns.count((list(x[:4]), list(t[:4])), _Sized(4)) == 4
+    assert columns.count((list(x[:1]), list(t[:1])), _Sized(4)) == 1   # the short last
+    examples = TupleOfLists()
+    assert examples.count(([x[0], t[0]], [x[1], t[1]], [x[2], t[2]]), _Sized(3)) == 3
+    assert examples.count(([x[0], t[0]],), _Sized(3)) == 1
+    # as many columns as rows: either reading counts alike, and nothing is decided
+    square = TupleOfLists()
+    assert square.count((list(x[:2]), list(t[:2])), _Sized(5)) == 2
+    assert square.columns is None
+    with pytest.raises(ValueError, match=r"a tuple of 2 lists of 3 entries each: 3 samples "
+                       r"in 2 columns, or 2 samples of 3 fields each, and its batch_size "
+                       r"\(None\) tells neither"):
+        TupleOfLists().count((list(x[:3]), list(t[:3])), object())
