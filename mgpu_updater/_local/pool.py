@@ -56,9 +56,13 @@ def _describe_exit(code: Optional[int]) -> str:
         return 'is not running'
     if code < 0:
         try:
-            return f'was killed by {signal.Signals(-code).name}'
+            name = signal.Signals(-code).name
         except ValueError:
             return f'was killed by signal {-code}'
+        if -code == signal.SIGBUS:   # a mapped page with nothing behind it
+            return (f'was killed by {name} (a write to mapped memory with no room behind '
+                    'it: most often /dev/shm full, which a container sizes with --shm-size)')
+        return f'was killed by {name}'
     return f'exited with code {code}'
 
 
@@ -540,7 +544,9 @@ class WorkerPool:
         else:
             what = (f'the worker process (pid {proc.pid}) {_describe_exit(proc.exitcode)} '
                     f'before it started: importing {_main_module()} or mgpu_updater failed '
-                    'there (its traceback is on its stderr). A worker imports the main '
+                    "there, or it could not start a thread (\"can't start new thread\": a limit "
+                    'on processes, ulimit -u, a container\'s pids limit); its traceback is on '
+                    'its stderr. A worker imports the main '
                     "module again, with the master's sys.path and working directory as they "
                     'are when it starts: an import that worked only before the script '
                     'changed directory (a relative sys.path entry) fails there. And if the '

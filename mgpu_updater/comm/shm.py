@@ -21,6 +21,7 @@ runs replicas on this backend checks the order of every update.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import secrets
 import sys
@@ -54,15 +55,60 @@ class _Segment(shared_memory.SharedMemory):
             pass
 
 
+SHM_DIR = '/dev/shm'   # where POSIX shared memory lives on Linux
+
+
 def _open(name: str, size: int = 0, create: bool = False) -> _Segment:
     if create:
-        return _Segment(name=name, create=True, size=max(size, 1))
+        try:
+            segment = _Segment(name=name, create=True, size=max(size, 1))
+        except OSError as exc:   # read-only, missing, not writable
+            raise OSError(exc.errno, f'cannot create shared memory in {SHM_DIR} for the '
+                          f'replicas ({exc.strerror}): CPU replicas meet there; it must be '
+                          'a writable tmpfs') from exc
+        try:
+            _reserve(segment)
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
+        return segment
     if sys.version_info >= (3, 13):
         return _Segment(name=name, track=False)
     # Before 3.13 attaching registers the name with the resource tracker again. Spawned
     # workers share the master's tracker, whose registry is a set: a no-op. (Unregistering
     # here would make the master's own unlink fail in the tracker.)
     return _Segment(name=name)
+
+
+def _reserve(segment: shared_memory.SharedMemory) -> None:
+    """Take the segment's pages now. A new segment is a file of that size in a tmpfs
+    that holds none of its pages until they are written, and a write the tmpfs has no
+    room for is a SIGBUS: the process that writes dies (the master with a bare "Bus
+    error", no exception, no snapshot; or a worker), at the first update or whenever a
+    page is first written (a Docker container's /dev/shm is 64 MB unless told). Reserved
+    here, a /dev/shm too small fails at the start, with an error that says so."""
+    fd = getattr(segment, '_fd', -1)   # the stdlib's SharedMemory keeps it (POSIX)
+    if fd < 0 or not hasattr(os, 'posix_fallocate'):
+        return
+    try:
+        os.posix_fallocate(fd, 0, segment.size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return   # a file system that cannot reserve: pages as they are written
+        try:
+            stats = os.statvfs(SHM_DIR)
+            room = (f'{stats.f_bavail * stats.f_frsize / 2**20:.1f} MiB free of '
+                    f'{stats.f_blocks * stats.f_frsize / 2**20:.1f} MiB')
+        except OSError:
+            room = 'its free space unknown'
+        raise OSError(exc.errno, (
+            f'not enough shared memory in {SHM_DIR} ({room}) for a buffer of the replicas '
+            f'of {segment.size / 2**20:.1f} MiB ({exc.strerror}): CPU replicas keep the '
+            "model's parameters and gradients there, about (replicas + 1) times the "
+            "parameters' bytes. In a container, give it more (Docker: --shm-size=2g, or "
+            '--ipc=host; Docker gives 64 MB unless told), or free what other processes '
+            'left there; else use fewer replicas')) from exc
 
 
 def _array(segment: shared_memory.SharedMemory, shape: Tuple[int, ...],
