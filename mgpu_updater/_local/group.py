@@ -354,8 +354,8 @@ class SummedGrads:
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
         self.params = dict(model.namedparams())
-        on_host = comm.device_id is None   # numpy buffers
-        self.views = layouts.grad.views(comm.buffer, self.params) if on_host else {}
+        self._on_host = comm.device_id is None   # numpy buffers
+        self._views: Optional[Dict[str, Any]] = None   # (views: at the first use)
         self.layouts, self.comm, self.model = layouts, comm, model
         #: per ``grad`` buffer: its name, dtype and (offset, shape, parameter) entries,
         #: where the backend sums onto arrays (else empty)
@@ -365,6 +365,17 @@ class SummedGrads:
             if comm.sums_onto_arrays else []
         #: whether the latest update's sums went onto the gradient arrays (:meth:`targets`)
         self.summed_in_place = False
+
+    @property
+    def views(self) -> Dict[str, Any]:
+        """The master's slot of each gradient, as its parameter's shape (numpy buffers),
+        taken where the sums are first taken from the slot: where they go onto the
+        gradient arrays, the slot is never written, and the shared-memory backend does not
+        reserve its pages until it is (.comm.shm)."""
+        if self._views is None:
+            self._views = self.layouts.grad.views(self.comm.buffer, self.params) \
+                if self._on_host else {}
+        return self._views
 
     def targets(self) -> Optional[Dict[str, List[Tuple[int, Any]]]]:
         """The master's gradient arrays for this update's reductions to sum onto: by
@@ -422,7 +433,7 @@ class SummedGrads:
         """Gradients that are still views of the buffers become copies (one copy of a
         view that several parameters hold), and the views go: the buffers can be unmapped
         at once (.comm.shm ``finalize``), not when the garbage collector finds this group."""
-        views = {id(view): view for view in self.views.values()}
+        views = {id(view): view for view in (self._views or {}).values()}
         copies: Dict[int, Any] = {}
         for param in self.params.values():
             if param.array is None:   # a lazy link no forward called: no gradient to read
@@ -432,7 +443,7 @@ class SummedGrads:
                 if id(grad) not in copies:
                     copies[id(grad)] = grad.copy()
                 param.grad = copies[id(grad)]
-        self.views = {}
+        self._views = {}
 
 
 class SlotParams:

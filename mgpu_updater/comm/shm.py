@@ -58,16 +58,21 @@ class _Segment(shared_memory.SharedMemory):
 SHM_DIR = '/dev/shm'   # where POSIX shared memory lives on Linux
 
 
-def _open(name: str, size: int = 0, create: bool = False) -> _Segment:
+def _open(name: str, size: int = 0, create: bool = False, reserve_from: int = 0) -> _Segment:
+    """A segment, attached; or made (``create``), its pages from byte ``reserve_from``
+    on reserved (:func:`_reserve`)."""
     if create:
         try:
             segment = _Segment(name=name, create=True, size=max(size, 1))
-        except OSError as exc:   # read-only, missing, not writable
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.ENOENT, errno.EACCES, errno.EPERM):
+                raise
+            # read-only, missing, not writable
             raise OSError(exc.errno, f'cannot create shared memory in {SHM_DIR} for the '
                           f'replicas ({exc.strerror}): CPU replicas meet there; it must be '
                           'a writable tmpfs') from exc
         try:
-            _reserve(segment)
+            _reserve(segment, reserve_from)
         except BaseException:
             segment.close()
             segment.unlink()
@@ -81,18 +86,21 @@ def _open(name: str, size: int = 0, create: bool = False) -> _Segment:
     return _Segment(name=name)
 
 
-def _reserve(segment: shared_memory.SharedMemory) -> None:
+def _reserve(segment: shared_memory.SharedMemory, start: int = 0,
+             stop: Optional[int] = None) -> None:
     """Take the segment's pages now. A new segment is a file of that size in a tmpfs
     that holds none of its pages until they are written, and a write the tmpfs has no
     room for is a SIGBUS: the process that writes dies (the master with a bare "Bus
     error", no exception, no snapshot; or a worker), at the first update or whenever a
     page is first written (a Docker container's /dev/shm is 64 MB unless told). Reserved
-    here, a /dev/shm too small fails at the start, with an error that says so."""
+    here, a /dev/shm too small fails at the start, with an error that says so. Bytes
+    ``start`` to ``stop`` (the end)."""
     fd = getattr(segment, '_fd', -1)   # the stdlib's SharedMemory keeps it (POSIX)
-    if fd < 0 or not hasattr(os, 'posix_fallocate'):
+    stop = segment.size if stop is None else stop
+    if fd < 0 or not hasattr(os, 'posix_fallocate') or stop <= start:
         return
     try:
-        os.posix_fallocate(fd, 0, segment.size)
+        os.posix_fallocate(fd, start, stop - start)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             return   # a file system that cannot reserve: pages as they are written
@@ -104,9 +112,10 @@ def _reserve(segment: shared_memory.SharedMemory) -> None:
             room = 'its free space unknown'
         raise OSError(exc.errno, (
             f'not enough shared memory in {SHM_DIR} ({room}) for a buffer of the replicas '
-            f'of {segment.size / 2**20:.1f} MiB ({exc.strerror}): CPU replicas keep the '
-            "model's parameters and gradients there, about (replicas + 1) times the "
-            "parameters' bytes. In a container, give it more (Docker: --shm-size=2g, or "
+            f'of {(stop - start) / 2**20:.1f} MiB ({exc.strerror}): CPU replicas keep the '
+            "model's parameters and gradients there, about as many times the parameters' "
+            'bytes as there are replicas, and once more where the master packs its '
+            'gradient. In a container, give it more (Docker: --shm-size=2g, or '
             '--ipc=host; Docker gives 64 MB unless told), or free what other processes '
             'left there; else use fewer replicas')) from exc
 
@@ -140,8 +149,10 @@ class ShmCommunicator(Communicator):
     def __init__(self, rank: int, size: int, spec: BufferSpec,
                  segments: Dict[str, shared_memory.SharedMemory],
                  ledger: shared_memory.SharedMemory, broadcast: FrozenSet[str],
-                 owner: bool) -> None:
+                 owner: bool, unreserved: Optional[Dict[str, int]] = None) -> None:
         super().__init__(rank, size)
+        #: rank 0's slots not reserved yet (:meth:`create`), by buffer: their bytes
+        self._unreserved = dict(unreserved or {}) if rank == 0 else {}
         self._spec = spec
         self._segments = segments
         self._ledger_segment = ledger
@@ -176,11 +187,18 @@ class ShmCommunicator(Communicator):
                              f'the spec has {sorted(spec)}')
         only = frozenset(broadcast)
         segments: Dict[str, shared_memory.SharedMemory] = {}
+        # Rank 0's slot of a summed buffer is reserved when first used (:meth:`buffer`,
+        # :meth:`reduce`): the gradients' is not, where the sums go onto the master's own
+        # arrays (reduce_onto), and reserving it took one more model's bytes of /dev/shm.
+        unreserved: Dict[str, int] = {}
         try:
             for key, (dtype, count) in spec.items():
                 n = 1 if key in only else size
-                nbytes = n * count * numpy.dtype(dtype).itemsize
-                segments[key] = _open('mgpu_' + secrets.token_hex(16), nbytes, create=True)
+                slot = count * numpy.dtype(dtype).itemsize
+                if n > 1:
+                    unreserved[key] = slot
+                segments[key] = _open('mgpu_' + secrets.token_hex(16), n * slot,
+                                      create=True, reserve_from=slot if n > 1 else 0)
             ledger = _open('mgpu_' + secrets.token_hex(16),
                            size * (_FIRST + _LEDGER_SLOTS) * 8, create=True)
         except BaseException:
@@ -189,7 +207,7 @@ class ShmCommunicator(Communicator):
                 seg.unlink()
             raise
         ledger.buf[:] = bytes(len(ledger.buf))
-        return cls(0, size, spec, segments, ledger, only, owner=True)
+        return cls(0, size, spec, segments, ledger, only, owner=True, unreserved=unreserved)
 
     @property
     def handle(self) -> Handle:
@@ -217,6 +235,8 @@ class ShmCommunicator(Communicator):
 
     def buffer(self, name: str) -> numpy.ndarray:
         self._check_open()
+        if name in self._unreserved:
+            self._reserve_own(name)
         slots = self._slots[name]
         return slots[0] if len(slots) == 1 else slots[self.rank]
 
@@ -230,8 +250,15 @@ class ShmCommunicator(Communicator):
         self._issue('reduce', name, root)
         if self.rank != root:
             return
+        if name in self._unreserved:
+            self._reserve_own(name)
         slots = self._slots[name]
         sum_slots(slots[root], [src for r, src in enumerate(slots) if r != root])
+
+    def _reserve_own(self, name: str) -> None:
+        """Rank 0's slot of ``name``, reserved before its first write (its first)."""
+        _reserve(self._segments[name], 0, self._unreserved[name])
+        del self._unreserved[name]
 
     packs_in_shared_memory = True
     sums_onto_arrays = True
