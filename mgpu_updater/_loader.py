@@ -503,9 +503,11 @@ def lists_length(batch: tuple) -> Optional[int]:
 class TupleOfLists:
     """Which a tuple of lists of one length is, as its iterator returns them: examples
     (it counts its entries) or columns (it counts their entries). Where the two counts
-    differ, the iterator's ``batch_size`` tells: the count that equals it; the first batch
-    that tells decides for the later ones (a short last batch tells neither). One that
-    does not, with none decided, is refused: the weighting would be a guess."""
+    differ, the first such batch decides for the later ones, by what the entries are:
+    a column holds one kind of value (arrays of one dtype and rank, or numbers, or
+    strings), an example one of each of its fields; where both readings hold (a seq2seq
+    pair of token arrays), by the iterator's ``batch_size``, which one count equals. A
+    batch that tells neither is refused: the weighting would be a guess."""
 
     def __init__(self) -> None:
         #: True: columns; False: examples; None: not decided yet
@@ -522,6 +524,11 @@ class TupleOfLists:
 
     @staticmethod
     def _decide(batch: tuple, length: int, iterator: Any) -> bool:
+        as_columns = all(len({_kind(v) for v in values}) == 1 for values in batch)
+        as_examples = all(len({_kind(values[i]) for values in batch}) == 1
+                          for i in range(length))
+        if as_columns != as_examples:
+            return as_columns
         size = getattr(iterator, 'batch_size', None)
         if size == length:
             return True
@@ -530,9 +537,16 @@ class TupleOfLists:
         raise ValueError(
             f'the iterator ({type(iterator).__name__}) returned a batch that is a tuple '
             f'of {len(batch)} lists of {length} entries each: {length} samples in '
-            f'{len(batch)} columns, or {len(batch)} samples of {length} fields each, and '
-            f'its batch_size ({size!r}) tells neither. Return a list of examples (as '
-            "Chainer's iterators do), or the columns as a dict of lists or as arrays")
+            f'{len(batch)} columns, or {len(batch)} samples of {length} fields each; '
+            f'their values read alike either way, and its batch_size ({size!r}) tells '
+            "neither. Return a list of examples (as Chainer's iterators do), or the "
+            'columns as a dict of lists or as arrays')
+
+
+def _kind(value: Any) -> Tuple[Any, ...]:
+    """What one value of a column has in common with the others: its type, and an
+    array's dtype and rank."""
+    return (type(value), getattr(value, 'dtype', None), getattr(value, 'ndim', None))
 
 
 def _is_gpu(device: Any) -> bool:

@@ -131,10 +131,12 @@ class _Sized:
         self.batch_size = batch_size
 
 
-def test_a_tuple_of_lists_is_read_by_the_iterators_batch_size():
+def test_a_tuple_of_lists_is_read_by_what_it_holds_then_by_the_batch_size():
     """Columns ``(xs, ts)`` and examples ``([x0, t0], [x1, t1], [x2, t2])`` are both a
-    tuple of lists of one length: the iterator's batch size tells which (columns counted
-    2 whatever their length, silently); a short batch after it is read alike."""
+    tuple of lists of one length (columns counted 2 whatever their length, silently). A
+    column holds one kind of value, an example one of each field; where both readings
+    hold, the iterator's batch size tells. A short batch after the first that told is
+    read alike, and so is a first that is short (a resumed run's)."""
     x, t = _data(4)
     columns = TupleOfLists()
     assert columns.count((list(x[:4]), list(t[:4])), _Sized(4)) == 4
@@ -142,11 +144,23 @@ def test_a_tuple_of_lists_is_read_by_the_iterators_batch_size():
     examples = TupleOfLists()
     assert examples.count(([x[0], t[0]], [x[1], t[1]], [x[2], t[2]]), _Sized(3)) == 3
     assert examples.count(([x[0], t[0]],), _Sized(3)) == 1
-    # as many columns as rows: either reading counts alike, and nothing is decided
+    # as many columns as rows: either reading counts alike, and nothing is decided; a
+    # short batch then is read by its values, also where its other count is the size
     square = TupleOfLists()
-    assert square.count((list(x[:2]), list(t[:2])), _Sized(5)) == 2
+    assert square.count((list(x[:2]), list(t[:2])), _Sized(2)) == 2
     assert square.columns is None
-    with pytest.raises(ValueError, match=r"a tuple of 2 lists of 3 entries each: 3 samples "
-                       r"in 2 columns, or 2 samples of 3 fields each, and its batch_size "
-                       r"\(None\) tells neither"):
-        TupleOfLists().count((list(x[:3]), list(t[:3])), object())
+    assert square.count((list(x[:1]), list(t[:1])), _Sized(2)) == 1
+    fields = TupleOfLists()
+    assert fields.count(([x[0], t[0]],), _Sized(2)) == 1
+    # a first batch that is short, no batch size: read by its values
+    assert TupleOfLists().count((list(x[:3]), list(t[:3])), object()) == 3
+    # token sequences: both readings hold; the batch size tells, or it is refused
+    tokens = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 4, 1, 6)]
+    pairs = (tokens[:3], tokens[3:])   # 3 sources, 3 targets
+    assert TupleOfLists().count(pairs, _Sized(3)) == 3
+    assert TupleOfLists().count((tokens[:2], tokens[2:4], tokens[4:]), _Sized(2)) == 2
+    assert TupleOfLists().count((tokens[:2], tokens[2:4], tokens[4:]), _Sized(3)) == 3
+    with pytest.raises(ValueError, match=r"a tuple of 3 lists of 2 entries each: 2 samples "
+                       r"in 3 columns, or 3 samples of 2 fields each; their values read "
+                       r"alike either way, and its batch_size \(None\) tells neither"):
+        TupleOfLists().count((tokens[:2], tokens[2:4], tokens[4:]), object())
