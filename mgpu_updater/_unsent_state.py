@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import chainer
@@ -63,9 +64,10 @@ COST_SHARE = 0.01     # a walk takes at most this share of the time since the la
 MAX_NODES = 20000     # objects gone into per walk; the rest is not watched
 MAX_DEPTH = 30
 ARRAY_BYTES = 16 << 20   # numpy arrays copied per walk; beyond, compared by id, shape, dtype
-#: of which the arrays of Variables that are no parameter, at most (a forward's results,
-#: ``L.Classifier``'s ``y``, come before a model's masks in its attributes)
-VARIABLE_BYTES = 1 << 20
+#: the array of a Variable that is no parameter, up to this, is compared by a digest of
+#: its bytes (no copy: a forward's results, ``L.Classifier``'s ``y``, take none of the
+#: copies above); beyond, by identity
+VARIABLE_BYTES = 64 << 20
 
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
 _CONTAINERS = frozenset((list, tuple, dict, set, frozenset))
@@ -286,7 +288,6 @@ class UnsentState:
         sent = _sent_every_update(self.roots)   # ids of the persistents' values
         seen: set = set()
         budget = [ARRAY_BYTES]
-        variables = [VARIABLE_BYTES]   # what of it Variables' arrays may take
         stack: List[Tuple[str, Any, int]] = [(name, obj, 0)
                                             for name, obj in reversed(self.roots.items())]
         nodes = 0
@@ -313,12 +314,7 @@ class UnsentState:
                 else:
                     # a mask or a constant held as a Variable; a forward's result (L.
                     # Classifier's self.y) is a new Variable at every write (_rewritten)
-                    value = _device_array(array)
-                    if type(array) is numpy.ndarray and array.nbytes <= min(budget[0],
-                                                                            variables[0]):
-                        variables[0] -= array.nbytes
-                        value = _array_value(array, budget)
-                    out[path] = _HeldVariable(weakref.ref(obj), value)
+                    out[path] = _HeldVariable(weakref.ref(obj), _digest(array))
                     if as_found is not None:
                         as_found.add(path)
                 continue
@@ -555,6 +551,17 @@ def _device_array(array: Any) -> Tuple[Any, ...]:
     return ('array', id(array), tuple(array.shape), str(array.dtype))
 
 
+def _digest(array: Any) -> Tuple[Any, ...]:
+    """A Variable's array as a value: its shape, dtype and a checksum of its bytes (a
+    numpy array of at most :data:`VARIABLE_BYTES`), else by identity."""
+    if type(array) is not numpy.ndarray or array.nbytes > VARIABLE_BYTES \
+            or array.dtype.hasobject:
+        return _device_array(array)
+    data = numpy.ascontiguousarray(array)
+    return ('digest', tuple(array.shape), array.dtype.str,
+            zlib.crc32(memoryview(data).cast('B')))
+
+
 def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
     if array.nbytes <= budget[0]:
         budget[0] -= array.nbytes
@@ -639,6 +646,8 @@ def _short(value: Any) -> str:
         return f'an array {value.shape} {value.dtype}'
     if type(value) is tuple and value and value[0] == 'array':
         return f'an array {value[2]}'
+    if type(value) is tuple and value and value[0] == 'digest':
+        return f'an array {value[1]} {numpy.dtype(value[2]).name}'
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + '...'
 
