@@ -503,11 +503,12 @@ def lists_length(batch: tuple) -> Optional[int]:
 class TupleOfLists:
     """Which a tuple of lists of one length is, as its iterator returns them: examples
     (it counts its entries) or columns (it counts their entries). Where the two counts
-    differ, the first such batch decides for the later ones, by what the entries are:
-    a column holds one kind of value (arrays of one dtype and rank, or numbers, or
-    strings), an example one of each of its fields; where both readings hold (a seq2seq
-    pair of token arrays), by the iterator's ``batch_size``, which one count equals. A
-    batch that tells neither is refused: the weighting would be a guess."""
+    differ, the first such batch decides for the later ones: by the iterator's
+    ``batch_size``, the count that equals it, unless what the lists hold says otherwise
+    (:func:`_reading`: a column holds one kind of value, an example one of each field; a
+    short batch with as many fields as the batch size); where the batch size tells
+    neither (none; a short first batch, a resumed run's), by what they hold alone. A
+    batch that tells neither way is refused: the weighting would be a guess."""
 
     def __init__(self) -> None:
         #: True: columns; False: examples; None: not decided yet
@@ -524,16 +525,13 @@ class TupleOfLists:
 
     @staticmethod
     def _decide(batch: tuple, length: int, iterator: Any) -> bool:
-        as_columns = all(len({_kind(v) for v in values}) == 1 for values in batch)
-        as_examples = all(len({_kind(values[i]) for values in batch}) == 1
-                          for i in range(length))
-        if as_columns != as_examples:
-            return as_columns
         size = getattr(iterator, 'batch_size', None)
-        if size == length:
-            return True
-        if size == len(batch):
-            return False
+        by_size = True if size == length else False if size == len(batch) else None
+        by_values = _reading(batch, length)
+        if by_values is not None:
+            return by_values
+        if by_size is not None:
+            return by_size
         raise ValueError(
             f'the iterator ({type(iterator).__name__}) returned a batch that is a tuple '
             f'of {len(batch)} lists of {length} entries each: {length} samples in '
@@ -543,10 +541,33 @@ class TupleOfLists:
             'columns as a dict of lists or as arrays')
 
 
-def _kind(value: Any) -> Tuple[Any, ...]:
-    """What one value of a column has in common with the others: its type, and an
-    array's dtype and rank."""
-    return (type(value), getattr(value, 'dtype', None), getattr(value, 'ndim', None))
+def _reading(batch: tuple, length: int) -> Optional[bool]:
+    """Columns (True) where each list holds one kind of value and the lists' values at
+    one place do not (an array beside a number), examples (False) the other way round;
+    None where both or neither reading holds. Kinds are broad: any number is one (an int
+    beside a float, a numpy scalar), text is one, an array is one by its dtype's kind
+    (integers, floats) whatever its rank, and None is any."""
+    def alike(values: Any) -> bool:
+        return len({_kind(v) for v in values} - {None}) <= 1
+    as_columns = all(alike(values) for values in batch)
+    as_examples = all(alike([values[i] for values in batch]) for i in range(length))
+    return as_columns if as_columns != as_examples else None
+
+
+def _kind(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (bool, int, float, complex, numpy.number, numpy.bool_)):
+        return 'number'
+    if isinstance(value, (str, bytes)):
+        return 'text'
+    dtype = getattr(value, 'dtype', None)
+    if dtype is not None and getattr(value, 'ndim', 0) == 0:
+        return 'number'
+    if dtype is not None:
+        kind = numpy.dtype(dtype).kind
+        return ('array', 'int' if kind in 'iub' else kind)
+    return type(value)
 
 
 def _is_gpu(device: Any) -> bool:

@@ -64,9 +64,9 @@ COST_SHARE = 0.01     # a walk takes at most this share of the time since the la
 MAX_NODES = 20000     # objects gone into per walk; the rest is not watched
 MAX_DEPTH = 30
 ARRAY_BYTES = 16 << 20   # numpy arrays copied per walk; beyond, compared by id, shape, dtype
-#: the array of a Variable that is no parameter, up to this, is compared by a digest of
-#: its bytes (no copy: a forward's results, ``L.Classifier``'s ``y``, take none of the
-#: copies above); beyond, by identity
+#: the array of a Variable that is no parameter, up to this, is compared by a checksum of
+#: its bytes, kept instead of a copy (a forward's results, ``L.Classifier``'s ``y``, take
+#: none of the copies above); beyond, by identity
 VARIABLE_BYTES = 64 << 20
 
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))

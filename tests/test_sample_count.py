@@ -154,6 +154,14 @@ def test_a_tuple_of_lists_is_read_by_what_it_holds_then_by_the_batch_size():
     assert fields.count(([x[0], t[0]],), _Sized(2)) == 1
     # a first batch that is short, no batch size: read by its values
     assert TupleOfLists().count((list(x[:3]), list(t[:3])), object()) == 3
+    # kinds are broad: ints beside floats, numpy scalars, None, arrays of other ranks
+    # read alike either way, and the batch size tells (a strict look misread them)
+    assert TupleOfLists().count(([1, 2], [0.5, 1.5], [3, 4]), _Sized(3)) == 3
+    assert TupleOfLists().count(([1, 2.5, 3], [2, 5.0, 6]), _Sized(3)) == 3
+    assert TupleOfLists().count(([np.float32(1), 2.5, 3.0], [np.int64(0), 1, None]),
+                                _Sized(3)) == 3
+    images = [np.zeros((2, 2), np.float32), np.zeros((1, 2, 2), np.float32)]
+    assert TupleOfLists().count((images, images[::-1], images), _Sized(3)) == 3
     # token sequences: both readings hold; the batch size tells, or it is refused
     tokens = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 4, 1, 6)]
     pairs = (tokens[:3], tokens[3:])   # 3 sources, 3 targets
