@@ -245,10 +245,9 @@ def _check_same_optimizer(fingerprints: List[Any], update: int) -> None:
         f"the optimizers of rank(s) {apart} differ from rank 0's at update {update} "
         f'({"; ".join(differ)}): each rank steps its own optimizer on the same summed '
         'gradient, so their parameters would drift apart. Build the same optimizer on '
-        'every rank, and '
-        'extend every rank\'s trainer with each extension that changes it (ExponentialShift '
-        'and the other shifts, a hook added later); only extensions that report '
-        '(LogReport, PrintReport, ProgressBar) may run on rank 0 alone')
+        "every rank, and extend every rank's trainer with each extension that changes it "
+        '(ExponentialShift and the other shifts, a hook added later); only extensions '
+        'that report (LogReport, PrintReport, ProgressBar) may run on rank 0 alone')
 
 
 _NONE = object()   # a hyperparameter one optimizer has and another has not
