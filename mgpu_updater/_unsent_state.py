@@ -566,7 +566,7 @@ def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
     if array.nbytes <= budget[0]:
         budget[0] -= array.nbytes
         return array.copy()
-    return ('array', id(array), array.shape, array.dtype.str)
+    return _device_array(array)
 
 
 _MADE_ANEW = (float, complex)   # a new object at every write, whatever its value
