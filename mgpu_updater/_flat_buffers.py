@@ -260,6 +260,25 @@ class ModelIndex:
         return arrays
 
 
+class KeptPersistents:
+    """The model's persistents as :class:`ModelIndex` reads them now, kept to be set back:
+    a copy of each array (BatchNorm's running statistics) and each other value (its
+    counter ``N``), what a window's forwards move besides the gradients."""
+
+    def __init__(self, index: ModelIndex) -> None:
+        self.index = index
+        self.arrays = {path: array.copy() for path, array in index.persistent_arrays()}
+        self.scalars = index.persistent_scalars()
+
+    def restore(self) -> None:
+        """Set every persistent back to what it was (an array in place)."""
+        for path, array in self.index.persistent_arrays():
+            kept = self.arrays.get(path)
+            if kept is not None and kept.shape == array.shape:
+                array[...] = kept
+        self.index.set_persistent_scalars(self.scalars)
+
+
 def overlapping(index: 'ModelIndex') -> List[str]:
     """Parameters (by name) whose numpy array shares memory with another parameter's or
     an array persistent's, other than the very array an alias holds

@@ -25,7 +25,7 @@ from ._chainer_private import (backward_scaled, forgotten_function,
                                registered_names, static_graph_links)
 from ._chunks import Chunking, check_split, split, splits
 from ._functions import cell_is_set, global_names
-from ._flat_buffers import ModelIndex, persistent_arrays, unique_params
+from ._flat_buffers import KeptPersistents, ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
 from ._warning import warn
 
@@ -1078,18 +1078,12 @@ class _Rewind:
     only (a copy of the persistents, a few microseconds for BatchNorm's)."""
 
     def __init__(self, index: ModelIndex) -> None:
-        self.index = index
-        self.arrays = {path: array.copy() for path, array in self.index.persistent_arrays()}
-        self.scalars = self.index.persistent_scalars()
+        self.persistents = KeptPersistents(index)
         self.numpy_random = numpy.random.get_state()
         self.python_random = random.getstate()
 
     def restore(self) -> None:
-        for path, array in self.index.persistent_arrays():
-            kept = self.arrays.get(path)
-            if kept is not None and kept.shape == array.shape:
-                array[...] = kept
-        self.index.set_persistent_scalars(self.scalars)
+        self.persistents.restore()
         numpy.random.set_state(self.numpy_random)
         random.setstate(self.python_random)
 

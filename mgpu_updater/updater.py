@@ -17,7 +17,7 @@ from . import _chainer_private as chainer_private
 from . import (_checkpoint, _host_memory, _late_check, _loss_binding, _positions, _startup,
                _step, _threads, _validate)
 from ._checkpoint import capture_state
-from ._flat_buffers import unique_params
+from ._flat_buffers import KeptPersistents, ModelIndex, unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
 from ._replica import (MODEL_OBSERVER, UPDATER_KEYS, Replica, WindowResult, combine,
@@ -113,7 +113,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             the same seconds either way.
         nonfinite: ``'raise'`` (default) raises :class:`NonFiniteLossError` naming the
             update when its loss is NaN or infinite, before the parameters change;
-            ``'skip'`` warns and skips that update; ``'ignore'`` does not look, as
+            ``'skip'`` warns and skips that update: the parameters, the optimizer's
+            state and the model's persistents (BatchNorm's running statistics, which
+            its forward passes moved) stay as they were before it (a copy of the
+            persistents is taken before each window for that; under ``pipelined`` a step
+            is skipped an update late, and the statistics stay as the windows since
+            left them); ``'ignore'`` does not look, as
             StandardUpdater does not. Where the master is alone on a GPU (one device),
             reading the loss before the step would make it wait for the device every
             update (about 30% of the speed of a model the GPU is busy with): there
@@ -313,6 +318,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._nominal_samples = float(self.accumulate_steps * sum(
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
+        #: under nonfinite='skip', the model's persistents (where it has any), read before
+        #: each window and set back where the update is skipped; else None
+        self._persistents: Optional[ModelIndex] = None
+        self._before_window: Optional[KeptPersistents] = None
+        self._has_persistents = False
         #: seconds of the last update: 'data', 'compute', 'comm', 'update'
         self.last_times: Dict[str, float] = {}
         #: seconds of the last update's window on each replica, in replica order (MPI:
@@ -397,6 +407,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # ... with one whole micro-batch per update: StandardUpdater's update (_update_direct)
         self._direct = self._alone and self._replica.direct
         self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
+        index = ModelIndex(self._target)
+        self._has_persistents = bool(index.persistents)
+        if self.nonfinite == 'skip' and index.persistents:
+            self._persistents = index
         if len(self._devices) > 1 and self._communicator is None:
             self._unsent = UnsentState({'model': self._optimizer.target,
                                         'loss_func': self.loss_func,
@@ -518,6 +532,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 unsent.check_held()
             if due:
                 unsent.at_begin()   # now and then, between updates (_unsent_state)
+        if self._persistents is not None:
+            self._before_window = KeptPersistents(self._persistents)
         t0 = clock()
         if self._alone:
             parity = None
@@ -589,6 +605,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         launch-bound update, about 8 us). The epoch is the iterator itself, read when
         asked as StandardUpdater reads it (Loader.get's live_epoch: another 0.5%)."""
         clock = time.perf_counter
+        if self._persistents is not None:
+            self._before_window = KeptPersistents(self._persistents)
         if self._window_threads.threads is None:
             count, loss, epoch, data, compute = self._replica.direct_window(loss_scale, True)
         else:
@@ -643,11 +661,29 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         factor, bad = _step.decide(count, loss, policy, dynamic, self._replica.scaling)
         if bad:
             if self.nonfinite == 'raise':
-                raise NonFiniteLossError(of_update, loss)
+                raise self._noted(NonFiniteLossError(of_update, loss))
             self._skipped += 1
+            self._set_back(of_update)
             warn(f'skipping {self._step_of(of_update)}: the loss is {loss}',
                  RuntimeWarning)
         return factor
+
+    def _set_back(self, of_update: int) -> None:
+        """A skipped update leaves the model as it was before it: the persistents its
+        windows moved too (BatchNorm's running statistics, which a non-finite forward
+        makes NaN for good). Not a pipelined step's: the update it skips is the last one,
+        whose statistics the windows since have moved on from."""
+        kept = self._before_window
+        if kept is not None and of_update == self.iteration + 1:
+            kept.restore()
+
+    def _noted(self, exc: NonFiniteLossError) -> NonFiniteLossError:
+        """``exc`` raised before the step, noting what its windows changed anyway."""
+        if self._has_persistents:
+            exc.add_note(
+                "The model's persistents (BatchNorm's running statistics) hold what this "
+                "update's forward passes made of them; nonfinite='skip' sets them back")
+        return exc
 
     def _step_of(self, of_update: int) -> str:
         """The step a skip leaves out, in words."""
@@ -695,8 +731,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 or _step.finite_gradients(optimizer.target)):
             return True
         if self.nonfinite == 'raise':
-            raise NonFiniteGradientError(of_update, loss, loss_scale)
+            raise self._noted(NonFiniteGradientError(of_update, loss, loss_scale))
         self._skipped += 1
+        self._set_back(of_update)
         warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
              f'or NaN under the static loss scale {loss_scale:g}',
              RuntimeWarning)
