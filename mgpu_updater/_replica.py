@@ -1031,6 +1031,40 @@ def model_signature(model: chainer.Link) -> Tuple[Tuple[str, Tuple[Any, ...]], .
     return tuple(sorted(out))
 
 
+def copy_signature(model: chainer.Link) -> Tuple[Any, ...]:
+    """What a replica's copy of ``model`` must hold alike: :func:`model_signature`, and
+    which parameters hold one array (:attr:`ModelIndex.aliases`). A tie (``self.l3.W =
+    self.l1.W``) is one entry of the signature: broken, it is two."""
+    return model_signature(model), tuple(sorted(ModelIndex(model).aliases.items()))
+
+
+def copy_difference(model: Tuple[Any, ...], replica: Tuple[Any, ...]) -> Optional[str]:
+    """How a copy's :func:`copy_signature` differs from its model's, in words, or None.
+
+    Every replica lays out its buffers from its own copy: a parameter the copy lacks (a
+    link rebuilt from its constructor's arguments by its ``__reduce__`` lacks what was
+    added to it after), or a tie the copy broke, shifts every parameter after it, and the
+    summed gradients land on the wrong parameters, silently."""
+    if model == replica:
+        return None
+    old, new = dict(model[0]), dict(replica[0])
+    parts = [f'{label} {names}' for label, names in (
+        ('only in the model:', sorted(set(old) - set(new))),
+        ('only in the copy:', sorted(set(new) - set(old))),
+        ('other shapes or dtypes:', sorted(k for k in set(old) & set(new)
+                                           if old[k] != new[k]))) if names]
+    if model[1] != replica[1]:
+        parts.append(f'parameters holding one array: {list(model[1])} in the model, '
+                     f'{list(replica[1])} in the copy')
+    return ('the copy of the model for the worker processes differs from the model ('
+            + '; '.join(parts) + '). Every replica must hold the same parameters and '
+            'persistents (names, shapes, dtypes, ties) for the gradients summed over them '
+            'to land where they belong. A link whose __reduce__, __getstate__ or '
+            '__deepcopy__ rebuilds it from its constructor\'s arguments leaves out what was '
+            'added to it after (add_param, add_persistent, a tie such as l3.W = l1.W): '
+            'let such a link be copied whole (drop the method, or carry its __dict__ in it)')
+
+
 def _describe(func: Any) -> str:
     text = getattr(func, '__qualname__', None) or type(func).__name__
     return text if len(text) <= 80 else text[:77] + '...'

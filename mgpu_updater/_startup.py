@@ -28,7 +28,8 @@ from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
 from ._loader import Loader, make_loader, plan, reads_in_caller_safely
 from ._local.group import LocalGroup, payload_factory
-from ._replica import Replica, Scaling, kept_between_calls, observers, put_back
+from ._replica import (Replica, Scaling, copy_difference, copy_signature, kept_between_calls,
+                       observers, put_back)
 
 
 class Settings(NamedTuple):
@@ -84,12 +85,13 @@ def start(s: Settings) -> Started:
     loader = make_loader(s.iterator, s.converter, master_device, depth, gated, trial=trial,
                          load_here=reads_in_caller_safely(s.iterator),
                          keep_examples=splits(chunking(s, own_index)))
+    lazy = False
     try:
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
-            initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter,
-                                   master_device)
+            lazy = initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter,
+                                          master_device)
         nominal = s.nominal_samples
         group: Group = SoloGroup(s.model)
         if s.communicator is not None:
@@ -99,7 +101,7 @@ def start(s: Settings) -> Started:
                 'pipelined': s.pipelined, 'nonfinite': s.nonfinite}, optimizer=s.optimizer)
             nominal = group.nominal_samples
         elif len(s.devices) > 1:
-            group = _local_group(s)
+            group = _local_group(s, lazy)
         replica = Replica(s.model, s.loss_func, loader, s.accumulate_steps,
                           scaling(s, s.iterator, nominal),
                           name=(f'replica 0 ({s.device_labels[0]})' if s.communicator is None
@@ -145,22 +147,20 @@ def _copy(model: chainer.Link) -> chainer.Link:
         return cloudpickle.loads(cloudpickle.dumps(model))
 
 
-def _local_group(s: Settings) -> LocalGroup:
-    """Worker processes on this host, one per extra device, each with its payload."""
+def _local_group(s: Settings, lazy: bool) -> LocalGroup:
+    """Worker processes on this host, one per extra device, each with its payload.
+    ``lazy``: a forward pass initialised lazy parameters before the model is copied."""
     from . import comm
     backend = comm.backend_for(s.devices)
     try:
         replica_model = _copy(s.model)
     except Exception as exc:  # noqa: BLE001 - deepcopy raises what pickling raises
-        from . import _pickle_path
-        culprit = _pickle_path.find(s.model, 'model')
-        raise TypeError(
-            f'the model ({type(s.model).__name__}) cannot be copied for the worker '
-            f'processes after its first call (which initialised its lazy parameters): '
-            f'{type(exc).__name__}: {exc}; the culprit is {culprit.path} '
-            f'({_pickle_path.describe(culprit.obj)}). Give the links their input sizes '
-            '(e.g. L.Linear(784, n), not L.Linear(None, n)) so that the model is copied '
-            'before it is first called') from exc
+        raise _uncopyable(s.model, exc, lazy) from exc
+    _refuse_shared(s.model, replica_model)
+    signature = copy_signature(s.model)
+    differs = copy_difference(signature, copy_signature(replica_model))
+    if differs is not None:
+        raise RuntimeError(differs)
     replica_model.to_device('@numpy')
     for param in replica_model.params():
         param.update_rule = None
@@ -174,7 +174,7 @@ def _local_group(s: Settings) -> LocalGroup:
     for rank, it in enumerate(s.worker_iterators, start=1):
         payloads[rank] = payload_factory(dict(
             rank=rank, size=len(s.devices), device=s.device_labels[rank],
-            model=replica_model,
+            model=replica_model, signature=signature,
             loss_func=None if s.bound_loss else
             _loss_binding.swap_model(s.loss_func, s.model, replica_model),
             bind_loss_to_model=s.bound_loss, converter=s.converter,
@@ -192,8 +192,49 @@ def _local_group(s: Settings) -> LocalGroup:
                       restarts=s.restarts)
 
 
+def _uncopyable(model: chainer.Link, exc: Exception, lazy: bool) -> TypeError:
+    """The error for a model that :func:`_copy` fails on, naming the part that fails:
+    the deepest link on the way down through the first child that fails alike, then the
+    part of it that does not pickle (where pickling is what fails)."""
+    from . import _pickle_path
+    path, link = 'model', model
+    for _ in range(_pickle_path.MAX_DEPTH):
+        for child in link.children():
+            try:
+                _copy(child)
+            except Exception:  # noqa: BLE001 - the one that fails alike
+                path, link = f'{path}.{child.name}', child
+                break
+        else:
+            break
+    culprit = _pickle_path.find(link, path)
+    after = (' after its first call (the forward pass that initialised its lazy '
+             'parameters; if that call left what cannot be copied, giving the links their '
+             'input sizes, L.Linear(784, n), skips it)' if lazy else '')
+    return TypeError(
+        f'the model ({type(model).__name__}) cannot be copied for the worker '
+        f'processes{after}: {type(exc).__name__}: {exc}; the culprit is {culprit.path} '
+        f'({_pickle_path.describe(culprit.obj)}). Every worker gets a copy '
+        '(copy.deepcopy, then pickling): make that part copyable, or keep it off the model')
+
+
+def _refuse_shared(model: chainer.Link, replica: chainer.Link) -> None:
+    """Raise where the copy holds a link or parameter of the model itself (a
+    ``__deepcopy__`` that returns ``self``): the workers' copy would not be one, and
+    preparing it (no update rules) would strip the model's own parameters."""
+    mine = {id(obj): name for name, obj in list(model.namedlinks()) + list(model.namedparams())}
+    for name, obj in list(replica.namedlinks()) + list(replica.namedparams()):
+        if id(obj) in mine:
+            where = 'model' + (name.replace('/', '.') if name != '/' else '')
+            raise TypeError(
+                f'copy.deepcopy(model) returned {where} ({type(obj).__name__}) itself, '
+                'not a copy: its __deepcopy__ (or one of a link above it) returns the '
+                'object it was given. Each worker needs a copy of its own: let Chainer '
+                'copy the link (drop the __deepcopy__), or return a deep copy from it')
+
+
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
-                           iterator: Any, converter: Callable, device: Any) -> None:
+                           iterator: Any, converter: Callable, device: Any) -> bool:
     """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
     with one forward pass on the master, in test mode, without backprop or reports, on a
     batch of the iterator's size taken from the start of its dataset, so that the
@@ -202,9 +243,9 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     keep in plain attributes (:func:`~mgpu_updater._replica.put_back`). A parameter the pass leaves
     uninitialised (a link no forward calls) stays so in every replica, as under
     ``StandardUpdater``; each replica's window refuses one that a later call initialises
-    (:meth:`mgpu_updater._replica.Replica.run_window`)."""
+    (:meth:`mgpu_updater._replica.Replica.run_window`). Returns whether it ran."""
     if all(p.array is not None for p in model.params()):
-        return
+        return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1
     if dataset is not None and len(dataset) > 0:
@@ -242,3 +283,4 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     put_back(state)   # first: a reset_state may touch a persistent too
     for owner, name, value in saved:
         set_persistent(owner, name, value)
+    return True

@@ -62,6 +62,7 @@ class WorkerInit(NamedTuple):
     prefetch_trial: bool = False         # ... and tries loading ahead (_load_trial)
     keep_resume: bool = False            # keep and send its resume points (.resume)
     resume: Any = None                   # a replacement's .resume.ResumePoint, or None
+    signature: Any = None                # the master's _replica.copy_signature of the model
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -235,6 +236,11 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
     if init.seed is not None:
         _inherit.seed_device(init.seed, device)
     model = init.model
+    if init.signature is not None:   # what unpickling built: as the master's model?
+        from .._replica import copy_difference, copy_signature
+        differs = copy_difference(init.signature, copy_signature(model))
+        if differs is not None:
+            raise RuntimeError(differs)
     model.to_device(device)
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
