@@ -243,8 +243,13 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     keep in plain attributes (:func:`~mgpu_updater._replica.put_back`). A parameter the pass leaves
     uninitialised (a link no forward calls) stays so in every replica, as under
     ``StandardUpdater``; each replica's window refuses one that a later call initialises
-    (:meth:`mgpu_updater._replica.Replica.run_window`). Returns whether it ran."""
-    if all(p.array is not None for p in model.params()):
+    (:meth:`mgpu_updater._replica.Replica.run_window`). Persistents that hold no array
+    yet are made in that pass too (``L.BatchNormalization(axis=0, use_gamma=False,
+    use_beta=False)`` with no size has no parameter, and makes its running statistics at
+    its first call). Returns whether it ran."""
+    if (all(p.array is not None for p in model.params())
+            and all(persistent_value(owner, name) is not None
+                    for _, owner, name in persistent_slots(model))):
         return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1
@@ -278,7 +283,8 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     except Exception as exc:
         exc.add_note(f'(raised in the forward pass that initialises the lazy parameters '
                      f'before the replicas are copied: test mode, no backprop, on {what}; '
-                     'give the links their input sizes, L.Linear(784, n), to skip it)')
+                     'give the links their sizes, L.Linear(784, n), '
+                     'L.BatchNormalization(n), to skip it)')
         raise
     put_back(state)   # first: a reset_state may touch a persistent too
     for owner, name, value in saved:

@@ -153,11 +153,61 @@ def test_an_error_in_the_initialising_pass_says_where_it_came_from():
                and 'test mode' in note for note in info.value.__notes__)
 
 
-def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
-    updater = _ours(BufferInForward(), ['@numpy', '@numpy'])
+def test_a_persistent_made_an_array_in_the_first_forward_is_made_by_the_pass():
+    """A persistent registered as None, which the forward makes an array: made in the
+    initialising pass, before the copies (it was refused), though no parameter is lazy."""
+    model = BufferInForward()
+    _trains_as_standard_updater(lambda: model, ['@numpy', '@numpy'], rtol=1e-5)
+    np.testing.assert_array_equal(model.buf, np.zeros(3, np.float32))
+
+
+class BufferInTrainingForward(BufferInForward):
+    """... made in training mode only: the pass (test mode) leaves it None."""
+
+    def forward(self, x, t):
+        if self.buf is None and chainer.config.train:
+            self.buf = np.zeros(3, np.float32)
+        return self.inner(x, t)
+
+
+def test_a_persistent_made_an_array_in_the_first_training_forward_is_named_as_such():
+    updater = _ours(BufferInTrainingForward(), ['@numpy', '@numpy'])
     with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None when the "
                                            r"replicas were copied"):
         _run(updater, 1)
+
+
+class _NormalisedHead(chainer.Chain):
+    """Running statistics and no parameter of their own, with a size or without."""
+
+    def __init__(self, size):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(5, 5)
+            self.bn = chainer.links.BatchNormalization(size, axis=0, use_gamma=False,
+                                                       use_beta=False)
+            self.l2 = chainer.links.Linear(5, 3)
+
+    def forward(self, x, t):
+        return chainer.functions.softmax_cross_entropy(self.l2(self.bn(self.l1(x))), t)
+
+
+def test_batch_normalization_without_parameters_or_size_trains_as_with_its_size():
+    """``L.BatchNormalization(axis=0, use_gamma=False, use_beta=False)`` with no size has
+    no parameter and makes its running statistics at its first call: two replicas
+    refused it (StandardUpdater and one replica train it); made in the initialising
+    pass, it trains as the same link given its size."""
+    runs = []
+    for size in (None, 5):
+        np.random.seed(3)
+        model = _NormalisedHead(size)
+        _run(_ours(model, ['@numpy', '@numpy'], updates=3), 3)
+        runs.append((params(model), model.bn.avg_mean.copy(), model.bn.avg_var.copy()))
+    (lazy, lazy_mean, lazy_var), (sized, sized_mean, sized_var) = runs
+    for name in sized:
+        np.testing.assert_array_equal(lazy[name], sized[name], err_msg=name)
+    np.testing.assert_array_equal(lazy_mean, sized_mean)
+    np.testing.assert_array_equal(lazy_var, sized_var)
 
 
 def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
