@@ -280,14 +280,17 @@ def _path(deserializer: Any) -> str:
 
 
 def _serialize_micro_batch_sizes(updater: Any, serializer: Any) -> None:
-    """What 'auto' found, so that a resumed run starts at the sizes that fit."""
-    sizes = numpy.asarray(updater.micro_batch_sizes or [0] * updater.n_devices, numpy.int64)
+    """What 'auto' found, so that a resumed run starts at the sizes that fit: the size
+    each replica splits its batches into, 0 where it takes them whole (not the largest
+    batch so far, which a resumed run would split later, larger batches into)."""
+    sizes = numpy.asarray(updater._chunk_limits or [0] * updater.n_devices, numpy.int64)
     try:
         sizes = serializer('micro_batch_sizes', sizes if saving(serializer) else None)
     except KeyError:   # a snapshot taken without 'auto': start from whole batches
         return
     if not saving(serializer):
-        updater.micro_batch_sizes = [int(v) for v in numpy.asarray(sizes).ravel()]
+        updater._chunk_limits = [int(v) for v in numpy.asarray(sizes).ravel()]
+        updater.micro_batch_sizes = list(updater._chunk_limits)
 
 
 def save_iterators(serializer: Any, main_state: Dict[str, numpy.ndarray],

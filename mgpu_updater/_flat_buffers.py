@@ -263,20 +263,30 @@ class ModelIndex:
 class KeptPersistents:
     """The model's persistents as :class:`ModelIndex` reads them now, kept to be set back:
     a copy of each array (BatchNorm's running statistics) and each other value (its
-    counter ``N``), what a window's forwards move besides the gradients."""
+    counter ``N``; a list, dict or set as a shallow copy), what a window's forwards move
+    besides the gradients."""
 
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
         self.arrays = {path: array.copy() for path, array in index.persistent_arrays()}
-        self.scalars = index.persistent_scalars()
+        self.scalars = {path: _copied(value)
+                        for path, value in index.persistent_scalars().items()}
 
     def restore(self) -> None:
-        """Set every persistent back to what it was (an array in place)."""
+        """Set every persistent back to what it was (an array in place; may be called
+        again). One that was None is None again: a lazy link whose first call made it
+        (``L.BatchNormalization()``'s statistics) makes it anew at its next call, with
+        the parameters it initialises alongside, as at a first call."""
         for path, array in self.index.persistent_arrays():
             kept = self.arrays.get(path)
             if kept is not None and kept.shape == array.shape:
                 array[...] = kept
-        self.index.set_persistent_scalars(self.scalars)
+        self.index.set_persistent_scalars({
+            path: _copied(value) for path, value in self.scalars.items()})
+
+
+def _copied(value: Any) -> Any:
+    return copy.copy(value) if isinstance(value, (list, dict, set)) else value
 
 
 def overlapping(index: 'ModelIndex') -> List[str]:

@@ -42,6 +42,8 @@ class WindowResult(NamedTuple):
     summed: Tuple[str, ...] = ()         # keys whose values add up (the loss under 'sum')
     micro_batch_size: Optional[int] = None   # samples a forward takes now (None: empty)
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
+    chunk_limit: Optional[int] = None    # the most samples it splits batches into (None:
+                                         # whole batches; under 'auto', what it halved to)
 
 
 #: what :meth:`Replica.direct_window` returns: samples, the loss (a float; when
@@ -606,7 +608,7 @@ class Replica:
             sums=sums,
             weights=weights, times=dict(times), epochs=epochs,
             summed=tuple(summed), micro_batch_size=micro_batch_size,
-            loading=self.loader.mode)
+            loading=self.loader.mode, chunk_limit=chunk)
 
     def _direct(self, loss_scale: Optional[float]) -> WindowResult:
         """:meth:`direct_window` as a :class:`WindowResult` (a pipelined master alone)."""
@@ -772,7 +774,8 @@ class Replica:
                 f'{added} were None when the replicas were copied and became arrays in the '
                 'forward, where each replica gives them its own values and no update can '
                 'carry arrays it did not start with. Give them their arrays in __init__ '
-                "(self.add_persistent('buf', numpy.zeros(n, 'f')))")
+                "(self.add_persistent('buf', numpy.zeros(n, 'f')); a link of Chainer's: "
+                'its size, L.BatchNormalization(n))')
         if changed and not added and not gone and set(changed) <= arrays:
             raise RuntimeError(
                 f'{self.name}: its forward changed the shape or dtype of the persistents '

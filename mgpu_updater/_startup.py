@@ -243,13 +243,16 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     keep in plain attributes (:func:`~mgpu_updater._replica.put_back`). A parameter the pass leaves
     uninitialised (a link no forward calls) stays so in every replica, as under
     ``StandardUpdater``; each replica's window refuses one that a later call initialises
-    (:meth:`mgpu_updater._replica.Replica.run_window`). Persistents that hold no array
-    yet are made in that pass too (``L.BatchNormalization(axis=0, use_gamma=False,
-    use_beta=False)`` with no size has no parameter, and makes its running statistics at
-    its first call). Returns whether it ran."""
+    (:meth:`mgpu_updater._replica.Replica.run_window`). The pass runs for
+    ``L.BatchNormalization`` with no size and neither gamma nor beta too, whose only lazy
+    part is its running statistics (zeros and ones, made at its first call); not for
+    other persistents registered as None, which a first call may fill from its batch, and
+    for which the pass would be one call more than ``StandardUpdater`` makes (a counter in
+    a plain attribute, a forward that runs only with backprop). Returns whether it ran."""
     if (all(p.array is not None for p in model.params())
-            and all(persistent_value(owner, name) is not None
-                    for _, owner, name in persistent_slots(model))):
+            and not any(isinstance(owner, chainer.links.BatchNormalization)
+                        and persistent_value(owner, name) is None
+                        for _, owner, name in persistent_slots(model))):
         return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1

@@ -116,9 +116,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             ``'skip'`` warns and skips that update: the parameters, the optimizer's
             state and the model's persistents (BatchNorm's running statistics, which
             its forward passes moved) stay as they were before it (a copy of the
-            persistents is taken before each window for that; under ``pipelined`` a step
-            is skipped an update late, and the statistics stay as the windows since
-            left them); ``'ignore'`` does not look, as
+            persistents is taken before each window for that; under ``pipelined``, which
+            skips a step an update late, they go back to before the update skipped,
+            dropping the next window's part in them too); ``'ignore'`` does not look, as
             StandardUpdater does not. Where the master is alone on a GPU (one device),
             reading the loss before the step would make it wait for the device every
             update (about 30% of the speed of a model the GPU is busy with): there
@@ -245,6 +245,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: update (0: no micro-batch yet; empty before the first update), in replica
         #: order (MPI: rank order); saved in snapshots
         self.micro_batch_sizes: List[int] = []
+        #: ... and the size each splits its batches into (0: whole batches; what 'auto'
+        #: halved to after running out of memory), which a snapshot saves and a
+        #: restart starts from
+        self._chunk_limits: List[int] = []
         self.start_method = _validate.choice('start_method', start_method,
                                              ('spawn', 'forkserver'))
         self.start_timeout = _validate.seconds('start_timeout', start_timeout)
@@ -319,9 +323,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
         #: under nonfinite='skip', the model's persistents (where it has any), read before
-        #: each window and set back where the update is skipped; else None
+        #: each window (and kept one update more: pipelined mode skips an update late) and
+        #: set back where the update is skipped; else None
         self._persistents: Optional[ModelIndex] = None
         self._before_window: Optional[KeptPersistents] = None
+        self._before_last: Optional[KeptPersistents] = None
         self._has_persistents = False
         #: seconds of the last update: 'data', 'compute', 'comm', 'update'
         self.last_times: Dict[str, float] = {}
@@ -389,7 +395,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             start_method=self.start_method, start_timeout=self.start_timeout,
             nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
             replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
-            micro_batch_sizes=list(self.micro_batch_sizes), blas_threads=threads,
+            micro_batch_sizes=list(self._chunk_limits), blas_threads=threads,
             reuse_host_memory=reuse, read_values=self._loss_first,
             stall_warning=self.stall_warning, update_timeout=self.update_timeout,
             core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
@@ -533,6 +539,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if due:
                 unsent.at_begin()   # now and then, between updates (_unsent_state)
         if self._persistents is not None:
+            self._before_last = self._before_window
             self._before_window = KeptPersistents(self._persistents)
         t0 = clock()
         if self._alone:
@@ -671,10 +678,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _set_back(self, of_update: int) -> None:
         """A skipped update leaves the model as it was before it: the persistents its
         windows moved too (BatchNorm's running statistics, which a non-finite forward
-        makes NaN for good). Not a pipelined step's: the update it skips is the last one,
-        whose statistics the windows since have moved on from."""
-        kept = self._before_window
-        if kept is not None and of_update == self.iteration + 1:
+        makes NaN for good). A pipelined step skips the last update, a window later:
+        back to before that update, which takes what this update's window made of them
+        too (computed from them, NaN as well); the state before this window is that."""
+        if of_update == self.iteration + 1:
+            kept = self._before_window
+        else:   # pipelined: the last update's
+            kept = self._before_last
+            self._before_window = kept
+        if kept is not None:
             kept.restore()
 
     def _noted(self, exc: NonFiniteLossError) -> NonFiniteLossError:
@@ -750,6 +762,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             before = self.micro_batch_sizes
             self.micro_batch_sizes = [
                 s or (before[i] if i < len(before) else 0) for i, s in enumerate(sizes)]
+            limits = self._chunk_limits
+            self._chunk_limits = [
+                (r.chunk_limit or 0) if r.count else (limits[i] if i < len(limits) else 0)
+                for i, r in enumerate(results)]
         roots = self._replica.graph_roots
         if roots:
             for key, root in roots.items():

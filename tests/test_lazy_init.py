@@ -153,28 +153,36 @@ def test_an_error_in_the_initialising_pass_says_where_it_came_from():
                and 'test mode' in note for note in info.value.__notes__)
 
 
-def test_a_persistent_made_an_array_in_the_first_forward_is_made_by_the_pass():
-    """A persistent registered as None, which the forward makes an array: made in the
-    initialising pass, before the copies (it was refused), though no parameter is lazy."""
-    model = BufferInForward()
-    _trains_as_standard_updater(lambda: model, ['@numpy', '@numpy'], rtol=1e-5)
-    np.testing.assert_array_equal(model.buf, np.zeros(3, np.float32))
-
-
-class BufferInTrainingForward(BufferInForward):
-    """... made in training mode only: the pass (test mode) leaves it None."""
-
-    def forward(self, x, t):
-        if self.buf is None and chainer.config.train:
-            self.buf = np.zeros(3, np.float32)
-        return self.inner(x, t)
-
-
-def test_a_persistent_made_an_array_in_the_first_training_forward_is_named_as_such():
-    updater = _ours(BufferInTrainingForward(), ['@numpy', '@numpy'])
+def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
+    """Only BatchNormalization's are made in the initialising pass: what another first
+    call makes from its batch, the pass (one call more than StandardUpdater's) must not."""
+    updater = _ours(BufferInForward(), ['@numpy', '@numpy'])
     with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None when the "
                                            r"replicas were copied"):
         _run(updater, 1)
+
+
+class _OptionalPersistent(chainer.Chain):
+    """Every link sized, a persistent that stays None, and a count of calls."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(5, 3)
+        self.add_persistent('opt', None)
+        self.calls = 0
+
+    def forward(self, x, t):
+        self.calls += 1
+        return chainer.functions.softmax_cross_entropy(self.l1(x), t)
+
+
+def test_a_persistent_that_stays_none_starts_no_initialising_pass():
+    """The pass would be one call more than StandardUpdater's (the count, a forward that
+    needs backprop): a None persistent other than BatchNormalization's starts none."""
+    model = _OptionalPersistent()
+    _run(_ours(model, ['@numpy', '@numpy']), 1)
+    assert model.calls == 1 and model.opt is None
 
 
 class _NormalisedHead(chainer.Chain):

@@ -435,6 +435,81 @@ def test_auto_replicas_settle_at_their_own_sizes_and_resume_there(tmp_path):
         np.testing.assert_allclose(params(resumed_model)[name], value, rtol=1e-6)
 
 
+class GrowingBatches(chainer.dataset.Iterator):
+    """Batches of 2 samples for the first three, then of 7, as a bucketing iterator may
+    give them; its position is what it serializes."""
+
+    def __init__(self, dataset):
+        self.dataset, self.batch_size = dataset, 7
+        self.position = self.count = self.epoch = 0
+        self.is_new_epoch = False
+
+    def __next__(self):
+        size = 2 if self.count < 3 else 7
+        batch = [self.dataset[(self.position + i) % len(self.dataset)] for i in range(size)]
+        self.position += size
+        self.count += 1
+        return batch
+
+    @property
+    def epoch_detail(self):
+        return self.position / len(self.dataset)
+
+    @property
+    def previous_epoch_detail(self):
+        return None
+
+    def serialize(self, serializer):
+        self.position = serializer('position', self.position)
+        self.count = serializer('count', self.count)
+
+
+def _growing(model):
+    opt = setup_optimizer('momentum+decay', model)
+    return ParallelAccumulatingUpdater(GrowingBatches(dataset(64, seed=171)), opt,
+                                       devices=['@numpy'], micro_batch_size='auto')
+
+
+@pytest.mark.parametrize('how', ['snapshot', 'finalize'])
+def test_auto_never_out_of_memory_resumes_with_whole_batches(tmp_path, how):
+    """No forward ran out of memory: every batch is taken whole. The largest batch so far
+    (2, before the snapshot) is what ``main/micro_batch_size`` reports, no size found: a
+    resumed run (or one that goes on after ``finalize()``) split the later batches of 7
+    into 2, 2, 2, 1, silently (a BatchNorm, a loss averaged over tokens train otherwise)."""
+    model = seeded(lambda: CappedMLP(cap=99), 5)
+    updater = _growing(model)
+    try:
+        expected = run_updates(updater, model, 5)
+    finally:
+        updater.finalize()
+    assert model.tried == [2, 2, 2, 7, 7]
+    expected_params = params(model)
+
+    model = seeded(lambda: CappedMLP(cap=99), 5)
+    updater = _growing(model)
+    try:
+        run_updates(updater, model, 3)
+        assert updater.micro_batch_sizes == [2]
+        if how == 'snapshot':
+            chainer.serializers.save_npz(str(tmp_path / 'snap.npz'), updater)
+            updater.finalize()
+            model = seeded(lambda: CappedMLP(cap=99), 5)
+            updater = _growing(model)
+            chainer.serializers.load_npz(str(tmp_path / 'snap.npz'), updater)
+            assert updater.micro_batch_sizes == [0]   # whole batches
+        else:
+            updater.finalize()   # and on: the replicas start again
+        del model.tried[:]
+        got = run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+    assert model.tried == [7, 7]
+    assert [o['main/micro_batch_size'] for o in got] == [7, 7]
+    assert [o['main/loss'] for o in got] == [o['main/loss'] for o in expected[3:]]
+    for name, value in expected_params.items():
+        np.testing.assert_array_equal(params(model)[name], value)
+
+
 def test_auto_keeps_the_size_of_a_replica_whose_shard_ran_out():
     """repeat=False, the worker's shard one update shorter than the master's: in the last
     update the worker's window is empty, and the size it found stays (a snapshot then

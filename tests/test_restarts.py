@@ -305,22 +305,31 @@ def test_restore_sets_the_random_state_then_the_iterator():
             random.random()) == expected
 
 
-def _result(micro_batch_size):
+def _result(micro_batch_size, chunk_limit=None):
     return WindowResult(count=4, loss_sum=1.0, sums={}, weights={}, times={}, epochs=[],
-                        micro_batch_size=micro_batch_size)
+                        micro_batch_size=micro_batch_size, chunk_limit=chunk_limit)
 
 
 def test_records_apply_a_change_once_the_update_completes():
     records = Records({1: ResumePoint(capture_state(_iterator()))})
     moved = Change(False, {'current_position': numpy.asarray(3)})
-    assert records.unwrap(1, Shipment(_result(2), moved)) == _result(2)
+    assert records.unwrap(1, Shipment(_result(2, 2), moved)) == _result(2, 2)
     records.discard()   # abandoned
     assert int(records.points[1].iterator['current_position']) == 0
-    assert records.micro_batch_sizes == {1: None}
-    records.unwrap(1, Shipment(_result(2), moved))
+    assert records.chunk_sizes == {1: None}
+    records.unwrap(1, Shipment(_result(2, 2), moved))
     records.commit()
     assert int(records.points[1].iterator['current_position']) == 3
-    assert records.micro_batch_sizes == {1: 2}
+    assert records.chunk_sizes == {1: 2}
+
+
+def test_records_keep_no_chunk_size_where_the_worker_takes_whole_batches():
+    """A window of 7 samples taken whole is no size to split a replacement's batches
+    into: under 'auto' it starts from whole batches, as the lost worker had."""
+    records = Records({1: ResumePoint(capture_state(_iterator()))})
+    records.unwrap(1, Shipment(_result(7), Change(False, {})))
+    records.commit()
+    assert records.chunk_sizes == {1: None}
 
 
 @pytest.mark.parametrize('auto, expected', [(True, 2), (False, None)])

@@ -51,7 +51,7 @@ def dataset(n_replicas, k):
     return x, t
 
 
-def build(n_replicas, k, nonfinite):
+def build(n_replicas, k, nonfinite, **kwargs):
     x, t = dataset(n_replicas, k)
     data = chainer.datasets.TupleDataset(x, t)
     its = [chainer.iterators.SerialIterator(
@@ -63,7 +63,7 @@ def build(n_replicas, k, nonfinite):
     optimizer.setup(model)
     return ParallelAccumulatingUpdater(
         its if n_replicas > 1 else its[0], optimizer, devices=['@numpy'] * n_replicas,
-        accumulate_steps=k, nonfinite=nonfinite, prefetch=0)
+        accumulate_steps=k, nonfinite=nonfinite, prefetch=0, **kwargs)
 
 
 def state(model):
@@ -105,6 +105,38 @@ def test_a_skipped_update_sets_the_statistics_back(n_replicas, k):
         with chainer.using_config('train', False):
             loss = model(x[:8], t[:8])
         assert numpy.isfinite(float(loss.array))
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('n_replicas', [1, 2])
+def test_pipelined_skips_an_update_late_and_sets_the_statistics_back_to_before_it(
+        n_replicas):
+    """``pipelined=True`` steps on each update's gradient at the next update, so the NaN
+    of update 3 is skipped at update 4, whose window moved the statistics on from NaN:
+    they go back to before update 3 (after update 2), the parameters are those of
+    update 3 (update 2's gradient, stepped then), and nothing is NaN after."""
+    updater = build(n_replicas, 1, 'skip', pipelined=True)
+    model = updater.get_optimizer('main').target
+    try:
+        states = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            for _ in range(BAD_UPDATE + 3):
+                updater.update()
+                states.append(state(model))
+        assert [str(w.message) for w in caught if 'skipping' in str(w.message)] == [
+            f'skipping the step of update {BAD_UPDATE}, due at update {BAD_UPDATE + 1} '
+            '(pipelined): the loss is nan']
+        after_skip, before = states[BAD_UPDATE], states[BAD_UPDATE - 2]
+        for name in ('bn/avg_mean', 'bn/avg_var', 'bn/N'):
+            numpy.testing.assert_array_equal(after_skip[name], before[name], err_msg=name)
+        for name in after_skip:
+            if not name.startswith('bn/'):
+                numpy.testing.assert_array_equal(after_skip[name],
+                                                 states[BAD_UPDATE - 1][name], err_msg=name)
+        for name, value in states[-1].items():
+            assert numpy.isfinite(value).all(), name
     finally:
         updater.finalize()
 

@@ -110,7 +110,7 @@ class Recovery:
         begun = time.monotonic()
         try:
             pids = self._start({rank: self._payload(rank, self.records.points[rank],
-                                                    self.records.micro_batch_sizes[rank],
+                                                    self.records.chunk_sizes[rank],
                                                     handle)
                                 for rank in sorted(dead)}, survivors, handle)
         except WorkerError as failed:

@@ -141,12 +141,12 @@ class Keeper:
 class Records:
     """The master's resume point of every worker, by rank, as of the next update's start
     (``initial``: as of the workers' start), and the most samples one of its forward
-    passes held in its latest window (what ``micro_batch_size='auto'`` found; None: no
-    window yet)."""
+    passes may hold, as of its latest window that held any (what
+    ``micro_batch_size='auto'`` found; None: whole batches, or no window yet)."""
 
     def __init__(self, initial: Dict[int, ResumePoint]) -> None:
         self.points = dict(initial)
-        self.micro_batch_sizes: Dict[int, Optional[int]] = {rank: None for rank in initial}
+        self.chunk_sizes: Dict[int, Optional[int]] = {rank: None for rank in initial}
         self._changes: Dict[int, Any] = {}
 
     def unwrap(self, rank: int, shipment: Any) -> Any:
@@ -159,8 +159,8 @@ class Records:
         """The update is complete: its workers' next updates start where they said."""
         for rank, shipment in self._changes.items():
             self.points[rank] = apply(self.points[rank], shipment.change)
-            if shipment.result.micro_batch_size:
-                self.micro_batch_sizes[rank] = shipment.result.micro_batch_size
+            if shipment.result.count:
+                self.chunk_sizes[rank] = shipment.result.chunk_limit
         self._changes.clear()
 
     def discard(self) -> None:
