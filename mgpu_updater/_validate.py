@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import numpy
 
 import chainer
-from chainer.iterators import ShuffleOrderSampler
+from chainer.iterators import (MultiprocessIterator, MultithreadIterator, SerialIterator,
+                               ShuffleOrderSampler)
 from chainer.dataset import iterator as iterator_module
 
 from . import _payload, _pickle_path
@@ -199,8 +200,11 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
             batches.append(None)
             continue
         sampler = getattr(it, 'order_sampler', None)
-        # an order sampler of one's own may make an epoch of another length (oversampling)
-        told = sampler is None or type(sampler) is ShuffleOrderSampler
+        # Chainer's iterators make ceil(size / batch_size) batches a pass; another (a
+        # bucketing, a token-budget iterator) makes as many as it fills, and an order
+        # sampler of one's own may make an epoch of another length (oversampling)
+        told = type(it) in _COUNTED and (
+            sampler is None or type(sampler) is ShuffleOrderSampler)
         batches.append(-(-size // int(batch_size)) if told and isinstance(
             batch_size, numbers.Integral) and not isinstance(batch_size, bool)
             and batch_size > 0 else None)
@@ -222,6 +226,11 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
             'largest shard (mgpu_updater.shard_iterators does)', RuntimeWarning,
             stacklevel=3)
     return value
+
+
+#: iterators whose batches per pass over their dataset the batch size tells (a subclass
+#: may batch otherwise)
+_COUNTED = (SerialIterator, MultiprocessIterator, MultithreadIterator)
 
 
 def _its(n: int) -> str:

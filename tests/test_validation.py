@@ -178,6 +178,29 @@ def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_s
         ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy', '@numpy'])
 
 
+class _Budgeted(chainer.dataset.Iterator):
+    """Chainer's attributes, but batches as many samples as fit a budget (a token-budget
+    iterator): how many batches a pass makes, its batch size does not tell."""
+
+    def __init__(self, dataset, batch_size):
+        self.dataset, self.batch_size = dataset, batch_size
+
+    def __next__(self):
+        raise StopIteration
+
+
+class _SubclassedSerial(chainer.iterators.SerialIterator):
+    """A SerialIterator subclass (a bucketing one overrides ``__next__``)."""
+
+
+@pytest.mark.parametrize('kind', [_Budgeted, _SubclassedSerial])
+def test_iterators_whose_batches_per_pass_are_unknown_are_not_warned_about(kind):
+    """The count of batches per pass, ceil(size / batch_size), is Chainer's iterators':
+    another made 11 and 12 where it read 8 and 14, and warned so, or said nothing."""
+    its = [kind(dataset(n), 2) for n in (5, 7)]
+    ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])   # no warning
+
+
 def _build_warned():
     its = [chainer.iterators.SerialIterator(dataset(n), 2, repeat=False) for n in (5, 7)]
     return ParallelAccumulatingUpdater(its, set_up(), devices=['@numpy', '@numpy'])
