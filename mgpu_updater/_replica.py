@@ -78,9 +78,9 @@ class Scaling(NamedTuple):
 
     The micro-batch factor multiplies the loss before ``backward`` (with the optimizer's
     own loss scale); the window factor is applied by the replica to its own gradient,
-    before the reduction, only when its window was short; the update factor is applied by
-    the master to the reduced gradient, only when the update was short (the end of an
-    epoch with ``repeat=False``).
+    before the reduction, only where its window held another count than nominal (a short
+    one, a larger batch of a bucketing iterator); the update factor is applied by the
+    master to the reduced gradient, likewise (the end of an epoch with ``repeat=False``).
     """
     loss_reduction: str       # 'mean' | 'sum': what loss_func returns over its batch
     replica_reduction: str    # 'mean' | 'sum': how the replicas' gradients combine
