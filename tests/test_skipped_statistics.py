@@ -80,18 +80,23 @@ def assert_same(a, b):
         numpy.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def run(updater, model, updates):
+    """The model's state after each update, and the skips warned about."""
+    states = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(updates):
+            updater.update()
+            states.append(state(model))
+    return states, [str(w.message) for w in caught if 'skipping' in str(w.message)]
+
+
 @pytest.mark.parametrize('n_replicas,k', [(1, 1), (1, 2), (2, 1), (2, 2)])
 def test_a_skipped_update_sets_the_statistics_back(n_replicas, k):
     updater = build(n_replicas, k, 'skip')
     model = updater.get_optimizer('main').target
     try:
-        states = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter('always')
-            for _ in range(BAD_UPDATE + 2):
-                updater.update()
-                states.append(state(model))
-        skipped = [str(w.message) for w in caught if 'skipping' in str(w.message)]
+        states, skipped = run(updater, model, BAD_UPDATE + 2)
         assert skipped == [f'skipping update {BAD_UPDATE}: the loss is nan']
         # the skipped update left everything as the update before it did
         assert_same(states[BAD_UPDATE - 1], states[BAD_UPDATE - 2])
@@ -119,15 +124,9 @@ def test_pipelined_skips_an_update_late_and_sets_the_statistics_back_to_before_i
     updater = build(n_replicas, 1, 'skip', pipelined=True)
     model = updater.get_optimizer('main').target
     try:
-        states = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter('always')
-            for _ in range(BAD_UPDATE + 3):
-                updater.update()
-                states.append(state(model))
-        assert [str(w.message) for w in caught if 'skipping' in str(w.message)] == [
-            f'skipping the step of update {BAD_UPDATE}, due at update {BAD_UPDATE + 1} '
-            '(pipelined): the loss is nan']
+        states, skipped = run(updater, model, BAD_UPDATE + 3)
+        assert skipped == [f'skipping the step of update {BAD_UPDATE}, due at update '
+                           f'{BAD_UPDATE + 1} (pipelined): the loss is nan']
         after_skip, before = states[BAD_UPDATE], states[BAD_UPDATE - 2]
         for name in ('bn/avg_mean', 'bn/avg_var', 'bn/N'):
             numpy.testing.assert_array_equal(after_skip[name], before[name], err_msg=name)
