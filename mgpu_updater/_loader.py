@@ -52,7 +52,6 @@ from ._functions import cell_is_set, global_names
 from ._cuda import Staged   # imports no CuPy
 from ._gil_handoff import handoff_for
 from ._inherit import apply_thread_settings, thread_settings
-from ._warning import warn
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
@@ -511,67 +510,41 @@ class TupleOfLists:
     neither (none; a short first batch, a resumed run's), by what they hold alone. A
     batch that tells neither way is refused: the weighting would be a guess.
 
-    The reading decided must hold for every batch after: read as columns, every batch
-    has as many lists; as examples, every list as many fields. A batch that breaks it was
-    misread (columns of a first batch of 3 sentences read as 2 examples by a
-    ``batch_size`` of 2, the number of columns): it is refused, naming both counts.
-
-    The first batch of columns with an array of fewer rows than the first one's (flat
-    tokens beside one length per sentence) is warned about: it counts the first's rows."""
+    Read as columns, every batch after must have as many: one with another number of
+    lists was examples (a bucketing iterator's first batch of 3 token sequences read as
+    columns by a ``batch_size`` of 3, their length), and is refused, naming both counts.
+    (Read as examples, a later batch cannot tell: an example may be a sequence whose
+    length varies.)"""
 
     def __init__(self) -> None:
         #: True: columns; False: examples; None: not decided yet
         self.columns: Optional[bool] = None
-        self._fields: Optional[int] = None   # the columns, or an example's fields
         self._first: Tuple[int, int] = (0, 0)   # (lists, their length) of the decider
-        self._looked = False   # at the rows of a batch of columns' arrays
 
     def count(self, batch: Any, iterator: Any) -> int:
         if type(batch) is not tuple:
-            if type(batch) is dict and not self._looked:
-                self._look(tuple(batch.values()), iterator)
             return sample_count(batch)
-        if not self._looked:
-            self._look(batch[:_COLUMNS], iterator)
         if self.columns is None:
             length = lists_length(batch)
             if length is not None and length != len(batch):
                 self.columns = self._decide(batch, length, iterator)
-                self._fields = len(batch) if self.columns else length
                 self._first = (len(batch), length)
-        elif self._fields is not None:
-            length = lists_length(batch)
-            if length is not None and (len(batch) if self.columns else length) != self._fields:
-                raise self._misread(batch, length, iterator)
+        elif self.columns and len(batch) != self._first[0] and \
+                lists_length(batch) is not None:
+            raise self._misread(batch, iterator)
         return sample_count(batch, self.columns)
 
-    def _look(self, values: Tuple[Any, ...], iterator: Any) -> None:
-        rows = [int(v.shape[0]) for v in values if getattr(v, 'ndim', 0) >= 1]
-        if not rows:
-            return   # nothing looked at: the next batch of columns may have arrays
-        self._looked = True
-        if min(rows) < rows[0]:   # an array of fewer rows after the one counted
-            warn(f'the iterator ({type(iterator).__name__}) returns batches of columns '
-                 f'whose arrays have {rows} rows: each counts as {rows[0]} samples, the '
-                 'rows of its first array, for the weighting of the replicas\' and the '
-                 'micro-batches\' gradients and reports. Where those rows are no samples '
-                 '(the tokens of all sentences beside one length per sentence), put an '
-                 'array with one row per sample first, or return a list of examples',
-                 RuntimeWarning)
-
-    def _misread(self, batch: tuple, length: int, iterator: Any) -> ValueError:
-        lists, first_length = self._first
-        how = (f'{lists} columns of {first_length} samples' if self.columns
-               else f'{lists} samples of {first_length} fields each')
-        now = (f'{len(batch)} columns' if self.columns else f'samples of {length} fields')
+    def _misread(self, batch: tuple, iterator: Any) -> ValueError:
+        lists, length = self._first
         return ValueError(
             f'the iterator ({type(iterator).__name__}) returned a batch that is a tuple of '
-            f'{len(batch)} lists of {length} entries each, where its first such batch was '
-            f'read as {how} (by its batch_size, '
-            f'{getattr(iterator, "batch_size", None)!r}, and what the lists hold): a batch '
-            f'of {now} cannot follow, so that reading was wrong and the samples of the '
-            'updates so far were counted wrongly. Return a list of examples (as '
-            "Chainer's iterators do), or the columns as a dict of lists or as arrays")
+            f'{len(batch)} lists, where its first such batch, a tuple of {lists} lists of '
+            f'{length} entries each, was read as {lists} columns of {length} samples (by '
+            f'its batch_size, {getattr(iterator, "batch_size", None)!r}, and what the '
+            'lists hold): columns do not change in number, so these were examples, and '
+            'the samples of the updates so far were counted wrongly. Return a list of '
+            "examples (as Chainer's iterators do), or the columns as a dict of lists or "
+            'as arrays')
 
     @staticmethod
     def _decide(batch: tuple, length: int, iterator: Any) -> bool:

@@ -116,9 +116,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             ``'skip'`` warns and skips that update: the parameters, the optimizer's
             state and the model's persistents (BatchNorm's running statistics, which
             its forward passes moved) stay as they were before it (a copy of the
-            persistents is taken before each window for that; under ``pipelined``, which
-            skips a step an update late, they go back to before the update skipped,
-            dropping the next window's part in them too); ``'ignore'`` does not look, as
+            persistents is taken before each window for that; not under ``pipelined``,
+            which skips a step an update late: there the statistics stay as its windows
+            made them); ``'ignore'`` does not look, as
             StandardUpdater does not. Where the master is alone on a GPU (one device),
             reading the loss before the step would make it wait for the device every
             update (about 30% of the speed of a model the GPU is busy with): there
@@ -322,12 +322,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._nominal_samples = float(self.accumulate_steps * sum(
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
-        #: under nonfinite='skip', the model's persistents (where it has any), read before
-        #: each window (and kept one update more: pipelined mode skips an update late) and
-        #: set back where the update is skipped; else None
+        #: under nonfinite='skip' (not pipelined), the model's persistents (where it has
+        #: any), read before each window and set back where the update is skipped; else None
         self._persistents: Optional[ModelIndex] = None
         self._before_window: Optional[KeptPersistents] = None
-        self._before_last: Optional[KeptPersistents] = None
         self._has_persistents = False
         #: seconds of the last update: 'data', 'compute', 'comm', 'update'
         self.last_times: Dict[str, float] = {}
@@ -415,7 +413,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._stamps_clear = False   # the parameters' loss-scale stamps: written at the first step
         index = ModelIndex(self._target)
         self._has_persistents = bool(index.persistents)
-        if self.nonfinite == 'skip' and index.persistents:
+        if self.nonfinite == 'skip' and index.persistents and not self.pipelined:
             self._persistents = index
         if len(self._devices) > 1 and self._communicator is None:
             self._unsent = UnsentState({'model': self._optimizer.target,
@@ -539,7 +537,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if due:
                 unsent.at_begin()   # now and then, between updates (_unsent_state)
         if self._persistents is not None:
-            self._before_last = self._before_window
             self._before_window = KeptPersistents(self._persistents)
         t0 = clock()
         if self._alone:
@@ -678,15 +675,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _set_back(self, of_update: int) -> None:
         """A skipped update leaves the model as it was before it: the persistents its
         windows moved too (BatchNorm's running statistics, which a non-finite forward
-        makes NaN for good). A pipelined step skips the last update, a window later:
-        back to before that update, which takes what this update's window made of them
-        too (computed from them, NaN as well); the state before this window is that."""
-        if of_update == self.iteration + 1:
-            kept = self._before_window
-        else:   # pipelined: the last update's
-            kept = self._before_last
-            self._before_window = kept
-        if kept is not None:
+        makes NaN for good). Not under ``pipelined``, whose step skips the last update
+        a window later, when a snapshot may have been taken between the two (which would
+        then have to hold the statistics from before that update as well)."""
+        kept = self._before_window
+        if kept is not None and of_update == self.iteration + 1:
             kept.restore()
 
     def _noted(self, exc: NonFiniteLossError) -> NonFiniteLossError:

@@ -174,44 +174,27 @@ def test_a_tuple_of_lists_is_read_by_what_it_holds_then_by_the_batch_size():
         TupleOfLists().count((tokens[:2], tokens[2:4], tokens[4:]), object())
 
 
-def test_a_reading_that_a_later_batch_contradicts_is_refused():
+def test_a_reading_as_columns_that_a_later_batch_contradicts_is_refused():
     """Token sequences read alike either way, and a first batch that is not of the
-    iterator's size decides by a coincidence: 3 sentences as columns ``(xs, ts)`` read as
-    2 examples by a ``batch_size`` of 2 (the number of columns), every later batch then
-    counted 2; examples ``((x, t), ...)`` read as 2 columns the same way. A later batch
-    with another number of fields (examples) or of columns shows the reading wrong."""
+    iterator's size decides by a coincidence: 3 examples ``((x, t), ...)`` read as 2
+    columns by a ``batch_size`` of 2 (their fields), so counted 2. Columns do not change
+    in number: a later batch of 4 shows the reading wrong. (Examples read as such may be
+    sequences of any length: a bucketing iterator's, which no later batch contradicts.)"""
     tokens = [np.arange(n, dtype=np.int32) for n in (3, 5, 2, 4, 1, 6, 2, 3, 4)]
-    as_columns = TupleOfLists()
-    assert as_columns.count((tokens[:3], tokens[3:6]), _Sized(2)) == 2   # misread
-    with pytest.raises(ValueError, match=(
-            r"a tuple of 2 lists of 4 entries each, where its first such batch was read "
-            r"as 2 samples of 3 fields each \(by its batch_size, 2, and what the lists "
-            r"hold\): a batch of samples of 4 fields cannot follow")):
-        as_columns.count((tokens[:4], tokens[4:8]), _Sized(2))
     as_examples = TupleOfLists()
     first = tuple([tokens[i], tokens[i + 1]] for i in range(0, 6, 2))   # 3 examples
     assert as_examples.count(first, _Sized(2)) == 2   # misread as 2 columns
-    with pytest.raises(ValueError, match=r"read as 3 columns of 2 samples.*a batch of "
-                                         r"4 columns cannot follow"):
+    with pytest.raises(ValueError, match=(
+            r"returned a batch that is a tuple of 4 lists, where its first such batch, a "
+            r"tuple of 3 lists of 2 entries each, was read as 3 columns of 2 samples \(by "
+            r"its batch_size, 2, and what the lists hold\): columns do not change in "
+            r"number, so these were examples")):
         as_examples.count(first + ([tokens[6], tokens[7]],), _Sized(2))
     # read right, batches of any size follow
     right = TupleOfLists()
     assert right.count((tokens[:3], tokens[3:6]), _Sized(3)) == 3
     assert right.count((tokens[:5], tokens[4:9]), _Sized(3)) == 5
-
-
-def test_columns_whose_arrays_disagree_on_their_rows_are_warned_about_once():
-    """``(tokens, targets, lengths)``: the tokens of 5 sentences, flat, beside one length
-    per sentence: counted as the 33 rows of the first array, the tokens, where the
-    iterator gave 5 samples. Said once, at the first such batch; not where the first
-    array is the one of fewest rows (as the warning advises), nor for one length."""
-    lengths = np.array([5, 9, 7, 8, 4], np.int32)
-    flat = np.zeros(int(lengths.sum()), np.int32)
-    counts = TupleOfLists()
-    with pytest.warns(RuntimeWarning, match=(
-            r"returns batches of columns whose arrays have \[33, 33, 5\] rows: each counts "
-            r"as 33 samples, the rows of its first array")):
-        assert counts.count((flat, flat, lengths), _Sized(5)) == 33
-    assert counts.count((flat, flat, lengths), _Sized(5)) == 33   # no warning again
-    for batch in ((lengths, flat, flat), {'x': flat[:5], 't': lengths}):
-        assert TupleOfLists().count(batch, _Sized(5)) == 5   # filterwarnings=error
+    # examples that are sequences, bucketed by length: 4 of 5 tokens, then 4 of 9
+    bucketed = TupleOfLists()
+    assert bucketed.count(tuple([1, 2, 3, 4, 5] for _ in range(4)), _Sized(4)) == 4
+    assert bucketed.count(tuple(list(range(9)) for _ in range(4)), _Sized(4)) == 4

@@ -115,27 +115,23 @@ def test_a_skipped_update_sets_the_statistics_back(n_replicas, k):
 
 
 @pytest.mark.parametrize('n_replicas', [1, 2])
-def test_pipelined_skips_an_update_late_and_sets_the_statistics_back_to_before_it(
-        n_replicas):
+def test_pipelined_skips_an_update_late_and_leaves_the_statistics(n_replicas):
     """``pipelined=True`` steps on each update's gradient at the next update, so the NaN
-    of update 3 is skipped at update 4, whose window moved the statistics on from NaN:
-    they go back to before update 3 (after update 2), the parameters are those of
-    update 3 (update 2's gradient, stepped then), and nothing is NaN after."""
+    of update 3 is skipped at update 4; a snapshot may lie between the two, so the
+    statistics are not set back there (docs/pipelined.md): they keep the NaN, and the
+    parameters are those of update 3 (update 2's gradient, stepped then)."""
     updater = build(n_replicas, 1, 'skip', pipelined=True)
     model = updater.get_optimizer('main').target
     try:
-        states, skipped = run(updater, model, BAD_UPDATE + 3)
+        states, skipped = run(updater, model, BAD_UPDATE + 1)
         assert skipped == [f'skipping the step of update {BAD_UPDATE}, due at update '
                            f'{BAD_UPDATE + 1} (pipelined): the loss is nan']
-        after_skip, before = states[BAD_UPDATE], states[BAD_UPDATE - 2]
-        for name in ('bn/avg_mean', 'bn/avg_var', 'bn/N'):
-            numpy.testing.assert_array_equal(after_skip[name], before[name], err_msg=name)
+        after_skip = states[BAD_UPDATE]
+        assert numpy.isnan(after_skip['bn/avg_mean']).all()
         for name in after_skip:
             if not name.startswith('bn/'):
                 numpy.testing.assert_array_equal(after_skip[name],
                                                  states[BAD_UPDATE - 1][name], err_msg=name)
-        for name, value in states[-1].items():
-            assert numpy.isfinite(value).all(), name
     finally:
         updater.finalize()
 
