@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import sys
 import time
 import weakref
@@ -322,6 +323,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._nominal_samples = float(self.accumulate_steps * sum(
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
+        self._owner = os.getpid()   # the process that runs it (finalize: not a forked child)
         #: under nonfinite='skip' (not pipelined), the model's persistents (where it has
         #: any), read before each window and set back where the update is skipped; else None
         self._persistents: Optional[ModelIndex] = None
@@ -425,7 +427,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._taken_at_start = (self.converter, self.loss_func)
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
-        self._release_when_dropped = weakref.finalize(self, _release, self._group,
+        self._release_when_dropped = weakref.finalize(self, _release, os.getpid(), self._group,
                                                       self._loader, self._late, self._binding,
                                                       list(self._worker_iterators))
         _positions.running(self._worker_iterators)
@@ -974,7 +976,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         master's loss on a GPU, the last update's loss is looked at first: a non-finite
         one raises :class:`NonFiniteLossError` once all is released, or, where an
         exception is already on its way (``finalize`` in a ``finally`` block, as the
-        Trainer calls it), is a RuntimeWarning."""
+        Trainer calls it), is a RuntimeWarning. In a child forked (``os.fork``) from the
+        process that runs the updater (the Trainer's ``finally`` in a child that an
+        extension forked, exiting), nothing: the workers and memory are the parent's."""
+        if os.getpid() != self._owner:
+            return
         in_flight = sys.exc_info()[1] is not None
         found: Optional[tuple] = None
         failed: Optional[BaseException] = None
@@ -1016,7 +1022,7 @@ def _same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(numpy.array_equal(a[k], b[k]) for k in a)
 
 
-def _release(group: Group, loader: Optional[Loader],
+def _release(owner: int, group: Group, loader: Optional[Loader],
              late: Optional[_late_check.LateCheck] = None,
              binding: Optional[_threads.ThreadBinding] = None,
              worker_iterators: Optional[List[Any]] = None) -> None:
@@ -1028,7 +1034,11 @@ def _release(group: Group, loader: Optional[Loader],
     (``nonfinite='raise'``, a master alone on a GPU): a non-finite one is a RuntimeWarning,
     there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
     garbage, or at the interpreter's exit; it must not raise. The workers' iterator
-    positions go with it (an updater built on the same iterators warns: _positions)."""
+    positions go with it (an updater built on the same iterators warns: _positions).
+    Nothing in a child forked from the ``owner`` process (``os.fork``), which inherited
+    the updater: its workers and shared memory are the parent's, still training."""
+    if os.getpid() != owner:
+        return
     if worker_iterators:
         _positions.lost(worker_iterators, 'the updater that read it was dropped without '
                                           'finalize()')

@@ -149,3 +149,20 @@ def test_a_ctrl_c_while_the_workers_start_reaches_only_the_master():
     workers = json.loads(proc.stdout.split('WORKERS ', 1)[1].splitlines()[0])
     assert workers
     assert not any(_running(p) for p in workers)
+
+
+@pytest.mark.parametrize('how', ['hooks', 'finally'])
+def test_a_forked_child_that_exits_leaves_the_parents_updater_running(how):
+    """``os.fork()`` from a process whose updater runs, and the child's normal exit: its
+    exit hooks (the dropped updater's, the pools') stopped the parent's worker and removed
+    its shared memory, and the parent's next update raised WorkerError (the worker
+    "exited with code 0"); so did a ``finally`` that finalizes the updater, in the child.
+    They act only in the process that made the updater."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / 'tests')]))
+    proc = subprocess.run([sys.executable, str(root / 'tests' / 'scripts' / 'forked_child.py'),
+                           how], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(root))
+    assert proc.returncode == 0 and 'OK' in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    diff = float(proc.stdout.split('DIFF ', 1)[1].split()[0])
+    assert diff < 1e-6

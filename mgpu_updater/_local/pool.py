@@ -97,9 +97,13 @@ def _close_live_pools() -> None:
     """At interpreter exit, stop the workers of pools never closed (no ``finalize()``).
 
     Registered after ``multiprocessing.util``'s hook, so it runs before that hook joins
-    non-daemonic children, which would otherwise wait for the workers forever.
+    non-daemonic children, which would otherwise wait for the workers forever. Not the
+    pools a child forked from their process (``os.fork``) inherited: they are the
+    parent's, whose training goes on (a child that exited normally stopped its workers).
     """
     for pool in list(_live):
+        if pool.owner != os.getpid():
+            continue
         try:
             pool.close()
         except Exception:  # noqa: BLE001 - exiting anyway
@@ -152,6 +156,7 @@ class WorkerPool:
                  stall_warning: Optional[float] = None,
                  update_timeout: Optional[float] = None) -> None:
         self._devices = list(devices)          # labels, index = rank
+        self.owner = os.getpid()               # the process whose exit closes it
         self._start_method = start_method
         self._ctx = multiprocessing.get_context(start_method)
         self._procs: Dict[int, Any] = {}
