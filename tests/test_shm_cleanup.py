@@ -128,3 +128,20 @@ def test_forkserver_under_a_temporary_directory_too_long_for_a_socket_says_so(tm
     assert 'Set TMPDIR to a shorter directory' in error and 'AF_UNIX path too long' in error
     assert 'PIDS []' in proc.stdout
     assert re.search(r'MADE [1-9]\d* LEFT \[\]', proc.stdout), proc.stdout
+
+
+def test_a_ctrl_c_while_a_segment_is_made_leaves_none(monkeypatch):
+    """Python's SharedMemory makes the segment, then registers it with the resource
+    tracker (starting it on first use, tens of milliseconds): a Ctrl-C there left a
+    segment that nothing removed. Here the registration is interrupted every time."""
+    from multiprocessing import resource_tracker
+    from mgpu_updater.comm import shm
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    before = _segments()
+    monkeypatch.setattr(resource_tracker, 'register', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        shm._open('mgpu_test_' + os.urandom(4).hex(), 4096, create=True)
+    assert _segments() - before == set()

@@ -26,7 +26,7 @@ import os
 import secrets
 import sys
 import threading
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Collection, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy
@@ -62,6 +62,11 @@ def _open(name: str, size: int = 0, create: bool = False, reserve_from: int = 0)
     """A segment, attached; or made (``create``), its pages from byte ``reserve_from``
     on reserved (:func:`_reserve`)."""
     if create:
+        # Python's SharedMemory makes the segment, then registers it with the resource
+        # tracker, which it starts on first use (a process: tens of milliseconds). A
+        # Ctrl-C between the two left a segment nobody removes: the tracker is started
+        # first, and a segment made here is removed if anything but its making failed.
+        resource_tracker.ensure_running()
         try:
             segment = _Segment(name=name, create=True, size=max(size, 1))
         except OSError as exc:
@@ -71,6 +76,12 @@ def _open(name: str, size: int = 0, create: bool = False, reserve_from: int = 0)
             raise OSError(exc.errno, f'cannot create shared memory in {SHM_DIR} for the '
                           f'replicas ({exc.strerror}): CPU replicas meet there; it must be '
                           'a writable tmpfs') from exc
+        except BaseException:   # a KeyboardInterrupt, after the segment was made or not
+            try:
+                shared_memory._posixshmem.shm_unlink('/' + name)  # type: ignore[attr-defined]
+            except OSError:
+                pass
+            raise
         try:
             _reserve(segment, reserve_from)
         except BaseException:
@@ -496,7 +507,6 @@ def unlink_quietly(name: str) -> None:
             pass
         else:
             try:
-                from multiprocessing import resource_tracker
                 resource_tracker.unregister('/' + name, 'shared_memory')
             except Exception:  # noqa: BLE001 - no tracker (3.13+ untracked, or it is gone)
                 pass
