@@ -4,6 +4,7 @@ Every message names the argument, echoes the value and says what to do.
 """
 from __future__ import annotations
 
+import multiprocessing
 import numbers
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -328,6 +329,22 @@ def callable_or_none(name: str, value: Any) -> Any:
         raise TypeError(f'{name} must be callable ({_show(value)} given); pass a function, '
                         f'{_CALLABLE_HINTS.get(name, "or None")}')
     return value
+
+
+def may_start_processes(n_devices: int) -> None:
+    """Refuse, at construction, to run where the workers cannot start: in a daemonic
+    process (a ``multiprocessing.Pool`` worker, a ``Process(daemon=True)``), which
+    multiprocessing does not let start children (its bare AssertionError, at the first
+    update)."""
+    process = multiprocessing.current_process()
+    if process.daemon:
+        raise RuntimeError(
+            f'this process ({process.name}) is daemonic, as a multiprocessing.Pool worker '
+            'or a Process(daemon=True) is, and multiprocessing does not let it start '
+            f'the {n_devices - 1} worker process(es) that devices={n_devices} need (one '
+            'per device after the first). Run the training in a process that is not '
+            'daemonic (concurrent.futures.ProcessPoolExecutor, or '
+            'multiprocessing.Process(daemon=False)), or on one device')
 
 
 def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,

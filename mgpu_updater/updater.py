@@ -310,6 +310,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._worker_iterators = its[1:]
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
+            _validate.may_start_processes(len(self._devices))
             self._bound_loss = _loss_binding.find(loss_func, model)
             _validate.worker_payload(model, None if self._bound_loss else loss_func,
                                      converter, self._worker_iterators)

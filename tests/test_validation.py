@@ -990,3 +990,32 @@ def test_optimizer_dict_without_main_or_empty():
                          r"pass the optimizer itself, or \{'main': optimizer\}", optimizer={})
     rejected(ValueError, r"^optimizer given as a dict needs a 'main' key \(keys \['gen'\] "
                          r'given\)', optimizer={'gen': set_up()})
+
+
+def _build_in_this_process(queue):
+    try:
+        ParallelAccumulatingUpdater(
+            [chainer.iterators.SerialIterator(dataset(4), 2) for _ in range(2)], set_up(),
+            devices=['@numpy', '@numpy'])
+    except RuntimeError as exc:
+        queue.put(str(exc))
+    else:
+        queue.put('built')
+
+
+def test_a_daemonic_process_is_refused_at_construction():
+    """A multiprocessing.Pool worker is daemonic, and multiprocessing lets no daemonic
+    process start children: the first update failed with its bare AssertionError
+    ("daemonic processes are not allowed to have children"), deep in the pool."""
+    import multiprocessing
+    ctx = multiprocessing.get_context('spawn')
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_build_in_this_process, args=(queue,), daemon=True)
+    proc.start()
+    try:
+        said = queue.get(timeout=120)
+    finally:
+        proc.join(30)
+    assert said.startswith('this process (') and 'is daemonic, as a multiprocessing.Pool ' \
+        'worker or a Process(daemon=True) is' in said, said
+    assert 'concurrent.futures.ProcessPoolExecutor' in said
