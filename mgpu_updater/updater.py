@@ -170,8 +170,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             worker that does not answer takes up to 7 s more (asked for 3 s, SIGTERM for
             2 s, then SIGKILL).
         bind_cores: ``'auto'`` (default), True or False: whether each replica process of
-            this host runs on a share of the cores of its own (the master: its main
-            thread, while the updater runs; restored by :meth:`finalize`). ``'auto'``:
+            this host runs on a share of the cores of its own (the master: the thread
+            that runs its first update, while the updater runs; restored by
+            :meth:`finalize`; a thread or process started from it meanwhile, by an
+            extension, inherits that share and keeps it). ``'auto'``:
             CPU replicas, where every replica gets at least one core of this process's
             affinity; True: GPU replicas too (a warning where a share would be empty).
             Left to the scheduler, two CPU replicas of a 2-core VM often shared one
