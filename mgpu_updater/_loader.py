@@ -191,6 +191,15 @@ class Loader:
     def release(self) -> None:
         """The replica waits for something else: a gated prefetcher may load now."""
 
+    def pause(self) -> None:
+        """The master's update is over: a prefetcher reads nothing until :meth:`resume`
+        (a read under way is waited for), so that the iterator and the dataset are read
+        by no thread of this package while the code between updates runs (extensions, an
+        Evaluator over the same dataset object). Elsewhere nothing."""
+
+    def resume(self) -> None:
+        """The master's update starts: a prefetcher may read again."""
+
     def close(self) -> None:
         self._closed = True
 
@@ -257,6 +266,11 @@ class Prefetcher(Loader):
         # out, oldest first; empty only while the thread is not inside a load
         self._pending: Deque[Dict[str, numpy.ndarray]] = collections.deque()
         self._lock = threading.Lock()
+        # pause(): between the master's updates the thread starts no read (of the
+        # iterator, the dataset, the converter), and the master waits for one under way
+        self._paused = False
+        self._reading = False
+        self._read_done = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._pending.append(capture_state(iterator))
         self._first_read: Optional[Tuple[Any, EpochInfo]] = None
@@ -268,6 +282,7 @@ class Prefetcher(Loader):
         # the caller's own configuration and numpy error handling, for the thread that
         # runs the dataset and converter from now on (_inherit)
         self._settings = thread_settings()
+        self._reading = True   # the thread converts the first batch first
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
         self._thread.start()
         #: the loading thread's native id (for binding it to cores, _threads)
@@ -276,16 +291,21 @@ class Prefetcher(Loader):
     def _run(self) -> None:
         stager = None
         try:
-            apply_thread_settings(self._settings)
-            read, self._first_read = self._first_read, None
-            if self._first_error is not None:
-                raise self._first_error
-            if _is_gpu(self.device):
-                from ._cuda import PinnedStager
-                self.device.use()
-                stager = PinnedStager(self.device.device.id, timeout=60.0)
-            with handoff_for(ahead=not self.gated):
-                item = None if read is None else self._convert(read, stager)
+            try:
+                apply_thread_settings(self._settings)
+                read, self._first_read = self._first_read, None
+                if self._first_error is not None:
+                    raise self._first_error
+                if _is_gpu(self.device):
+                    from ._cuda import PinnedStager
+                    self.device.use()
+                    stager = PinnedStager(self.device.device.id, timeout=60.0)
+                with handoff_for(ahead=not self.gated):
+                    item = None if read is None else self._convert(read, stager)
+            finally:
+                with self._lock:
+                    self._reading = False
+                    self._read_done.notify_all()
             while True:
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
@@ -295,18 +315,38 @@ class Prefetcher(Loader):
                 # Record the state before loading, then load without the lock: the
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
-                    self._loading = True
+                    while self._paused and not self._stop.is_set():
+                        self._read_done.wait(0.1)
+                    if self._stop.is_set():
+                        return
+                    self._reading = self._loading = True
                     self._pending.append(capture_state(self.iterator))
                 # one load, read and converted (ahead, beside the compute: the GIL back
                 # soon to it when it waits)
-                with handoff_for(ahead=not self.gated):
-                    read = self._read()
-                    item = None if read is None else self._convert(read, stager)
+                try:
+                    with handoff_for(ahead=not self.gated):
+                        read = self._read()
+                        item = None if read is None else self._convert(read, stager)
+                finally:
+                    with self._lock:
+                        self._reading = False
+                        self._read_done.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))
         finally:
             if stager is not None:
                 stager.close()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+            while self._reading and self._thread.is_alive() and not self._stop.is_set():
+                self._read_done.wait(0.1)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._read_done.notify_all()
 
     def _pass_gate(self) -> bool:
         """Wait until the consumer does not hold the gate, checking the stop every 0.1 s;

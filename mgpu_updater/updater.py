@@ -474,7 +474,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._ended is not None:
             self._new_pass_if_reset()
         try:
-            self._update()
+            try:
+                self._update()
+            finally:
+                if self._loader is not None:
+                    # no reading ahead while the code between updates runs (an
+                    # Evaluator over the same dataset object): _loader.Loader.pause
+                    self._loader.pause()
             self._core_iteration = self.iteration
             self._ended = None
         except StopIteration:
@@ -504,6 +510,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     def _update(self) -> None:
         if self._replica is None:
             self._start()
+        self._loader.resume()
         if self._optimizer.target is not self._target:
             raise RuntimeError(
                 f'the optimizer now updates another model '

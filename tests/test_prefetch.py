@@ -289,3 +289,44 @@ def test_a_loaded_batch_is_handed_out_while_the_next_one_is_still_loading():
         data.gate.set()
         consumer.join(5)
         loader.close()
+
+
+class _Watched(chainer.dataset.DatasetMixin):
+    """Records the thread and the phase (in an update or between two) of every read."""
+
+    def __init__(self, base, phase, reads):
+        self.base, self.phase, self.reads = base, phase, reads
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        time.sleep(0.002)   # a read that waits (a file): loading ahead pays
+        self.reads.append((threading.current_thread().name, self.phase[0]))
+        return self.base[i]
+
+
+@pytest.mark.parametrize('devices', [['@numpy'], ['@numpy', '@numpy']])
+def test_no_read_ahead_while_the_code_between_updates_runs(devices):
+    """Loading ahead read the dataset while an Evaluator (the code between updates) read
+    the same object: a dataset over one file handle (seek, then read) returned records
+    from the wrong place. The master's thread now reads only while an update runs, and
+    waits for a read under way at its end."""
+    phase, reads = ['between'], []
+    its = [chainer.iterators.SerialIterator(_Watched(dataset(64, seed=r), phase, reads), 4)
+           for r in range(len(devices))]
+    model = classifier()
+    updater = ParallelAccumulatingUpdater(its if len(devices) > 1 else its[0],
+                                          setup_optimizer('sgd', model), devices=devices,
+                                          prefetch=2)
+    try:
+        for _ in range(6):
+            phase[0] = 'update'
+            updater.update()
+            phase[0] = 'between'
+            time.sleep(0.03)   # an Evaluator's time
+    finally:
+        updater.finalize()
+    ahead = [p for thread, p in reads if thread == 'mgpu-prefetch']
+    assert ahead, 'no read ahead at all: nothing was tested'
+    assert 'between' not in ahead
