@@ -1019,3 +1019,44 @@ def test_a_daemonic_process_is_refused_at_construction():
     assert said.startswith('this process (') and 'is daemonic, as a multiprocessing.Pool ' \
         'worker or a Process(daemon=True) is' in said, said
     assert 'concurrent.futures.ProcessPoolExecutor' in said
+
+
+class _OpensItsFileLazily(chainer.dataset.DatasetMixin):
+    """Rows of float32 from a file it opens at its first read and keeps open (what the
+    construction error advises, half of it)."""
+
+    def __init__(self, path, n):
+        self.path, self.n, self.handle = path, n, None
+
+    def __len__(self):
+        return self.n
+
+    def get_example(self, i):
+        if self.handle is None:
+            self.handle = open(self.path, 'rb')
+        self.handle.seek(12 * i)
+        x = numpy.frombuffer(self.handle.read(12), numpy.float32).copy()
+        return x, numpy.int32(i % 2)
+
+
+def test_a_file_the_dataset_opened_since_construction_is_named_at_the_start(tmp_path):
+    """The shards share one dataset object; the master reads its first batches before the
+    workers' payloads are pickled, so the handle opened lazily is open by then: pickle's
+    bare "cannot pickle '_io.BufferedReader' object" came from deep in the start."""
+    path = tmp_path / 'rows.bin'
+    numpy.arange(8 * 3, dtype=numpy.float32).tofile(path)
+    data = _OpensItsFileLazily(str(path), 8)
+    its = mgpu_updater.shard_iterators(data, 2, batch_size=2)
+    model = L.Classifier(L.Linear(3, 2))
+    updater = ParallelAccumulatingUpdater(its, set_up(model), devices=['@numpy', '@numpy'])
+    try:
+        with pytest.raises(TypeError, match=(
+                r"^iterators\[1\] \(SerialIterator\) cannot be sent to a worker process: "
+                r"TypeError: cannot pickle '_io.BufferedReader' object; the culprit is "
+                r"iterators\[1\]\..*handle .*It pickled when the updater was built: its "
+                r"dataset opened this since")):
+            updater.update()
+    finally:
+        updater.finalize()
+        if data.handle is not None:
+            data.handle.close()

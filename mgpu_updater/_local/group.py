@@ -91,7 +91,7 @@ class LocalGroup(Group):
         self._death: Optional[WorkerError] = None
         try:
             self.comm.watch_peers(self._check_workers)   # NCCL checks it while it waits
-            data = {r: p(handle, board, self.announce_packs) for r, p in payloads.items()}
+            data = _pickled(payloads, handle, board, self.announce_packs)
             if restarts is not None:
                 self.recovery = Recovery(
                     restarts, Records({r: ResumePoint(capture_state(p.iterator))
@@ -531,6 +531,19 @@ class Payload:
         return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
                                          announce_packs=announce_packs, resume=resume,
                                          **kwargs), replace)
+
+
+def _pickled(payloads: Dict[int, 'Payload'], handle: Any, board: Optional[str],
+             announce_packs: bool) -> Dict[int, bytes]:
+    """Every worker's payload, pickled; one that does not pickle, though every part of it
+    did at construction (``_validate.worker_payload``), is explained where its iterator
+    is what changed (a file its dataset opened since)."""
+    try:
+        return {r: p(handle, board, announce_packs) for r, p in payloads.items()}
+    except Exception:
+        from .._validate import opened_since
+        opened_since({r: p.iterator for r, p in payloads.items()})
+        raise
 
 
 def payload_factory(init_kwargs: Dict[str, Any], master_model: chainer.Link) -> Payload:
