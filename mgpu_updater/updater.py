@@ -192,7 +192,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             exception (a bug repeats), a failure while starting, the master, ranks under
             MPI (refused here with a ``communicator``). On NCCL every rank aborts its
             communicator and all join a new one; see docs/reliability.md.
-        start_method: ``'spawn'`` (default) or ``'forkserver'``.
+        start_method: ``'spawn'`` (default) or ``'forkserver'``. Python starts one fork
+            server per process, at its first use, and every worker after is forked from
+            it: with the environment variables it had then (a later updater's workers
+            do not see a variable the script set for it since; ``spawn`` does).
         start_timeout: seconds the workers get to start and report ready (default 120;
             finite, at most 2147483, the longest wait the operating system's ``poll()``
             takes).
