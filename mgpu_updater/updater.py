@@ -329,7 +329,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._nominal_samples = float(self.accumulate_steps * sum(
             getattr(it, 'batch_size', 1) or 1 for it in its))
         self._skipped = 0
-        self._owner = os.getpid()   # the process that runs it (finalize: not a forked child)
+        #: the process that started its workers (finalize: nothing in a child forked from
+        #: it); None before the first update
+        self._owner: Optional[int] = None
         #: under nonfinite='skip' (not pipelined), the model's persistents (where it has
         #: any), read before each window and set back where the update is skipped; else None
         self._persistents: Optional[ModelIndex] = None
@@ -433,7 +435,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._taken_at_start = (self.converter, self.loss_func)
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
-        self._release_when_dropped = weakref.finalize(self, _release, os.getpid(), self._group,
+        self._owner = os.getpid()
+        self._release_when_dropped = weakref.finalize(self, _release, self._owner, self._group,
                                                       self._loader, self._late, self._binding,
                                                       list(self._worker_iterators))
         _positions.running(self._worker_iterators)
@@ -477,16 +480,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._ended is not None:
             self._new_pass_if_reset()
         try:
-            try:
-                self._update()
-            finally:
-                if self._loader is not None:
-                    # no reading ahead while the code between updates runs (an
-                    # Evaluator over the same dataset object): _loader.Loader.pause
-                    self._loader.pause()
+            self._update()
+            # no reading ahead while the code between updates runs (an Evaluator over the
+            # same dataset object): _loader.Loader.pause. (After a failure the teardown
+            # closes the loader, waiting a bounded time.)
+            self._loader.pause()   # type: ignore[union-attr]
             self._core_iteration = self.iteration
             self._ended = None
         except StopIteration:
+            if self._loader is not None:
+                self._loader.pause()
             if self._ended is None and self._replica is not None:
                 self._ended = capture_state(self.get_iterator('main'))
             raise
@@ -992,7 +995,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         Trainer calls it), is a RuntimeWarning. In a child forked (``os.fork``) from the
         process that runs the updater (the Trainer's ``finally`` in a child that an
         extension forked, exiting), nothing: the workers and memory are the parent's."""
-        if os.getpid() != self._owner:
+        if self._owner is not None and os.getpid() != self._owner:
             return
         in_flight = sys.exc_info()[1] is not None
         found: Optional[tuple] = None

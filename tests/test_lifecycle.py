@@ -151,7 +151,7 @@ def test_a_ctrl_c_while_the_workers_start_reaches_only_the_master():
     assert not any(_running(p) for p in workers)
 
 
-@pytest.mark.parametrize('how', ['hooks', 'finally'])
+@pytest.mark.parametrize('how', ['hooks', 'finally', 'started_there'])
 def test_a_forked_child_that_exits_leaves_the_parents_updater_running(how):
     """``os.fork()`` from a process whose updater runs, and the child's normal exit: its
     exit hooks (the dropped updater's, the pools') stopped the parent's worker and removed

@@ -330,3 +330,57 @@ def test_no_read_ahead_while_the_code_between_updates_runs(devices):
     ahead = [p for thread, p in reads if thread == 'mgpu-prefetch']
     assert ahead, 'no read ahead at all: nothing was tested'
     assert 'between' not in ahead
+
+
+class _HangsAfter(chainer.dataset.DatasetMixin):
+    """Reads in the loader's thread hang (8 s: a dead network mount) once ``hang`` is set."""
+
+    def __init__(self, base, hang, inside):
+        self.base, self.hang, self.inside = base, hang, inside
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        if self.hang.is_set() and threading.current_thread().name == 'mgpu-prefetch':
+            self.inside.set()
+            time.sleep(8)
+        return self.base[i]
+
+
+class _RaisesWhen(chainer.Chain):
+    """Raises once the loader's thread is inside its read that hangs."""
+
+    def __init__(self, hang, inside):
+        super().__init__()
+        self.hang, self.inside = hang, inside
+        with self.init_scope():
+            self.inner = classifier()
+
+    def forward(self, x, t):
+        if self.hang.is_set():
+            assert self.inside.wait(5)
+            raise ValueError('the forward failed')
+        return self.inner(x, t)
+
+
+def test_an_error_in_an_update_is_not_held_up_by_a_read_under_way():
+    """An update that raises while the loader's thread is inside a read that does not
+    return: the error reaches the caller once the teardown's bounded wait for the thread
+    is over (5 s), not after the read (the end of an update waits for a read under way
+    only where the update succeeded)."""
+    hang, inside = threading.Event(), threading.Event()
+    model = _RaisesWhen(hang, inside)
+    it = chainer.iterators.SerialIterator(_HangsAfter(dataset(64, seed=3), hang, inside), 4)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2)
+    try:
+        for _ in range(2):
+            updater.update()
+        hang.set()
+        began = time.monotonic()
+        with pytest.raises(ValueError, match='the forward failed'):
+            updater.update()
+        assert time.monotonic() - began < 7.5
+    finally:
+        updater.finalize()

@@ -1,7 +1,9 @@
 """A child forked (``os.fork``) from a process whose updater runs, exiting normally: its
 exit hooks (``hooks``), or a ``finally`` that finalizes the updater before them
 (``finally``), saw the parent's inherited updater and pool, stopped the parent's worker
-and removed its shared memory. Prints the parent's difference from StandardUpdater after an
+and removed its shared memory; an updater built here and started and finalized in a
+child forked with multiprocessing (``started_there``) must stop its workers there.
+Prints the parent's difference from StandardUpdater after an
 update that follows the child's exit, then OK."""
 import os
 import sys
@@ -26,6 +28,15 @@ def optimizer(target):
     return opt
 
 
+def _train_here(updater):
+    """In a child forked with the updater built (not started) in its parent."""
+    try:
+        for _ in range(2):
+            updater.update()
+    finally:
+        updater.finalize()
+
+
 if __name__ == '__main__':
     rng = numpy.random.RandomState(1)
     x = rng.normal(size=(48, 3)).astype(numpy.float32)
@@ -43,6 +54,19 @@ if __name__ == '__main__':
         chainer.iterators.SerialIterator(
             chainer.datasets.TupleDataset(x[order], t[order]), 2 * B, shuffle=False),
         optimizer(reference))
+    if sys.argv[1] == 'started_there':
+        # built here, started and finalized in a forked child: its workers are its own
+        import multiprocessing
+        import time
+        child = multiprocessing.get_context('fork').Process(target=_train_here,
+                                                            args=(updater,))
+        began = time.monotonic()
+        child.start()
+        child.join(60)
+        print('CHILD', child.exitcode, round(time.monotonic() - began, 1))
+        print('DIFF 0.0')
+        print('OK' if child.exitcode == 0 else 'HUNG')
+        sys.exit(0)
     for _ in range(2):
         updater.update()
         standard.update()
