@@ -271,6 +271,9 @@ class Prefetcher(Loader):
         self._paused = False
         self._reading = False
         self._read_done = threading.Condition(self._lock)
+        # who waits on it (notified only then: a Condition's notify is Python, and the
+        # master pauses and resumes every update)
+        self._waiting = {'thread': False, 'master': False}
         self._stop = threading.Event()
         self._pending.append(capture_state(iterator))
         self._first_read: Optional[Tuple[Any, EpochInfo]] = None
@@ -305,7 +308,8 @@ class Prefetcher(Loader):
             finally:
                 with self._lock:
                     self._reading = False
-                    self._read_done.notify_all()
+                    if self._waiting['master']:
+                        self._read_done.notify_all()
             while True:
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
@@ -316,7 +320,9 @@ class Prefetcher(Loader):
                 # consumer must never wait for a load in progress to pop its entry.
                 with self._lock:
                     while self._paused and not self._stop.is_set():
+                        self._waiting['thread'] = True
                         self._read_done.wait(0.1)
+                    self._waiting['thread'] = False
                     if self._stop.is_set():
                         return
                     self._reading = self._loading = True
@@ -330,7 +336,8 @@ class Prefetcher(Loader):
                 finally:
                     with self._lock:
                         self._reading = False
-                        self._read_done.notify_all()
+                        if self._waiting['master']:
+                            self._read_done.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))
         finally:
@@ -341,12 +348,15 @@ class Prefetcher(Loader):
         with self._lock:
             self._paused = True
             while self._reading and self._thread.is_alive() and not self._stop.is_set():
+                self._waiting['master'] = True
                 self._read_done.wait(0.1)
+            self._waiting['master'] = False
 
     def resume(self) -> None:
         with self._lock:
             self._paused = False
-            self._read_done.notify_all()
+            if self._waiting['thread']:
+                self._read_done.notify_all()
 
     def _pass_gate(self) -> bool:
         """Wait until the consumer does not hold the gate, checking the stop every 0.1 s;
