@@ -306,10 +306,7 @@ class Prefetcher(Loader):
                 with handoff_for(ahead=not self.gated):
                     item = None if read is None else self._convert(read, stager)
             finally:
-                with self._lock:
-                    self._reading = False
-                    if self._waiting['master']:
-                        self._read_done.notify_all()
+                self._read_ended()
             while True:
                 self._put(('item', item) if item is not None else ('end', None))
                 if item is None or self._stop.is_set():
@@ -334,22 +331,29 @@ class Prefetcher(Loader):
                         read = self._read()
                         item = None if read is None else self._convert(read, stager)
                 finally:
-                    with self._lock:
-                        self._reading = False
-                        if self._waiting['master']:
-                            self._read_done.notify_all()
+                    self._read_ended()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._put(('error', exc))
         finally:
             if stager is not None:
                 stager.close()
 
+    def _read_ended(self) -> None:
+        """The thread's read is over: the lock only where the master waits for it (a
+        master that starts to wait just after this looked waits 10 ms at most)."""
+        if self._waiting['master']:
+            with self._lock:
+                self._reading = False
+                self._read_done.notify_all()
+        else:
+            self._reading = False
+
     def pause(self) -> None:
         with self._lock:
             self._paused = True
             while self._reading and self._thread.is_alive() and not self._stop.is_set():
                 self._waiting['master'] = True
-                self._read_done.wait(0.1)
+                self._read_done.wait(0.01)
             self._waiting['master'] = False
 
     def resume(self) -> None:
