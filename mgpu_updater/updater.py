@@ -705,7 +705,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._has_persistents:
             exc.add_note(
                 "The model's persistents (BatchNorm's running statistics) hold what this "
-                "update's forward passes made of them; nonfinite='skip' sets them back")
+                "update's forward passes made of them" + (
+                    '' if self.pipelined else "; nonfinite='skip' sets them back"))
         return exc
 
     def _step_of(self, of_update: int) -> str:
