@@ -565,8 +565,8 @@ class TupleOfLists:
     batch that tells neither way is refused: the weighting would be a guess.
 
     Read as columns, every batch after must have as many: one with another number of
-    lists was examples (a bucketing iterator's first batch of 3 token sequences read as
-    columns by a ``batch_size`` of 3, their length), and is refused, naming both counts.
+    lists was examples (a first batch of 3 examples of token sequences ``(x, t)``, read as
+    2 columns by a ``batch_size`` of 2, their fields), and is refused, naming both counts.
     (Read as examples, a later batch cannot tell: an example may be a sequence whose
     length varies.)"""
 
