@@ -538,6 +538,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         clock = time.perf_counter
         optimizer = self._optimizer
         loss_scale = chainer_private.loss_scale(optimizer)
+        if self._persistents is not None:   # nonfinite='skip': set back on a skip
+            self._before_window = KeptPersistents(self._persistents)
         if self._direct:
             self._update_direct(optimizer, loss_scale)
             return
@@ -554,8 +556,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 unsent.check_held()
             if due:
                 unsent.at_begin()   # now and then, between updates (_unsent_state)
-        if self._persistents is not None:
-            self._before_window = KeptPersistents(self._persistents)
         t0 = clock()
         if self._alone:
             parity = None
@@ -627,8 +627,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         launch-bound update, about 8 us). The epoch is the iterator itself, read when
         asked as StandardUpdater reads it (Loader.get's live_epoch: another 0.5%)."""
         clock = time.perf_counter
-        if self._persistents is not None:
-            self._before_window = KeptPersistents(self._persistents)
         if self._window_threads.threads is None:
             count, loss, epoch, data, compute = self._replica.direct_window(loss_scale, True)
         else:
