@@ -290,14 +290,17 @@ def _copied(value: Any) -> Any:
 
 
 def overlapping(index: 'ModelIndex') -> List[str]:
-    """Parameters (by name) whose numpy array shares memory with another parameter's or
-    an array persistent's, other than the very array an alias holds
-    (:attr:`ModelIndex.aliases`): a view (``b.W.array = a.W.array.T``), a persistent that
-    holds a parameter's array; and the aliases of those. Bound to a slice of the
-    broadcast slot of its own, such a parameter would no longer share that memory; left
-    as it is, its values are copied into the slot each update and the sharing stays."""
+    """Parameters (by name) whose numpy array shares memory with another parameter's, an
+    array persistent's or an array a link holds in a plain attribute, other than the very
+    array an alias holds (:attr:`ModelIndex.aliases`): a view (``b.W.array =
+    a.W.array.T``), a persistent that holds a parameter's array, parameters that are
+    views of one flat array the model keeps (``self.flat``); and the aliases of those.
+    Bound to a slice of the broadcast slot of its own, such a parameter would no longer
+    share that memory; left as it is, its values are copied into the slot each update and
+    the sharing stays."""
     arrays = [(n, a) for n, a in index.param_arrays().items() if n not in index.aliases]
     arrays += index.persistent_arrays()
+    arrays += _held_arrays(index.link)
     spans = []
     for name, array in arrays:
         if isinstance(array, numpy.ndarray) and array.size:
@@ -316,6 +319,13 @@ def overlapping(index: 'ModelIndex') -> List[str]:
     # array with it (Chainer's share mode: one storage) or part from it
     out.update(alias for alias, held in index.aliases.items() if held in out)
     return sorted(out)
+
+
+def _held_arrays(link: chainer.Link) -> List[Tuple[str, Any]]:
+    """The numpy arrays the links of ``link`` hold in plain attributes (``link.__dict__``;
+    a persistent's array is one too), by path."""
+    return [(f'{path.rstrip("/")}/{name}', value) for path, sub in link.namedlinks()
+            for name, value in vars(sub).items() if type(value) is numpy.ndarray]
 
 
 def _byte_bounds(array: numpy.ndarray) -> Tuple[int, int]:

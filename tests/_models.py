@@ -703,6 +703,24 @@ class ViewTied(chainer.Chain):
         return self.out(F.tanh(self.l2(F.tanh(self.l1(x)))))
 
 
+class FlatStorage(chainer.Chain):
+    """Two layers whose weights are views of one flat array the model keeps in a plain
+    attribute (``self.flat``), as code that packs its parameters does; the forward does
+    not read it."""
+
+    def __init__(self, n=5, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n, n)
+            self.out = L.Linear(n, n_out)
+        self.flat = np.concatenate([self.l1.W.array.ravel(), self.out.W.array.ravel()])
+        self.l1.W.array = self.flat[:n * n].reshape(n, n)
+        self.out.W.array = self.flat[n * n:].reshape(n_out, n)
+
+    def forward(self, x):
+        return self.out(F.tanh(self.l1(x)))
+
+
 class WeightedLoss(chainer.Chain):
     """A classifier that weights its loss's gradient by setting it before the backward
     (``loss.grad = w``): ``Variable.backward`` seeds from it as it is, not with ones."""

@@ -22,8 +22,9 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater._flat_buffers import ModelLayouts
 
-from _models import (MLP, SameArrayThenView, SharedCopies, ShareThenView, TiedEmbedding,
-                     TiedMLP, ViewTied, dataset, params, run_updates, setup_optimizer)
+from _models import (MLP, FlatStorage, SameArrayThenView, SharedCopies, ShareThenView,
+                     TiedEmbedding, TiedMLP, ViewTied, dataset, params, run_updates,
+                     setup_optimizer)
 
 UPDATES, N, B = 4, 2, 4
 
@@ -47,6 +48,8 @@ def _make(kind, seed):
         return L.Classifier(ShareThenView())
     if kind == 'same_array_then_view':
         return L.Classifier(SameArrayThenView())
+    if kind == 'flat_storage':
+        return L.Classifier(FlatStorage())
     if kind == 'shared_arrays':
         # a deep copy, as a worker's replica is: Chainer's share mode leaves the copies
         # one Variable storage (setting one's array sets all); a copy keeps only the array
@@ -104,6 +107,22 @@ def test_tied_parameters_train_as_under_standard_updater(kind, opt_kind):
         net = ours.predictor
         assert net.l2.W.array is net.l1.W.array
         assert np.shares_memory(net.l1.W.array, net.l3.W.array)
+
+
+@pytest.mark.parametrize('opt_kind', ['sgd', 'adam'])
+def test_a_flat_array_the_parameters_are_views_of_follows_them(opt_kind):
+    """Parameters that are views of one flat array a link keeps in a plain attribute stay
+    its views on the master, so the array follows the training as under StandardUpdater
+    (bound to the broadcast slot, the parameters left it behind at its initial values).
+    A worker's replica has its own copy of the array, which no update sends: it is named
+    in a warning at the second update."""
+    with pytest.warns(RuntimeWarning, match=r'model\.predictor\.flat'):
+        ours, ref = _train_both('flat_storage', opt_kind)
+    net, ref_net = ours.predictor, ref.predictor
+    np.testing.assert_allclose(net.flat, ref_net.flat, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(net.flat, _make('flat_storage', 7).predictor.flat)
+    for layer in (net.l1, net.out):
+        assert np.shares_memory(net.flat, layer.W.array)
 
 
 def test_a_tied_parameter_travels_once():
