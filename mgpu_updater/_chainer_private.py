@@ -19,6 +19,8 @@ and that no other module of the package uses these names.
 | `order_sampler._random` | _checkpoint, _payload | chainer/iterators/order_samplers.py:56, 59 | none (e) |
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
+| `chainer._get_link_hooks()` | _inherit | chainer/__init__.py:127-132; chainer/link_hook.py:137-141 | none |
+| `SpectralNormalization._initialized` | _startup | chainer/link_hooks/spectral_normalization.py:165, 198-199, 252 | none |
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | `@static_graph`'s wrapper, its schedules and how its backward sets gradients | _replica, _unsent_state | chainer/graph_optimizations/static_graph.py:667-669, 914-918, 1274-1275, 1308-1317 | none |
 | reporter's "not registered" KeyError | _replica, updater | chainer/reporter.py:172-173 | none |
@@ -491,6 +493,28 @@ def is_unregistered_observer_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the ``KeyError`` ``Reporter.report`` raises for an observer (a
     link) it was not given (chainer/reporter.py:172-173)."""
     return isinstance(exc, KeyError) and 'not registered to the reporter' in str(exc)
+
+
+def thread_link_hooks() -> Dict[str, Any]:
+    """The link hooks registered globally in the calling thread (``with hook:``), which
+    act on every link's call in that thread only: ``chainer._get_link_hooks()``, a
+    thread-local dict (chainer/__init__.py:127-132), as ``LinkHook.__enter__`` registers
+    them (chainer/link_hook.py:137-141). (The function hooks' counterpart is public:
+    ``chainer.get_function_hooks()``.)"""
+    return dict(chainer._get_link_hooks())
+
+
+def unprepared_spectral_norms(model: chainer.Link) -> List[str]:
+    """The links of ``model`` (by path) with a ``SpectralNormalization`` hook that has
+    not drawn its vector ``u`` yet: added to a link whose weight had no array
+    (``L.Linear(None, n)``), it draws ``u`` from the random state and registers it as a
+    persistent at its first forward, whatever the weight holds by then
+    (``self._initialized``: chainer/link_hooks/spectral_normalization.py:165, 198-199,
+    252)."""
+    from chainer.link_hooks import SpectralNormalization
+    return [path for path, link in model.namedlinks()
+            for hook in link.local_link_hooks.values()
+            if isinstance(hook, SpectralNormalization) and not hook._initialized]
 
 
 # --------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ on the master only. So the master sends them:
   network raises in ``main()``: the workers failed with ``RecursionError`` where the
   master trained).
 
+Not sent: the function and link hooks a ``with hook:`` registers, which Chainer keeps per
+thread; the master's replica runs them, and :func:`warn_thread_hooks` says so.
+
 A thread the package starts to run the user's code (the loader thread, which runs the
 iterator, the dataset and the converter: ``_loader``) inherits from the thread that starts
 it what a new thread does not see: that thread's own configuration entries and its numpy
@@ -37,7 +40,7 @@ import numpy
 
 import chainer
 
-from ._chainer_private import config_entry_names, thread_config_entries
+from ._chainer_private import config_entry_names, thread_config_entries, thread_link_hooks
 from ._warning import warn
 
 # Not sent: entries Chainer itself sets while it runs (chainer/__init__.py:219, :235-236;
@@ -119,6 +122,24 @@ def apply_thread_settings(settings: Any) -> None:
     for name, value in entries.items():
         setattr(chainer.config, name, value)   # this thread's own, as there
     numpy.seterr(**numpy_errors)
+
+
+def warn_thread_hooks(workers: int) -> None:
+    """Warn where the calling thread has function or link hooks registered globally
+    (``with TimerHook():`` around ``trainer.run()``): Chainer keeps them per thread, so
+    they act in the master's replica only and no worker process runs them."""
+    hooks = [f'function hook {name!r}' for name in chainer.get_function_hooks()]
+    hooks += [f'link hook {name!r}' for name in thread_link_hooks()]
+    if not hooks:
+        return
+    warn(f"hooks registered in this thread (with hook: ...) act on the master's replica "
+         f'only: {", ".join(hooks)}. Chainer keeps such hooks per thread, and the worker '
+         f'processes ({workers}) run none. A hook that only looks (TimerHook, PrintHook) '
+         "sees the master's share of each update; one that changes the computation "
+         "changes the master's replica alone, so the update is not StandardUpdater's. "
+         'Add a link hook to the links of the model instead (link.add_hook(hook) for '
+         'each link, before the first update: every replica runs it), or measure with '
+         'one device', RuntimeWarning, stacklevel=4)
 
 
 def config_values() -> Dict[str, Any]:

@@ -15,8 +15,8 @@ from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from . import _chainer_private as chainer_private
-from . import (_checkpoint, _host_memory, _late_check, _loss_binding, _positions, _startup,
-               _step, _threads, _validate)
+from . import (_checkpoint, _host_memory, _inherit, _late_check, _loss_binding, _positions,
+               _startup, _step, _threads, _validate)
 from ._checkpoint import capture_state
 from ._flat_buffers import KeptPersistents, ModelIndex, unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
@@ -386,6 +386,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
         _positions.warn_if_marked(self._worker_iterators)
+        if len(self._devices) > 1 and self._communicator is None:
+            _inherit.warn_thread_hooks(len(self._devices) - 1)
         threads = _threads.per_replica(self.blas_threads, _threads.replicas_on_host(
             len(self._devices), self._communicator))
         on_cpu = all(d.xp is numpy for d in self._devices)

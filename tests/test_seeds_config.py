@@ -7,6 +7,7 @@ seeded ``numpy.random``) and its configuration, applied before they build.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 
@@ -321,3 +322,53 @@ def test_a_generator_the_model_holds_reaches_each_worker_in_the_masters_state():
     for name, value in params(theirs).items():
         np.testing.assert_allclose(params(ours)[name], value, rtol=0, atol=1e-6,
                                    err_msg=name)
+
+
+class _ScaleLinearInputs(chainer.LinkHook):
+    """A link hook that changes the computation: every Linear's input doubled."""
+    name = 'ScaleLinearInputs'
+
+    def forward_preprocess(self, args):
+        if isinstance(args.link, L.Linear):
+            args.args = (args.args[0] * 2,) + tuple(args.args[1:])
+
+
+class _Counting(chainer.FunctionHook):
+    """A function hook that only looks: it counts the rows through each linear."""
+    name = 'Counting'
+
+    def __init__(self):
+        self.rows = 0
+
+    def forward_preprocess(self, function, in_data):
+        if function.label == 'LinearFunction':
+            self.rows += len(in_data[0])
+
+
+def test_hooks_registered_in_the_training_thread_are_named_as_the_masters_alone():
+    """``with hook:`` registers a hook in the calling thread only (Chainer keeps global
+    hooks per thread): the master's replica runs it, no worker does. A hook that changes
+    the computation then trains otherwise than StandardUpdater; one that looks sees the
+    master's share. Both are named at the first update."""
+    def train(*hooks):
+        model = L.Classifier(L.Linear(5, 3))
+        updater = ParallelAccumulatingUpdater(
+            [chainer.iterators.SerialIterator(dataset(8, seed=r), 4, shuffle=False)
+             for r in range(2)], setup_optimizer('sgd', model), devices=DEVICES)
+        try:
+            with contextlib.ExitStack() as stack:
+                for hook in hooks:
+                    stack.enter_context(hook)
+                run_updates(updater, model, 1)
+        finally:
+            updater.finalize()
+
+    counting = _Counting()
+    with pytest.warns(RuntimeWarning, match=r"hooks registered in this thread .* act on the "
+                      r"master's replica only: function hook 'Counting', link hook "
+                      r"'ScaleLinearInputs'\. .* worker processes \(1\) run none"):
+        train(counting, _ScaleLinearInputs())
+    assert counting.rows == 4   # the master's batch; the worker's 4 rows went unseen
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        train()   # none registered: nothing said
