@@ -22,7 +22,7 @@ import chainer
 
 from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
-                               set_persistent)
+                               set_persistent, unprepared_spectral_norms)
 from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -248,11 +248,16 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     part is its running statistics (zeros and ones, made at its first call); not for
     other persistents registered as None, which a first call may fill from its batch, and
     for which the pass would be one call more than ``StandardUpdater`` makes (a counter in
-    a plain attribute, a forward that runs only with backprop). Returns whether it ran."""
+    a plain attribute, a forward that runs only with backprop). It runs too where a
+    ``SpectralNormalization`` hook has not drawn its vector ``u`` (added to a lazy link
+    whose weight was set since: pretrained weights, a snapshot loaded), which its first
+    call draws and registers: once on the master, as ``StandardUpdater``'s first call
+    draws it, instead of once per replica. Returns whether it ran."""
     if (all(p.array is not None for p in model.params())
             and not any(isinstance(owner, chainer.links.BatchNormalization)
                         and persistent_value(owner, name) is None
-                        for _, owner, name in persistent_slots(model))):
+                        for _, owner, name in persistent_slots(model))
+            and not unprepared_spectral_norms(model)):
         return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1

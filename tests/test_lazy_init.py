@@ -157,8 +157,8 @@ def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
     """Only BatchNormalization's are made in the initialising pass: what another first
     call makes from its batch, the pass (one call more than StandardUpdater's) must not."""
     updater = _ours(BufferInForward(), ['@numpy', '@numpy'])
-    with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None when the "
-                                           r"replicas were copied"):
+    with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None or not yet "
+                                           r"registered when the replicas were copied"):
         _run(updater, 1)
 
 
@@ -216,6 +216,32 @@ def test_batch_normalization_without_parameters_or_size_trains_as_with_its_size(
         np.testing.assert_array_equal(lazy[name], sized[name], err_msg=name)
     np.testing.assert_array_equal(lazy_mean, sized_mean)
     np.testing.assert_array_equal(lazy_var, sized_var)
+
+
+def _spectral_normalised_with_weights_set():
+    """A lazy ``L.Linear(None, n)`` under ``SpectralNormalization``, its weight set before
+    the first call (pretrained weights, a snapshot loaded into a fresh model): the hook
+    draws its vector ``u`` and registers it as a persistent at that call."""
+    np.random.seed(11)
+    head = chainer.links.Linear(None, 3)
+    head.add_hook(chainer.link_hooks.SpectralNormalization())
+    head.W.initialize((3, 5))   # as load_npz does
+    head.W.array[...] = np.random.uniform(-1, 1, (3, 5))
+    head.b.array[...] = 0.1
+    return chainer.links.Classifier(head)
+
+
+def test_spectral_normalisation_of_a_lazy_link_whose_weight_was_set_draws_u_once():
+    """Each replica drew its own ``u`` at its first call, and the update raised (or, with
+    one, left the master's own); drawn in the initialising pass on the master, as
+    StandardUpdater's first call draws it, the replicas share it and train as
+    StandardUpdater."""
+    model = _trains_as_standard_updater(_spectral_normalised_with_weights_set,
+                                        ['@numpy', '@numpy'], rtol=1e-5)
+    reference = _spectral_normalised_with_weights_set()
+    np.random.seed(5)
+    _reference(reference, 2)
+    np.testing.assert_allclose(model.predictor.W_u, reference.predictor.W_u, rtol=1e-5)
 
 
 def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
