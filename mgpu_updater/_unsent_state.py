@@ -52,6 +52,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import chainer
 import numpy
+from chainer.link_hooks import SpectralNormalization
 
 from ._chainer_private import (CHAIN_LIST_LINKS, LINK_HOOKS, SEQUENTIAL_LAYERS,
                                is_static_graph_machinery, named_persistents, persistent_names)
@@ -115,9 +116,13 @@ class UnsentState:
         self._config = _copied(config_values())
         self._config_thread = threading.get_ident()
         # the sets the model holds from the start, named before the first window; those
-        # its first forward makes, after it (after_window)
+        # its first forward makes, after it (after_window). What the first window changes
+        # since this walk is the forward's (L.Classifier's y, loss and accuracy): told
+        # apart from the start, for a finalize() after one update and an Evaluator.
         self._unordered: List[str] = []
-        self._walk(self._unordered)
+        self._initial_found: set = set()
+        self._initial: Optional[Dict[str, Any]] = self._walk(
+            self._unordered, as_found=self._initial_found)[0]
         if self._unordered:
             warn(_unordered_message(self._unordered), RuntimeWarning, stacklevel=4)
 
@@ -146,13 +151,17 @@ class UnsentState:
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
             unordered: List[str] = []
-            self._last, self._cost = self._walk(unordered)
+            found: set = set()
+            self._last, self._cost = self._walk(unordered, as_found=found)
+            initial, self._initial = self._initial or {}, None
+            self.forward.update(self._changed(initial, self._last))
+            self.forward.update(_rewritten(initial, self._last, self._initial_found & found))
             self._built = _structure(self.roots)
             made = [path for path in unordered if path not in self._unordered]
             if made:
                 warn(_unordered_message(made), RuntimeWarning, stacklevel=4)
         else:
-            found: set = set()
+            found = set()
             self._windowed, cost = self._walk(as_found=found)
             self._cost += cost
             # now, while what the window left is held (a Variable is held weakly)
@@ -346,6 +355,8 @@ class UnsentState:
             if isinstance(obj, chainer.Link):   # a ChainList's links are its _children
                 names = (_LINK_INTERNALS - _CHAIN_LIST_LINKS if isinstance(
                     obj, chainer.ChainList) else _LINK_INTERNALS) | persistent_names(obj)
+            elif isinstance(obj, SpectralNormalization):
+                names = _SPECTRAL_NORM_SCRATCH
             private = _of_chainer(kind)
             found = []
             try:
@@ -406,6 +417,11 @@ def _unordered_message(paths: List[str]) -> str:
 _LINK_INTERNALS = frozenset(
     set(vars(chainer.Chain())) | set(vars(chainer.ChainList()))
     | {'_device'}) - {LINK_HOOKS}
+
+#: what ``SpectralNormalization`` writes at every call, an Evaluator's in test mode too,
+#: and reads back only while recomputing that call (``F.forget``): its vector ``v``
+#: (chainer/link_hooks/spectral_normalization.py:265, 274); its ``u`` is a persistent
+_SPECTRAL_NORM_SCRATCH = frozenset({'v'})
 
 #: Chainer's private attributes that hold the user's objects, walked as theirs: a link's
 #: hooks, a ``chainer.ChainList``'s links (a ``Chain``'s are its attributes; its

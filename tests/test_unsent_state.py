@@ -329,6 +329,61 @@ def test_a_link_hooks_attribute_changed_between_updates_is_named():
     assert 'SpectralNormalization' not in message
 
 
+def test_spectral_normalisations_vector_v_an_evaluator_moves_is_not_named():
+    """SpectralNormalization writes its ``v`` at every call, in test mode too (where ``u``
+    stays), and reads it back only while recomputing that call: an Evaluator's forward
+    between updates moved it, and it was named as a value the workers do not receive.
+    Its settings are still watched."""
+    link, forward = _linear_with_hooks()
+    watch = UnsentState({'model': link})
+
+    def evaluate():
+        with chainer.using_config('train', False):
+            link(np.full((2, 4), 3.0, np.float32))
+    for _ in range(3):
+        assert _update(watch, forward) == ''
+        evaluate()
+    link.local_link_hooks['SpectralNormalization'].factor = 2.0
+    _update(watch, forward)
+    message = _update(watch, forward) or _caught(watch.finish)
+    assert "['SpectralNormalization'].factor: None -> 2.0" in message
+    assert '.v:' not in message
+
+
+def test_what_the_first_window_writes_is_the_forwards_after_one_update_too():
+    """``L.Classifier`` writes ``y``, ``loss`` and ``accuracy`` at every call, None before
+    the first: after one update, an Evaluator's call and ``finalize()`` (a snapshot
+    loaded one update before the end) named them, no check having seen a window write
+    them. The walk before the first window tells."""
+    model = Annealed()
+    model.accuracy = None
+    values = iter([1.0, 0.5])
+
+    def forward():
+        model.accuracy = chainer.Variable(np.asarray(next(values), np.float32))
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == ''   # the first window
+    forward()   # as an Evaluator's call would
+    assert _caught(watch.finish) == ''
+    model.beta = 0.5   # a value nothing wrote in the first window is still named
+    assert 'model.beta: 0.0 -> 0.5' in _caught(watch.finish)
+
+
+def test_two_replicas_name_nothing_after_one_update_and_an_evaluation():
+    model = chainer.links.Classifier(chainer.links.Linear(5, 3))
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(dataset(8, seed=r), 4) for r in range(2)],
+        setup_optimizer('sgd', model), devices=['@numpy', '@numpy'])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        try:
+            updater.update()
+            with chainer.using_config('train', False), chainer.no_backprop_mode():
+                model(*chainer.dataset.concat_examples(dataset(4, seed=9)))
+        finally:
+            updater.finalize()
+
+
 class _Slope:
     """A callable object between a Sequential's links: an activation with a slope."""
 
