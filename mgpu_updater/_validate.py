@@ -223,8 +223,9 @@ def iterators(value: Any, n_devices: int) -> List[Any]:
             f"fewer than {name}[{i}] ({n}): the updater's epoch (epoch, epoch_detail, a "
             "stop_trigger in epochs, the end of data under repeat=False) follows the "
             "master's iterator, so an epoch ends before the longer shards are used up, and "
-            'under repeat=False their last batches are never trained. Give the master the '
-            'largest shard (mgpu_updater.shard_iterators does)', RuntimeWarning,
+            'under repeat=False their last batches are trained only by updates after the '
+            "master's epoch ended, which a stop_trigger at that epoch never runs. Give the "
+            'master the largest shard (mgpu_updater.shard_iterators does)', RuntimeWarning,
             stacklevel=3)
     return value
 

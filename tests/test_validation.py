@@ -155,7 +155,7 @@ def test_devices_not_a_list():
 
 
 @pytest.mark.parametrize('sizes, batch_sizes, warned', [
-    ((5, 7), (2, 2), True),     # 3 batches against 4: the worker's last is never trained
+    ((5, 7), (2, 2), True),     # 3 batches against 4: the worker's last comes after the epoch
     ((7, 5), (2, 2), False),    # the master's shard the largest (shard_iterators' way)
     ((5, 6), (2, 2), False),    # 3 batches each: the master's last is short, nothing lost
     ((6, 10), (3, 5), False),   # unequal batch sizes, 2 batches each
@@ -165,7 +165,8 @@ def test_a_master_shard_with_fewer_batches_than_another_is_warned(sizes, batch_s
                                                                    warned):
     """The updater's epoch follows the master's iterator: where another shard makes more
     batches per pass, an epoch ends before it is used up (under repeat=False its last
-    batches are never trained: StandardUpdater on the same samples trains them all)."""
+    batches are trained only after the master's epoch ended, which a stop_trigger at that
+    epoch never reaches: StandardUpdater on the same samples trains them all)."""
     its = [chainer.iterators.SerialIterator(dataset(n), b, repeat=False)
            for n, b in zip(sizes, batch_sizes)]
     optimizer = set_up()
