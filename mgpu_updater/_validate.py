@@ -297,25 +297,6 @@ def optimizer(value: Any) -> chainer.Link:
     return target
 
 
-def writable_parameters(model: chainer.Link) -> None:
-    """Refuse a parameter the optimizer steps whose numpy array is read-only
-    (``W.array.flags.writeable = False``): ``StandardUpdater``'s step fails writing it,
-    where the buffers that carry the parameters between replicas would take its values
-    into writable memory and train it."""
-    frozen = [name for name, param in model.namedparams()
-              if isinstance(param.array, numpy.ndarray) and not param.array.flags.writeable
-              and param.update_rule is not None and param.update_rule.enabled]
-    if frozen:
-        listed = ', '.join(frozen[:5]) + (f' (and {len(frozen) - 5} more)'
-                                          if len(frozen) > 5 else '')
-        raise ValueError(
-            f'the model\'s parameters {listed} have read-only arrays (flags.writeable is '
-            "False), which the optimizer's step would write: StandardUpdater's step fails "
-            "there with numpy's 'output array is read-only'. To keep a parameter as it "
-            'is, freeze it (link.disable_update(), or param.update_rule.enabled = False); '
-            'to train it, give it a writable array (param.array = param.array.copy())')
-
-
 def gradient_reallocation(optimizer: chainer.Optimizer, summed: bool) -> None:
     """Warn, at construction, where the optimizer overrides ``reallocate_cleared_grads``
     (in its class or on itself; Chainer's docstring suggests a blank one for an optimizer that wants a parameter

@@ -270,7 +270,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         its = _validate.iterators(iterators, len(self._devices))
         optimizer = _validate.main_optimizer(optimizer)
         model = _validate.optimizer(optimizer)
-        _validate.writable_parameters(model)
         _validate.converter(converter)
         _validate.callable_or_none('loss_func', loss_func)
         communicator = _validate.communicator(communicator)

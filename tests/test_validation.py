@@ -432,31 +432,6 @@ def test_model_without_parameters():
              optimizer=set_up(chainer.Chain()))
 
 
-@pytest.mark.parametrize('devices', [['@numpy'], ['@numpy', '@numpy']])
-def test_a_read_only_parameter_the_optimizer_steps_is_refused(devices):
-    """StandardUpdater's step fails writing it (numpy's 'output array is read-only');
-    the broadcast slot would take its values into writable memory and train it."""
-    model = L.Classifier(L.Linear(4, 3))
-    model.predictor.W.array.flags.writeable = False
-    with pytest.raises(ValueError, match='output array is read-only'):
-        run_updates(chainer.training.updaters.StandardUpdater(
-            iterators(1)[0], set_up(model)), model, 1)
-    message = rejected(ValueError, r"^the model's parameters /predictor/W have read-only "
-                                   r'arrays \(flags\.writeable is False\)',
-                       optimizer=set_up(model), devices=devices, iterators=iterators(
-                           len(devices)))
-    assert 'disable_update()' in message and 'param.array.copy()' in message
-    optimizer = set_up(model)
-    model.predictor.disable_update()   # frozen: built and trained, W left as it is
-    before = model.predictor.W.array.copy()
-    updater = build(optimizer=optimizer, devices=devices, iterators=iterators(len(devices)))
-    try:
-        run_updates(updater, model, 1)
-    finally:
-        updater.finalize()
-    numpy.testing.assert_array_equal(model.predictor.W.array, before)
-
-
 @pytest.mark.parametrize('name, value, error, shown', [
     ('converter', 3, TypeError, r'3 of type int'),
     ('converter', None, TypeError, r'None'),

@@ -458,10 +458,15 @@ class SlotParams:
 
     The ordering contract makes this safe: the master changes its parameters only between
     updates (the optimizer step, extensions), after every worker's Done and before the
-    next Step, and a worker reads them only inside its update. :meth:`bind`, at every
-    begin, copies a parameter whose array was replaced since (a deserializer or an update
-    rule that assigns a new array, ``to_device``) into its slice and binds the view again;
-    a parameter that cannot be bound (another array type or shape) is copied, as before.
+    next Step, and a worker reads them only inside its update. The first :meth:`bind`
+    copies each parameter into its slice and binds the view; a parameter whose array
+    shares memory with another array of the model (:func:`overlapping`) or is read-only
+    is left as it is, and copied into the slot each update, so that the sharing stays
+    and a step that writes it fails as ``StandardUpdater``'s does. A parameter whose
+    array is replaced later (an extension's own buffer, another parameter's array to tie
+    them, an update rule that assigns a new array) keeps it, as under ``StandardUpdater``,
+    and is copied from then on; parameters that held one array at the start and no
+    longer do are refused (the slot carries that array once for both).
     :meth:`detach` copies the views off before the buffers are released, so that the
     model outlives the workers.
     """
@@ -470,24 +475,66 @@ class SlotParams:
         self.params, self.views = slot_views(comm, layouts, model)
         for name in overlapping(layouts.index_of(model)):
             self.views.pop(name, None)   # copied into the slot each update instead
+        for name in list(self.views):
+            array = self.params[name].array
+            if isinstance(array, numpy.ndarray) and not array.flags.writeable:
+                del self.views[name]   # likewise: the step writes it as it would alone
         self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
         self._every = frozenset(self.views)
+        self._bound = False
 
     def bind(self) -> FrozenSet[str]:
-        """The parameters whose arrays are their slices now (binding any that were
-        replaced, after copying their values in). (Every update: where all are bound
-        already, as after every step of the usual optimizers, it makes no new object.)"""
-        unbound = None
-        for name, param, view in self._pairs:
-            array = param.array
-            if array is not view:
+        """The parameters whose arrays are their slices now: at the first call, each that
+        can be, its values copied in; later, the same but those whose arrays were
+        replaced since, which keep their new arrays from then on. (Every update: where
+        nothing was replaced, as after every step of the usual optimizers, it makes no
+        new object.)"""
+        if not self._bound:
+            self._bound = True
+            unbound = []
+            for name, param, view in self._pairs:
+                array = param.array
                 if not (isinstance(array, numpy.ndarray) and array.dtype == view.dtype
                         and array.shape == view.shape):
-                    unbound = (unbound or []) + [name]
+                    unbound.append(name)   # another type or shape: copied, as before
                     continue
                 view[...] = array
                 param.array = view
-        return self._every if unbound is None else self._every.difference(unbound)
+            self._keep(unbound)
+            return self._every
+        replaced = None
+        for name, param, view in self._pairs:
+            if param.array is not view:
+                replaced = (replaced or []) + [name]
+        if replaced is not None:
+            self._keep(replaced)
+        return self._every
+
+    def _keep(self, names: List[str]) -> None:
+        """Leave the parameters ``names`` with the arrays they hold, copied into the slot
+        at each begin from now on; refuse where one shared its view with another (one
+        array at the start, Chainer's ``copy(mode='share')``, ``b.W.array = a.W.array``)."""
+        if not names:
+            return
+        gone = set(names)
+        for name in names:
+            view = self.views[name]
+            tied = sorted(other for other, v in self.views.items()
+                          if v is view and other != name)
+            if tied and any(self.params[other].array is not self.params[name].array
+                            for other in tied):
+                raise RuntimeError(
+                    f'the parameters {sorted([name] + tied)} held one array when the '
+                    "updater started, and now hold different ones: the buffers that carry "
+                    'parameters to the worker processes hold that array once for all of '
+                    'them, so the workers would not see them apart. Untie them before the '
+                    'first update, or finalize this updater and build a new one after the '
+                    'change')
+            gone.update(tied)   # replaced alike (the same new array): kept alike
+        for name in gone:
+            del self.views[name]
+        self._pairs = [(n, p, v) for n, p, v in self._pairs if n not in gone]
+        self._every = frozenset(self.views)
 
     def detach(self) -> None:
         """Parameters that are still views of the slot become copies, and the views go

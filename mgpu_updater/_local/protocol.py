@@ -84,7 +84,7 @@ import weakref
 
 import numpy
 
-from .._flat_buffers import ModelLayouts
+from .._flat_buffers import ModelLayouts, overlapping
 from .._loader import EpochInfo
 from .._replica import Replica, WindowResult
 from .board import MAILBOX, Board, posted_total
@@ -556,12 +556,18 @@ class ParamViews:
     before it sends Step, never while a worker computes (the ordering contract), and the
     worker never writes parameters; on the CPU the views are read-only, so that a model
     that did would fail loudly rather than change what other workers read. Array
-    persistents (BatchNorm's statistics, which the forward updates) are copied as before.
+    persistents (BatchNorm's statistics, which the forward updates) are copied as before,
+    and so are parameters whose arrays share memory with another array of the replica
+    (:func:`~mgpu_updater._flat_buffers.overlapping`: an array a link holds that is a
+    parameter's array, which the unpickled replica keeps as one object), so that the
+    sharing stays as on the master.
     With other backends nothing is bound and :meth:`bind` does nothing.
     """
 
     def __init__(self, comm: Any, layouts: ModelLayouts, model: Any) -> None:
         params, self.views = slot_views(comm, layouts, model)
+        for name in overlapping(layouts.index_of(model)):
+            self.views.pop(name, None)
         for view in self.views.values():
             if isinstance(view, numpy.ndarray):
                 view.flags.writeable = False
