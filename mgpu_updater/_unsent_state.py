@@ -115,14 +115,14 @@ class UnsentState:
         #: the thread that trains sees it (another one sees its own)
         self._config = _copied(config_values())
         self._config_thread = threading.get_ident()
+        #: updates begun (counted by due()), and how many of their windows the last look
+        #: (_last) came after: a change after the last window reached no update
+        self._updates = 0
+        self._looked_after = 0
         # the sets the model holds from the start, named before the first window; those
-        # its first forward makes, after it (after_window). What the first window changes
-        # since this walk is the forward's (L.Classifier's y, loss and accuracy): told
-        # apart from the start, for a finalize() after one update and an Evaluator.
+        # its first forward makes, after it (after_window)
         self._unordered: List[str] = []
-        self._initial_found: set = set()
-        self._initial: Optional[Dict[str, Any]] = self._walk(
-            self._unordered, as_found=self._initial_found)[0]
+        self._walk(self._unordered)
         if self._unordered:
             warn(_unordered_message(self._unordered), RuntimeWarning, stacklevel=4)
 
@@ -144,24 +144,23 @@ class UnsentState:
         return self._last is None or (self._begun is not None and self._windowed is None)
 
     def due(self) -> bool:
-        """Whether the start of this update is walked (a clock read at most)."""
+        """Whether the start of this update is walked (a clock read at most); asked at
+        the start of every update."""
+        self._updates += 1
         return self._last is not None and (self._begun is not None
                                            or self._clock() >= self._next)
 
     def after_window(self) -> None:
         if self._last is None:   # the first: what every replica holds from now on
             unordered: List[str] = []
-            found: set = set()
-            self._last, self._cost = self._walk(unordered, as_found=found)
-            initial, self._initial = self._initial or {}, None
-            self.forward.update(self._changed(initial, self._last))
-            self.forward.update(_rewritten(initial, self._last, self._initial_found & found))
+            self._last, self._cost = self._walk(unordered)
+            self._looked_after = self._updates
             self._built = _structure(self.roots)
             made = [path for path in unordered if path not in self._unordered]
             if made:
                 warn(_unordered_message(made), RuntimeWarning, stacklevel=4)
         else:
-            found = set()
+            found: set = set()
             self._windowed, cost = self._walk(as_found=found)
             self._cost += cost
             # now, while what the window left is held (a Variable is held weakly)
@@ -179,11 +178,17 @@ class UnsentState:
 
     def finish(self) -> None:
         """The updater is finalized: end the check in progress, or look once more (a value
-        the forward changes is then told apart only if an earlier check saw it)."""
+        the forward changes is then told apart only if an earlier check saw it), where a
+        window ran since the last look."""
         if self._last is None:
             return
         if self._begun is None or self._windowed is None:
             self._begun = self._windowed = None
+            if self._updates == self._looked_after:
+                # no window since the last look, which came after the last one: what
+                # changed since reached no update (an Evaluator's forward after the
+                # first, L.Classifier's y; an extension's value set after the last)
+                return
             now, _ = self._walk()
             self._report(self._changed(self._last, now), 'during training', stacklevel=4)
             self._check_structure('during training', stacklevel=4, fail=False)
@@ -202,6 +207,7 @@ class UnsentState:
         changed = dict(self._changed(last, begun))
         changed.update(self._changed(windowed, now))
         self._last, self._begun, self._windowed = now, None, None
+        self._looked_after = self._updates - 1   # at an update's start: its window to come
         self._next = self._clock() + max(INTERVAL, (self._cost + cost) / COST_SHARE)
         self._report({p: (last.get(p, v[0]), now.get(p, v[1])) for p, v in changed.items()},
                      when, stacklevel)

@@ -112,7 +112,8 @@ def test_an_array_edited_in_place_and_a_closure_value_are_named_by_path():
     _update(watch)
     model.mask[0] = 0.0
     state['beta'] = 2.0
-    message = _caught(watch.finish)         # a run of one update: named when finalized
+    _update(watch)                          # a run of two updates: named when finalized
+    message = _caught(watch.finish)
     assert 'changed during training' in message
     assert 'model.mask: an array (4,) float32 -> an array (4,) float32' in message
     assert "loss_func.state['beta']: 1.0 -> 2.0" in message
@@ -254,6 +255,7 @@ def test_a_converters_setting_is_named_too():
     watch = UnsentState({'model': Annealed(), 'converter': converter})
     _update(watch)
     converter.noise = 0.1
+    _update(watch)
     assert 'converter.noise: 0.0 -> 0.1' in _caught(watch.finish)
 
 
@@ -281,6 +283,7 @@ def test_a_warning_made_an_error_at_finalize_leaves_no_worker_behind():
     updater.update()
     pids = updater.worker_pids()
     model.beta = 1.0
+    updater.update()   # an update after the change (after none, it reached none)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         with pytest.raises(RuntimeWarning, match='do not receive them'):
@@ -350,23 +353,43 @@ def test_spectral_normalisations_vector_v_an_evaluator_moves_is_not_named():
     assert '.v:' not in message
 
 
-def test_what_the_first_window_writes_is_the_forwards_after_one_update_too():
-    """``L.Classifier`` writes ``y``, ``loss`` and ``accuracy`` at every call, None before
-    the first: after one update, an Evaluator's call and ``finalize()`` (a snapshot
-    loaded one update before the end) named them, no check having seen a window write
-    them. The walk before the first window tells."""
+def test_a_change_after_the_last_window_is_not_named_at_finalize():
+    """``L.Classifier`` writes ``y``, ``loss`` and ``accuracy`` at every call: after one
+    update, an Evaluator's call and ``finalize()`` (a snapshot loaded one update before the
+    end) named them, no check having seen a window write them. No update ran after the
+    change: it reached none, whoever made it."""
     model = Annealed()
     model.accuracy = None
-    values = iter([1.0, 0.5])
 
     def forward():
-        model.accuracy = chainer.Variable(np.asarray(next(values), np.float32))
+        model.accuracy = chainer.Variable(np.asarray(np.random.rand(), np.float32))
     watch = UnsentState({'model': model})
     assert _update(watch, forward) == ''   # the first window
     forward()   # as an Evaluator's call would
+    model.beta = 0.5
     assert _caught(watch.finish) == ''
-    model.beta = 0.5   # a value nothing wrote in the first window is still named
-    assert 'model.beta: 0.0 -> 0.5' in _caught(watch.finish)
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == ''
+    model.beta = 0.25   # an update runs after it: named at finalize
+    assert _update(watch) == ''
+    assert 'model.beta: 0.5 -> 0.25' in _caught(watch.finish)
+
+
+def test_a_value_the_first_call_makes_and_an_extension_changes_is_named():
+    """A mask made at the forward's first call (its size known only then), or a default
+    set there, then changed by an extension between updates: the replicas compute with
+    different values (0.09 and 0.75 off in four updates)."""
+    model = Annealed()
+    model.mask = None
+
+    def forward():
+        if model.mask is None:
+            model.mask = np.ones(4, np.float32)
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == ''
+    model.mask[0] = 0.0
+    message = _update(watch, forward) or _update(watch, forward)
+    assert 'model.mask: an array (4,) float32 -> an array (4,) float32' in message
 
 
 def test_two_replicas_name_nothing_after_one_update_and_an_evaluation():
@@ -441,6 +464,7 @@ def test_a_parameter_added_between_updates_raises_and_at_finalize_warns():
     late = UnsentState({'model': chainer.Sequential(chainer.links.Linear(4, 3))})
     _update(late)
     late.roots['model'][0].add_persistent('seen', 0)
+    _update(late)
     assert "added model/0/seen. The worker" in _caught(late.finish)
 
 
