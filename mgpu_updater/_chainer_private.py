@@ -20,7 +20,7 @@ and that no other module of the package uses these names.
 | `communicator._init_comms()` | comm/mpi | chainermn/communicators/pure_nccl_communicator.py:54-57 | none |
 | `chainer.config._local` | _inherit | chainer/configuration.py:66, 102 | none (f) |
 | `chainer._get_link_hooks()` | _inherit | chainer/__init__.py:127-132; chainer/link_hook.py:137-141 | none |
-| `SpectralNormalization._initialized` | _startup | chainer/link_hooks/spectral_normalization.py:165, 198-199, 252 | none |
+| `SpectralNormalization._initialized`, `._prepare_parameters` | _startup | chainer/link_hooks/spectral_normalization.py:165, 198-199, 215, 224-226, 252 | none |
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | `@static_graph`'s wrapper, its schedules and how its backward sets gradients | _replica, _unsent_state | chainer/graph_optimizations/static_graph.py:667-669, 914-918, 1274-1275, 1308-1317 | none |
 | reporter's "not registered" KeyError | _replica, updater | chainer/reporter.py:172-173 | none |
@@ -504,17 +504,25 @@ def thread_link_hooks() -> Dict[str, Any]:
     return dict(chainer._get_link_hooks())
 
 
-def unprepared_spectral_norms(model: chainer.Link) -> List[str]:
-    """The links of ``model`` (by path) with a ``SpectralNormalization`` hook that has
-    not drawn its vector ``u`` yet: added to a link whose weight had no array
-    (``L.Linear(None, n)``), it draws ``u`` from the random state and registers it as a
-    persistent at its first forward, whatever the weight holds by then
+def prepare_spectral_norms(model: chainer.Link) -> List[str]:
+    """Draw the vector ``u`` of each ``SpectralNormalization`` hook of ``model`` that has
+    not drawn it though its link's weight has an array, as the hook's first call would,
+    and return those links' paths. Added to a link whose weight had no array
+    (``L.Linear(None, n)``) and given one since (pretrained weights, a snapshot loaded), such
+    a hook draws ``u`` from the random state and registers it as a persistent (with
+    ``use_gamma``, ``gamma`` too) at its first call, whatever the weight holds by then
     (``self._initialized``: chainer/link_hooks/spectral_normalization.py:165, 198-199,
-    252)."""
+    252; ``_prepare_parameters``, which uses its input only where the weight has no
+    array: chainer/link_hooks/spectral_normalization.py:215, 224-226)."""
     from chainer.link_hooks import SpectralNormalization
-    return [path for path, link in model.namedlinks()
-            for hook in link.local_link_hooks.values()
-            if isinstance(hook, SpectralNormalization) and not hook._initialized]
+    prepared = []
+    for path, link in model.namedlinks():
+        for hook in link.local_link_hooks.values():
+            if isinstance(hook, SpectralNormalization) and not hook._initialized \
+                    and getattr(link, hook.weight_name).array is not None:
+                hook._prepare_parameters(link)
+                prepared.append(path)
+    return prepared
 
 
 # --------------------------------------------------------------------------------------

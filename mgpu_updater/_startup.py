@@ -22,7 +22,7 @@ import chainer
 
 from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
-                               set_persistent, unprepared_spectral_norms)
+                               prepare_spectral_norms, set_persistent)
 from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -87,6 +87,10 @@ def start(s: Settings) -> Started:
                          keep_examples=splits(chunking(s, own_index)))
     lazy = False
     try:
+        if len(s.devices) > 1 or s.communicator is not None:
+            # what a first call would draw on each replica, drawn once: the vector u of
+            # a SpectralNormalization on a lazy link whose weight was set since
+            prepare_spectral_norms(s.model)
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
@@ -248,16 +252,11 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
     part is its running statistics (zeros and ones, made at its first call); not for
     other persistents registered as None, which a first call may fill from its batch, and
     for which the pass would be one call more than ``StandardUpdater`` makes (a counter in
-    a plain attribute, a forward that runs only with backprop). It runs too where a
-    ``SpectralNormalization`` hook has not drawn its vector ``u`` (added to a lazy link
-    whose weight was set since: pretrained weights, a snapshot loaded), which its first
-    call draws and registers: once on the master, as ``StandardUpdater``'s first call
-    draws it, instead of once per replica. Returns whether it ran."""
+    a plain attribute, a forward that runs only with backprop). Returns whether it ran."""
     if (all(p.array is not None for p in model.params())
             and not any(isinstance(owner, chainer.links.BatchNormalization)
                         and persistent_value(owner, name) is None
-                        for _, owner, name in persistent_slots(model))
-            and not unprepared_spectral_norms(model)):
+                        for _, owner, name in persistent_slots(model))):
         return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1

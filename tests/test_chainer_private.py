@@ -68,6 +68,10 @@ _CITED: Dict[Tuple[str, str], str] = {
     ('chainer/link_hooks/spectral_normalization.py', '165'): 'self._initialized = False',
     ('chainer/link_hooks/spectral_normalization.py', '198-199'): 'if not self._initialized:',
     ('chainer/link_hooks/spectral_normalization.py', '252'): 'self._initialized = True',
+    ('chainer/link_hooks/spectral_normalization.py', '215'):
+        'def _prepare_parameters(self, link, input_variable=None):',
+    ('chainer/link_hooks/spectral_normalization.py', '224-226'):
+        'if input_variable is not None:',
     ('chainer/configuration.py', '102'): 'set(self._local.__dict__)',
     ('chainer/dataset/convert.py', '125-144'): 'def _call_converter(converter, batch, device)',
     ('chainer/datasets/dict_dataset.py', '27'): 'self._datasets = datasets',

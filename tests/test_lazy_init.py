@@ -244,6 +244,30 @@ def test_spectral_normalisation_of_a_lazy_link_whose_weight_was_set_draws_u_once
     np.testing.assert_allclose(model.predictor.W_u, reference.predictor.W_u, rtol=1e-5)
 
 
+class _CountedSpectralHead(_OptionalPersistent):
+    """A counted forward, and a lazy head under SpectralNormalization, its weight set
+    before the first call, which the forward never calls (another configuration's)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.aux = chainer.links.Linear(None, 2)
+        self.aux.add_hook(chainer.link_hooks.SpectralNormalization())
+        self.aux.W.initialize((2, 5))
+
+
+@pytest.mark.parametrize('devices', [['@numpy', '@numpy'], ['@numpy']])
+def test_spectral_normalisations_u_is_drawn_without_a_forward(devices):
+    """The vector is drawn as the hook's first call draws it, with no initialising pass
+    (one call more than StandardUpdater's, in test mode without backprop, where a loss
+    that needs a gradient fails), for a link no forward calls too; one replica draws it
+    at its first call, if any, as StandardUpdater does."""
+    model = _CountedSpectralHead()
+    _run(_ours(model, devices), 1)
+    assert model.calls == 1
+    assert hasattr(model.aux, 'W_u') == (len(devices) > 1)
+
+
 def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
     """``@static_graph`` (Chainer's static-graph MNIST example): the initialising pass runs
     define-by-run (``use_static_graph`` off), so that no schedule is built on the master
