@@ -226,10 +226,10 @@ class UnsentState:
         layout = _differences(built, now, 'layout')
         if layout:
             message = (f"the model's parameters or persistents changed {when}: {layout}. The "
-                       "worker processes' replicas keep those they were built with, and "
-                       'every update sums gradients of the two; change the model before '
-                       'the first update, or finalize this updater and build a new one '
-                       'after the change')
+                       "worker processes' replicas, and the buffers that carry parameters, "
+                       'gradients and persistents between them, keep those they were built '
+                       'with; change the model before the first update, or finalize this '
+                       'updater and build a new one after the change')
             if fail:
                 raise RuntimeError(message)
             warn(message, RuntimeWarning, stacklevel=stacklevel)
@@ -527,14 +527,27 @@ def _structure(roots: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _differences(built: Dict[str, Any], now: Dict[str, Any], key: str) -> str:
-    """What was added to and removed from ``built[key]``, in words ('' where nothing)."""
-    def listed(items: set) -> str:
-        names = sorted(f'{a} {b!r}' if key == 'hooks' else
-                       (a if b == 'persistent' else f'{a} {b}') for a, b in items)
+    """What was added to, removed from and (a parameter of another shape) reshaped in
+    ``built[key]``, in words ('' where nothing)."""
+    def listed(names: List[str]) -> str:
+        names = sorted(names)
         return ', '.join(names[:5]) + (f' (and {len(names) - 5} more)' if len(names) > 5 else '')
+
+    def named(items: set) -> List[str]:
+        return [f'{a} {b!r}' if key == 'hooks' else (a if b == 'persistent' else f'{a} {b}')
+                for a, b in items]
     added, removed = now[key] - built[key], built[key] - now[key]
-    words = ([f'added {listed(added)}'] if added else []) + \
-        ([f'removed {listed(removed)}'] if removed else [])
+    reshaped = []
+    if key == 'layout':
+        before = {path: shape for path, shape in removed if shape != 'persistent'}
+        for path, shape in sorted(added):
+            if path in before and shape != 'persistent':
+                reshaped.append(f'{path} {before[path]} -> {shape}')
+                added = added - {(path, shape)}
+                removed = removed - {(path, before[path])}
+    words = ([f'reshaped {listed(reshaped)}'] if reshaped else []) + \
+        ([f'added {listed(named(added))}'] if added else []) + \
+        ([f'removed {listed(named(removed))}'] if removed else [])
     return '; '.join(words)
 
 

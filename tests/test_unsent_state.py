@@ -468,6 +468,23 @@ def test_a_parameter_added_between_updates_raises_and_at_finalize_warns():
     assert "added model/0/seen. The worker" in _caught(late.finish)
 
 
+def test_a_parameter_replaced_by_one_of_another_shape_is_named_as_reshaped():
+    """Pruning by a smaller array between updates read 'added W (6, 5); removed W (8, 5)'
+    and spoke of summing the gradients of two models."""
+    model = chainer.Sequential(chainer.links.Linear(5, 8), chainer.links.Linear(8, 3))
+    watch = UnsentState({'model': model})
+    _update(watch)
+    model[0].W.array = model[0].W.array[:6].copy()
+    model[0].b.array = model[0].b.array[:6].copy()
+    _update(watch)
+    with pytest.raises(RuntimeError) as info:
+        _update(watch)
+    message = str(info.value)
+    assert ('changed between updates: reshaped model/0/W (8, 5) -> (6, 5), model/0/b (8,) '
+            '-> (6,). The worker') in message
+    assert 'added' not in message and 'removed' not in message
+
+
 def test_a_config_entry_changed_between_updates_is_named_once_and_a_scoped_one_not():
     """The workers take chainer.config once, at their start (_inherit): an extension that
     sets an entry a forward reads (chainer.config.x = v, global or this thread's) leaves
