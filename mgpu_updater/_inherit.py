@@ -132,9 +132,10 @@ def warn_thread_hooks(workers: int) -> None:
     hooks += [f'link hook {name!r}' for name in thread_link_hooks()]
     if not hooks:
         return
+    processes = 'worker process runs' if workers == 1 else f'{workers} worker processes run'
     warn(f"hooks registered in this thread (with hook: ...) act on the master's replica "
-         f'only: {", ".join(hooks)}. Chainer keeps such hooks per thread, and the worker '
-         f'processes ({workers}) run none. A hook that only looks (TimerHook, PrintHook) '
+         f'only: {", ".join(hooks)}. Chainer keeps such hooks per thread, and the '
+         f'{processes} none. A hook that only looks (TimerHook, PrintHook) '
          "sees the master's share of each update; one that changes the computation "
          "changes the master's replica alone, so the update is not StandardUpdater's. "
          'Add a link hook to the links of the model instead (link.add_hook(hook) for '

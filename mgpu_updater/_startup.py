@@ -232,7 +232,7 @@ def _refuse_shared(model: chainer.Link, replica: chainer.Link) -> None:
             where = 'model' + (name.replace('/', '.') if name != '/' else '')
             raise TypeError(
                 f'copy.deepcopy(model) returned {where} ({type(obj).__name__}) itself, '
-                'not a copy: its __deepcopy__ (or one of a link above it) returns the '
+                'not a copy: its __deepcopy__ (or that of a link above it) returns the '
                 'object it was given. Each worker needs a copy of its own: let Chainer '
                 'copy the link (drop the __deepcopy__), or return a deep copy from it')
 

@@ -369,9 +369,10 @@ def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,
     for i, it in enumerate(worker_iterators, start=1):
         picklable(f'iterators[{i}]', it, 'Its dataset must be picklable (e.g. arrays or a '
                   'TupleDataset), not a generator or an open file; open files lazily in '
-                  '__getitem__, and leave the handle out of the pickle (a __getstate__ '
-                  'that drops it): the master reads its first batches before the workers '
-                  'start, and a dataset object its shard shares has opened it by then.')
+                  'get_example (or __getitem__), and leave the handle out of the pickle (a '
+                  '__getstate__ that drops it): the master reads its first batches before '
+                  'the workers start, and a dataset object its shard shares has opened it '
+                  'by then.')
 
 
 def opened_since(worker_iterators: Dict[int, Any]) -> None:
@@ -382,10 +383,10 @@ def opened_since(worker_iterators: Dict[int, Any]) -> None:
     for rank in sorted(worker_iterators):
         picklable(f'iterators[{rank}]', worker_iterators[rank],
                   'It pickled when the updater was built: its dataset opened this since, '
-                  "as the master read its first batches (through a dataset object the "
-                  "master's shard shares). Leave it out of the pickle, a __getstate__ that "
-                  'drops it (to be opened again where it is used), or give each replica a '
-                  'dataset object of its own.')
+                  'when something read it (the master reads its first batches before the '
+                  'workers start, through a dataset object its shard may share). Leave it '
+                  'out of the pickle: a __getstate__ that drops it (to be opened again '
+                  'where it is used); or give each replica a dataset object of its own.')
 
 
 def picklable(name: str, value: Any, resource_hint: str) -> None:

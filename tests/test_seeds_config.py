@@ -366,7 +366,7 @@ def test_hooks_registered_in_the_training_thread_are_named_as_the_masters_alone(
     counting = _Counting()
     with pytest.warns(RuntimeWarning, match=r"hooks registered in this thread .* act on the "
                       r"master's replica only: function hook 'Counting', link hook "
-                      r"'ScaleLinearInputs'\. .* worker processes \(1\) run none"):
+                      r"'ScaleLinearInputs'\. .* the worker process runs none"):
         train(counting, _ScaleLinearInputs())
     assert counting.rows == 4   # the master's batch; the worker's 4 rows went unseen
     with warnings.catch_warnings():

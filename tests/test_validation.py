@@ -492,7 +492,7 @@ def test_generator_dataset():
         TypeError, r"^iterators\[1\] \(SerialIterator\) cannot be sent to a worker process: "
                    r"TypeError: cannot pickle 'generator' object; the culprit is "
                    r'iterators\[1\]\.dataset\.rows \(<generator object', iterators=its)
-    assert 'open files lazily in __getitem__' in message
+    assert 'open files lazily in get_example (or __getitem__)' in message
 
 
 def test_closure_over_an_open_file(tmp_path):
