@@ -16,7 +16,7 @@ The order matters and is kept here in one place:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import chainer
 
@@ -62,6 +62,7 @@ class Settings(NamedTuple):
     nonfinite: Optional[str] = None          # the non-finite loss policy (MPI ranks agree)
     restarts: Any = None            # _restarts.RestartLog (max_worker_restarts > 0), or None
     optimizer: Any = None           # the master's optimizer (MPI ranks compare theirs)
+    kept_arrays: FrozenSet[str] = frozenset()   # parameters keeping the user's arrays
 
 
 class Started(NamedTuple):
@@ -87,15 +88,16 @@ def start(s: Settings) -> Started:
                          keep_examples=splits(chunking(s, own_index)))
     lazy = False
     try:
-        if len(s.devices) > 1 or s.communicator is not None:
-            # what a first call would draw on each replica, drawn once: the vector u of
-            # a SpectralNormalization on a lazy link whose weight was set since
-            prepare_spectral_norms(s.model)
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
             lazy = initialize_lazy_params(s.model, s.loss_func, s.iterator, s.converter,
                                           master_device)
+        if len(s.devices) > 1 or s.communicator is not None:
+            # what a first call would draw on each replica, drawn once: the vector u of
+            # a SpectralNormalization on a lazy link whose weight was set since (after
+            # the pass, which draws it in the forward's order where it calls the link)
+            prepare_spectral_norms(s.model)
         nominal = s.nominal_samples
         group: Group = SoloGroup(s.model)
         if s.communicator is not None:
@@ -193,7 +195,7 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
                       s.start_method, s.start_timeout, s.stall_warning, s.update_timeout,
-                      restarts=s.restarts)
+                      restarts=s.restarts, kept=s.kept_arrays)
 
 
 def _uncopyable(model: chainer.Link, exc: Exception, lazy: bool) -> TypeError:

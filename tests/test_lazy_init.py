@@ -268,6 +268,33 @@ def test_spectral_normalisations_u_is_drawn_without_a_forward(devices):
     assert hasattr(model.aux, 'W_u') == (len(devices) > 1)
 
 
+class _LazyThenSpectral(chainer.Chain):
+    """A lazy link, then a lazy link under SpectralNormalization whose weight was set:
+    the initialising pass draws the first's weights and then the second's u, in the
+    forward's order, as StandardUpdater's first call does."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = chainer.links.Linear(None, 5)
+            self.l2 = chainer.links.Linear(None, 3)
+        self.l2.add_hook(chainer.link_hooks.SpectralNormalization())
+        self.l2.W.initialize((3, 5))
+
+    def forward(self, x, t):
+        return chainer.functions.softmax_cross_entropy(
+            self.l2(chainer.functions.tanh(self.l1(x))), t)
+
+
+def test_spectral_normalisations_u_is_drawn_in_the_forwards_order_after_a_lazy_link():
+    """Drawn before the initialising pass, u took the numbers the lazy link's weights
+    take under StandardUpdater (1.5 off in three updates)."""
+    def make():
+        np.random.seed(11)   # the weight set before the first call
+        return _LazyThenSpectral()
+    _trains_as_standard_updater(make, ['@numpy', '@numpy'], rtol=1e-5, updates=3)
+
+
 def test_a_static_graph_with_lazy_links_trains_as_standard_updater():
     """``@static_graph`` (Chainer's static-graph MNIST example): the initialising pass runs
     define-by-run (``use_static_graph`` off), so that no schedule is built on the master

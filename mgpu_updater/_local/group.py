@@ -50,7 +50,8 @@ class LocalGroup(Group):
                  start_method: str, start_timeout: float,
                  stall_warning: Optional[float] = None,
                  update_timeout: Optional[float] = None,
-                 restarts: Optional[RestartLog] = None) -> None:
+                 restarts: Optional[RestartLog] = None,
+                 kept: FrozenSet[str] = frozenset()) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -70,7 +71,7 @@ class LocalGroup(Group):
         self.board: Optional[Board] = None
         try:
             self.grads = SummedGrads(layouts, self.comm, model)
-            self.params = SlotParams(layouts, self.comm, model)
+            self.params = SlotParams(layouts, self.comm, model, kept)
             if self.comm.packs_in_shared_memory and STORE_ORDER:
                 self.board = Board.create(self.size, spin_for(self.size, available_cores()))
         except BaseException:
@@ -310,6 +311,9 @@ class LocalGroup(Group):
     def pids(self) -> List[int]:
         return self.pool.pids()
 
+    def kept_arrays(self) -> FrozenSet[str]:
+        return self.params.kept if hasattr(self, 'params') else frozenset()
+
     def close(self, abort: bool = False) -> None:
         try:
             try:
@@ -471,17 +475,34 @@ class SlotParams:
     model outlives the workers.
     """
 
-    def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link) -> None:
+    def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link,
+                 kept: FrozenSet[str] = frozenset()) -> None:
+        """``kept``: parameters that kept their own arrays under the updater's last start
+        (:attr:`kept`), kept again where they still hold one of their own."""
         self.params, self.views = slot_views(comm, layouts, model)
-        for name in overlapping(layouts.index_of(model)):
+        #: every view, by name, as made: what :meth:`detach` copies off
+        self._made = dict(self.views)
+        index = layouts.index_of(model)
+        for name in overlapping(index):
             self.views.pop(name, None)   # copied into the slot each update instead
+        tied = set(index.aliases) | set(index.aliases.values())
         for name in list(self.views):
-            array = self.params[name].array
-            if isinstance(array, numpy.ndarray) and not array.flags.writeable:
+            param = self.params[name]
+            array = param.array
+            if (isinstance(array, numpy.ndarray) and not array.flags.writeable
+                    and param.update_rule is not None and param.update_rule.enabled):
                 del self.views[name]   # likewise: the step writes it as it would alone
+            elif name in kept and name not in tied:
+                del self.views[name]   # an array the user gave it: its own still
         self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
         self._every = frozenset(self.views)
         self._bound = False
+
+    @property
+    def kept(self) -> FrozenSet[str]:
+        """The parameters whose arrays were replaced after the first bind, which keep them
+        (what a next start of the updater must keep too)."""
+        return frozenset(self._made) - self._every
 
     def bind(self) -> FrozenSet[str]:
         """The parameters whose arrays are their slices now: at the first call, each that
@@ -529,7 +550,9 @@ class SlotParams:
                     'parameters to the worker processes hold that array once for all of '
                     'them, so the workers would not see them apart. Untie them before the '
                     'first update, or finalize this updater and build a new one after the '
-                    'change')
+                    'change (an update rule that gives each its own new array at every '
+                    'step, as use_fp32_update() does, unties them at the first: give each '
+                    'its own array before the first update)')
             gone.update(tied)   # replaced alike (the same new array): kept alike
         for name in gone:
             del self.views[name]
@@ -537,14 +560,16 @@ class SlotParams:
         self._every = frozenset(self.views)
 
     def detach(self) -> None:
-        """Parameters that are still views of the slot become copies, and the views go
-        (as :meth:`SummedGrads.detach`)."""
-        copies: Dict[int, Any] = {}   # one copy of a view several parameters hold
-        for name, view in self.views.items():
-            param = self.params[name]
-            if param.array is view:
+        """Parameters that hold a view of the slot become copies, one copy of each view
+        however many hold it (one kept, tied to another's, takes that one's copy), and the
+        views go (as :meth:`SummedGrads.detach`)."""
+        views = {id(view): view for view in self._made.values()}
+        copies: Dict[int, Any] = {}
+        for param in self.params.values():
+            view = views.get(id(param.array))
+            if view is not None:
                 param.array = copies.setdefault(id(view), view.copy())
-        self.views, self._pairs = {}, []
+        self.views, self._pairs, self._made = {}, [], {}
 
 
 
