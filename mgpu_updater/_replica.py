@@ -773,8 +773,8 @@ class Replica:
                 f'{self.name}: its model changed during its first update: the persistents '
                 f'{added} were None or not yet registered when the replicas were copied '
                 'and became arrays in the forward, where each replica gives them its own '
-                'values and no update can '
-                'carry arrays it did not start with. Give them their arrays in __init__ '
+                'values and no update can carry arrays it did not start with. Give them '
+                'their arrays in __init__ '
                 "(self.add_persistent('buf', numpy.zeros(n, 'f')); a link of Chainer's: "
                 'its size, L.BatchNormalization(n))')
         if changed and not added and not gone and set(changed) <= arrays:

@@ -464,9 +464,10 @@ class SlotParams:
     updates (the optimizer step, extensions), after every worker's Done and before the
     next Step, and a worker reads them only inside its update. The first :meth:`bind`
     copies each parameter into its slice and binds the view; a parameter whose array
-    shares memory with another array of the model (:func:`overlapping`) or is read-only
-    is left as it is, and copied into the slot each update, so that the sharing stays
-    and a step that writes it fails as ``StandardUpdater``'s does. A parameter whose
+    shares memory with another array of the model (:func:`overlapping`), or is read-only
+    and stepped, is left as it is, and copied into the slot each update, so that the
+    sharing stays and a step that writes it fails as ``StandardUpdater``'s does (a frozen
+    read-only one is bound: nothing writes it). A parameter whose
     array is replaced later (an extension's own buffer, another parameter's array to tie
     them, an update rule that assigns a new array) keeps it, as under ``StandardUpdater``,
     and is copied from then on; parameters that held one array at the start and no
@@ -478,7 +479,8 @@ class SlotParams:
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link,
                  kept: FrozenSet[str] = frozenset()) -> None:
         """``kept``: parameters that kept their own arrays under the updater's last start
-        (:attr:`kept`), kept again where they still hold one of their own."""
+        (:attr:`kept`), kept again but where they now hold one array with another
+        parameter (tied between updates: bound together, as such a pair at a start)."""
         self.params, self.views = slot_views(comm, layouts, model)
         #: every view, by name, as made: what :meth:`detach` copies off
         self._made = dict(self.views)
