@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import chainer
 
@@ -103,10 +103,11 @@ class Group(abc.ABC):
     def pids(self) -> List[int]:
         return []
 
-    def kept_arrays(self) -> FrozenSet[str]:
-        """The parameters (by name) that keep arrays the user gave them during training,
-        for the updater's next start to keep (:class:`~._local.group.SlotParams`)."""
-        return frozenset()
+    def detached(self) -> Any:
+        """After :meth:`close`, what the next start of the workers needs to tell the
+        arrays the user gave parameters from the copies the close gave them
+        (:class:`~._local.group.Detached`), or None."""
+        return None
 
     def close(self, abort: bool = False) -> None:
         pass

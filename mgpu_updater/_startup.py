@@ -16,7 +16,7 @@ The order matters and is kept here in one place:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import chainer
 
@@ -62,7 +62,7 @@ class Settings(NamedTuple):
     nonfinite: Optional[str] = None          # the non-finite loss policy (MPI ranks agree)
     restarts: Any = None            # _restarts.RestartLog (max_worker_restarts > 0), or None
     optimizer: Any = None           # the master's optimizer (MPI ranks compare theirs)
-    kept_arrays: FrozenSet[str] = frozenset()   # parameters keeping the user's arrays
+    detached: Any = None            # what the last close gave the parameters, or None
 
 
 class Started(NamedTuple):
@@ -195,7 +195,7 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
                       s.start_method, s.start_timeout, s.stall_warning, s.update_timeout,
-                      restarts=s.restarts, kept=s.kept_arrays)
+                      restarts=s.restarts, detached=s.detached)
 
 
 def _uncopyable(model: chainer.Link, exc: Exception, lazy: bool) -> TypeError:

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import chainer
 import numpy
@@ -238,9 +238,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         new_updater()   # this updater's warnings are shown, whatever an earlier one showed
         self._finalized = False
         self._group: Group = ClosedGroup()
-        #: parameters that keep arrays the user gave them during training (a next start
-        #: of the workers, after finalize() or a snapshot's load, keeps them too)
-        self._kept_arrays: FrozenSet[str] = frozenset()
+        #: the arrays the last teardown gave the parameters (_local.group.Detached): a
+        #: next start of the workers (after finalize(), a snapshot's load) binds those
+        #: and leaves any other array a parameter holds (the user's) as it is
+        self._detached: Any = None
         self.accumulate_steps = _validate.positive_int('accumulate_steps', accumulate_steps)
         self.prefetch = _validate.prefetch(prefetch)
         self.nonfinite = _validate.non_finite_policy(nonfinite)
@@ -412,7 +413,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             reuse_host_memory=reuse, read_values=self._loss_first,
             stall_warning=self.stall_warning, update_timeout=self.update_timeout,
             core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
-            optimizer=self.get_optimizer('main'), kept_arrays=self._kept_arrays))
+            optimizer=self.get_optimizer('main'), detached=self._detached))
         self._loader, self._replica, self._group, self._nominal_samples = started
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main
@@ -945,10 +946,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         else:   # keep the gradient in flight, off the buffers that are about to go
             self._step.detach()
         group, self._group = self._group, ClosedGroup()
-        if not isinstance(group, ClosedGroup):
-            # what the next start keeps (arrays the user gave parameters), before the
-            # close copies the buffers' views off
-            self._kept_arrays = group.kept_arrays()
         states = None   # the workers' iterator states, asked before they stop
         interrupted: Optional[BaseException] = None
         if self._worker_iterators and not isinstance(group, ClosedGroup):
@@ -970,6 +967,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         used = self._loader.state() if self._loader is not None else None
         try:
             group.close(abort=abort)
+            if not isinstance(group, ClosedGroup):
+                self._detached = group.detached()
         finally:
             binding = getattr(self, '_binding', None)
             if binding is not None:

@@ -7,6 +7,7 @@ what each worker needs (:mod:`mgpu_updater._payload`).
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import chainer
@@ -51,7 +52,7 @@ class LocalGroup(Group):
                  stall_warning: Optional[float] = None,
                  update_timeout: Optional[float] = None,
                  restarts: Optional[RestartLog] = None,
-                 kept: FrozenSet[str] = frozenset()) -> None:
+                 detached: Optional['Detached'] = None) -> None:
         self.size = len(devices)
         self.model = model
         self.layouts = layouts
@@ -71,7 +72,7 @@ class LocalGroup(Group):
         self.board: Optional[Board] = None
         try:
             self.grads = SummedGrads(layouts, self.comm, model)
-            self.params = SlotParams(layouts, self.comm, model, kept)
+            self.params = SlotParams(layouts, self.comm, model, detached)
             if self.comm.packs_in_shared_memory and STORE_ORDER:
                 self.board = Board.create(self.size, spin_for(self.size, available_cores()))
         except BaseException:
@@ -311,8 +312,8 @@ class LocalGroup(Group):
     def pids(self) -> List[int]:
         return self.pool.pids()
 
-    def kept_arrays(self) -> FrozenSet[str]:
-        return self.params.kept if hasattr(self, 'params') else frozenset()
+    def detached(self) -> Optional['Detached']:
+        return getattr(getattr(self, 'params', None), 'detached', None)
 
     def close(self, abort: bool = False) -> None:
         try:
@@ -467,44 +468,45 @@ class SlotParams:
     shares memory with another array of the model (:func:`overlapping`), or is read-only
     and stepped, is left as it is, and copied into the slot each update, so that the
     sharing stays and a step that writes it fails as ``StandardUpdater``'s does (a frozen
-    read-only one is bound: nothing writes it). A parameter whose
-    array is replaced later (an extension's own buffer, another parameter's array to tie
-    them, an update rule that assigns a new array) keeps it, as under ``StandardUpdater``,
-    and is copied from then on; parameters that held one array at the start and no
-    longer do are refused (the slot carries that array once for both).
-    :meth:`detach` copies the views off before the buffers are released, so that the
-    model outlives the workers.
+    read-only one is bound, nothing writes it, and gets its own array back if its update
+    rule is enabled later). A parameter whose array is replaced later (an extension's own
+    buffer, another parameter's array to tie them, an update rule that assigns a new
+    array) keeps it, as under ``StandardUpdater``, and is copied from then on; parameters
+    that held one array at the start and no longer do are refused (the slot carries that
+    array once for both). :meth:`detach` copies the views off before the buffers are
+    released, so that the model outlives the workers; at the next start of the workers
+    (:class:`Detached`) the parameters that hold those copies are bound again, and those
+    that hold the user's arrays keep them.
     """
 
     def __init__(self, layouts: ModelLayouts, comm: Any, model: chainer.Link,
-                 kept: FrozenSet[str] = frozenset()) -> None:
-        """``kept``: parameters that kept their own arrays under the updater's last start
-        (:attr:`kept`), kept again but where they now hold one array with another
-        parameter (tied between updates: bound together, as such a pair at a start)."""
+                 detached: Optional['Detached'] = None) -> None:
+        """``detached``: at a later start of the updater's workers, the arrays the last
+        :meth:`detach` gave the parameters; a parameter that holds any other holds one
+        the user gave it (an extension's buffer, tied or not), which it keeps."""
         self.params, self.views = slot_views(comm, layouts, model)
         #: every view, by name, as made: what :meth:`detach` copies off
         self._made = dict(self.views)
-        index = layouts.index_of(model)
-        for name in overlapping(index):
+        #: what :meth:`detach` gave the parameters, once it ran
+        self.detached: Optional[Detached] = None
+        #: bound parameters whose own array was read-only (a frozen embedding): given it
+        #: back if their update rule is enabled later, so that the step fails as alone
+        self._read_only: List[Tuple[str, chainer.Parameter, Any]] = []
+        for name in overlapping(layouts.index_of(model)):
             self.views.pop(name, None)   # copied into the slot each update instead
-        tied = set(index.aliases) | set(index.aliases.values())
         for name in list(self.views):
             param = self.params[name]
             array = param.array
-            if (isinstance(array, numpy.ndarray) and not array.flags.writeable
-                    and param.update_rule is not None and param.update_rule.enabled):
-                del self.views[name]   # likewise: the step writes it as it would alone
-            elif name in kept and name not in tied:
+            if isinstance(array, numpy.ndarray) and not array.flags.writeable:
+                if param.update_rule is not None and param.update_rule.enabled:
+                    del self.views[name]   # likewise: the step writes it as it would alone
+                    continue
+                self._read_only.append((name, param, array))
+            if detached is not None and array not in detached:
                 del self.views[name]   # an array the user gave it: its own still
         self._pairs = [(name, self.params[name], view) for name, view in self.views.items()]
         self._every = frozenset(self.views)
         self._bound = False
-
-    @property
-    def kept(self) -> FrozenSet[str]:
-        """The parameters whose arrays were replaced after the first bind, which keep them
-        (what a next start of the updater must keep too)."""
-        return frozenset(self._made) - self._every
 
     def bind(self) -> FrozenSet[str]:
         """The parameters whose arrays are their slices now: at the first call, each that
@@ -525,6 +527,8 @@ class SlotParams:
                 param.array = view
             self._keep(unbound)
             return self._every
+        if self._read_only:
+            self._unfrozen()
         replaced = None
         for name, param, view in self._pairs:
             if param.array is not view:
@@ -532,6 +536,18 @@ class SlotParams:
         if replaced is not None:
             self._keep(replaced)
         return self._every
+
+    def _unfrozen(self) -> None:
+        """A read-only parameter bound while frozen whose update rule is enabled now gets
+        its own array back (its values unchanged: nothing stepped it), which the step
+        then fails to write, as ``StandardUpdater``'s does."""
+        for entry in list(self._read_only):
+            name, param, own = entry
+            rule = param.update_rule
+            if rule is not None and rule.enabled:
+                self._read_only.remove(entry)
+                if param.array is self.views.get(name):
+                    param.array = own
 
     def _keep(self, names: List[str]) -> None:
         """Leave the parameters ``names`` with the arrays they hold, copied into the slot
@@ -572,6 +588,21 @@ class SlotParams:
             if view is not None:
                 param.array = copies.setdefault(id(view), view.copy())
         self.views, self._pairs, self._made = {}, [], {}
+        self.detached = Detached(copies.values())
+
+
+class Detached:
+    """The arrays a :meth:`SlotParams.detach` gave the parameters, by identity (held
+    weakly): at the next start of the updater's workers, a parameter that holds one of
+    them is bound to the new slot, as every parameter at the first start; one that holds
+    any other array holds one the user gave it since the first start, which it keeps."""
+
+    def __init__(self, arrays: Any) -> None:
+        self._held = {id(a): weakref.ref(a) for a in arrays}
+
+    def __contains__(self, array: Any) -> bool:
+        ref = self._held.get(id(array))
+        return ref is not None and ref() is array
 
 
 
