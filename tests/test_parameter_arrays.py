@@ -192,6 +192,16 @@ def test_an_array_a_link_holds_for_its_forward_stays_the_parameters_on_every_rep
     assert ours.predictor.held is ours.predictor.a.W.array
 
 
+def _restart(updater, how, path):
+    """What starts the workers anew at the next update: ``finalize()`` (training goes on
+    after it), or a snapshot saved and loaded into the running updater."""
+    if how == 'finalize':
+        updater.finalize()
+    else:
+        chainer.serializers.save_npz(path, updater)
+        chainer.serializers.load_npz(path, updater)
+
+
 @pytest.mark.parametrize('restart', ['finalize', 'snapshot'])
 def test_arrays_given_and_ties_made_between_updates_outlast_a_restart(restart, tmp_path):
     """``finalize()`` (training goes on after it) and a snapshot loaded into the running
@@ -207,12 +217,7 @@ def test_arrays_given_and_ties_made_between_updates_outlast_a_restart(restart, t
             net.b.W.array = buffers[id(model)]
             net.b.b.array = net.a.b.array
         elif u == 1:
-            if restart == 'finalize':
-                updater.finalize()
-            else:
-                path = str(tmp_path / f'{id(model)}.npz')
-                chainer.serializers.save_npz(path, updater)
-                chainer.serializers.load_npz(path, updater)
+            _restart(updater, restart, str(tmp_path / f'{id(model)}.npz'))
         elif u == 2:
             np.clip(buffers[id(model)], -0.05, 0.05, out=buffers[id(model)])
         assert net.b.W.array is buffers[id(model)]
@@ -235,12 +240,7 @@ def test_a_buffer_two_parameters_share_outlasts_a_restart(restart, tmp_path):
             buffers[id(model), 'b'] = net.out.b.array.copy()
             net.out.b.array = buffers[id(model), 'b']
         elif u == 1:
-            if restart == 'finalize':
-                updater.finalize()
-            else:
-                path = str(tmp_path / f'{id(model)}.npz')
-                chainer.serializers.save_npz(path, updater)
-                chainer.serializers.load_npz(path, updater)
+            _restart(updater, restart, str(tmp_path / f'{id(model)}.npz'))
         elif u == 2:
             np.clip(buffers[id(model)], -0.05, 0.05, out=buffers[id(model)])
             buffers[id(model), 'b'][...] = 0.5
