@@ -164,6 +164,9 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
         def close(self, abort=False):
             pass
 
+        def detached(self):
+            return None
+
     monkeypatch.setattr(_startup, 'LocalGroup', Capture)
     model = SelfLoss()
     opt = setup_optimizer('sgd', model)

@@ -263,3 +263,47 @@ def test_a_frozen_read_only_parameter_enabled_later_fails_its_step_as_alone():
     for standard in (True, False):
         with pytest.raises(ValueError, match='read-only'):
             _train_both(prepare=prepare, between=between, only=standard)
+
+
+@pytest.mark.parametrize('restart', ['finalize', 'snapshot'])
+def test_a_frozen_read_only_parameter_stays_read_only_past_a_restart(restart, tmp_path):
+    """The close gave it a writable copy: enabled after the restart, it trained where
+    StandardUpdater's step fails (and it is bound again, not copied every update)."""
+    def prepare(model):
+        _read_only(model)
+        model.predictor.a.disable_update()
+
+    def between(model, u, updater):
+        if u == 1:
+            if isinstance(updater, ParallelAccumulatingUpdater):
+                _restart(updater, restart, str(tmp_path / 'snapshot.npz'))
+            assert not model.predictor.a.W.array.flags.writeable
+        if u == 2:
+            if isinstance(updater, ParallelAccumulatingUpdater):
+                assert '/predictor/a/W' in updater._group.params._every
+            model.predictor.a.enable_update()
+    for standard in (True, False):
+        with pytest.raises(ValueError, match='read-only'):
+            _train_both(prepare=prepare, between=between, only=standard)
+
+
+def test_a_run_closed_before_its_first_update_keeps_what_the_last_close_gave():
+    """A close before any parameter was bound (an interrupt at the start) recorded that
+    it gave nothing: every later start took every array for the user's, and copied each
+    parameter every update for good."""
+    model = _make()
+    opt = chainer.optimizers.SGD()
+    opt.setup(model)
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(dataset(B * 4, seed=40 + r), B) for r in range(N)],
+        opt, devices=['@numpy'] * N)
+    try:
+        run_updates(updater, model, 1)
+        updater.finalize()
+        updater._start()   # the workers started, then stopped before any update
+        updater.finalize()
+        run_updates(updater, model, 1)
+        names = {name for name, _ in model.namedparams()}
+        assert updater._group.params._every == names
+    finally:
+        updater.finalize()

@@ -487,8 +487,9 @@ class SlotParams:
         self.params, self.views = slot_views(comm, layouts, model)
         #: every view, by name, as made: what :meth:`detach` copies off
         self._made = dict(self.views)
-        #: what :meth:`detach` gave the parameters, once it ran
-        self.detached: Optional[Detached] = None
+        #: what :meth:`detach` gave the parameters, once it ran (until then, what the
+        #: last one gave them: a run closed before its first bind changed nothing)
+        self.detached: Optional[Detached] = detached
         #: bound parameters whose own array was read-only (a frozen embedding): given it
         #: back if their update rule is enabled later, so that the step fails as alone
         self._read_only: List[Tuple[str, chainer.Parameter, Any]] = []
@@ -580,14 +581,21 @@ class SlotParams:
     def detach(self) -> None:
         """Parameters that hold a view of the slot become copies, one copy of each view
         however many hold it (one kept, tied to another's, takes that one's copy), and the
-        views go (as :meth:`SummedGrads.detach`)."""
+        views go (as :meth:`SummedGrads.detach`). A read-only parameter bound while frozen
+        gets its own array back where the view still holds its values."""
+        if not self._bound:
+            return   # nothing bound: the parameters hold what they held
         views = {id(view): view for view in self._made.values()}
         copies: Dict[int, Any] = {}
+        for name, param, own in self._read_only:
+            view = self.views.get(name)
+            if param.array is view and numpy.array_equal(view, own):
+                param.array = copies[id(view)] = own
         for param in self.params.values():
             view = views.get(id(param.array))
             if view is not None:
                 param.array = copies.setdefault(id(view), view.copy())
-        self.views, self._pairs, self._made = {}, [], {}
+        self.views, self._pairs, self._made, self._read_only = {}, [], {}, []
         self.detached = Detached(copies.values())
 
 
