@@ -945,9 +945,10 @@ def _parts_of(obj: Any) -> List[Any]:
 
 _LOSS_FUNC_FIX = (
     'Whatever the loss_func holds that is the model or one of its links (itself, a '
-    'method, a closure, a partial, an attribute) means the replica in each worker; one '
-    'that reaches the model another way (a global variable) computes with its own copy in '
-    'the worker. Hold the model in loss_func, or pass a function of the model\'s outputs')
+    'method, a closure, a partial, an attribute, a global of the script itself) means the '
+    'replica in each worker; one that reaches the model another way (a global of an '
+    'imported module) computes with that module\'s own copy in the worker. Hold the model '
+    'in loss_func, or pass a function of the model\'s outputs')
 
 
 def _gradient_marks(params: List[chainer.Parameter], full: bool) -> List[Any]:
