@@ -1,14 +1,16 @@
-"""Module globals the workers import afresh: what the master's copies read there, compared.
+"""Module globals and code the workers import afresh: what the master's copies read
+there, compared.
 
 The model, ``loss_func`` and the converter reach each worker pickled. What the script
 defines in its main module travels by value, with the globals its functions read; what
 an imported module of the user's defines (``models.py``'s ``Net``) travels by name, and
 the worker imports that module again from its file. A global the script set at run time
 in such a module (``config.SCALE = args.scale``, argparse style), a function replaced
-there (a monkeypatch), or a value in the file edited since the master imported it (a
-worker restarted after an edit) then hold in the master only: the replicas compute
-otherwise, and nothing fails. Moving the model from ``train.py`` into ``models.py``
-changed the result.
+there (a monkeypatch), or a value or a function's code in the file edited since the
+master imported it (a notebook's kernel that keeps running, a worker restarted after an
+edit: the workers run the file as it is now, the master its old code) then differ
+between the replicas: they compute otherwise, and nothing fails. Moving the model from
+``train.py`` into ``models.py`` changed the result.
 
 So the master takes a fingerprint of what its copies' forward reads in the user's modules
 (:func:`fingerprints`): the modules that define the classes and functions the payload
@@ -17,19 +19,30 @@ outside the standard library and the installed packages. The code read is that o
 forward (``forward``, ``__call__``, the ``loss_func`` and converter where they are the
 user's module's) and of what it calls by name, followed name by name; of each module, the
 globals that code names: a plain value, a small container of them, a numpy scalar, a
-``functools.partial``, and a function's, class's or module's identity (not its code: an
-import hook such as pytest's assertion rewriting changes the master's code and not the
-workers'). Each worker compares them with its own import (:func:`differences`) and says
-what differs with ``Ready``; the master warns, naming each (:func:`warn`). Values computed
-at import (a time, an environment variable) differ too where the forward reads them:
-named all the same, since the replicas then compute with different values. The check
-never stops training: what it cannot read, it leaves out.
+``functools.partial``, and a function's, class's or module's identity. The code of each
+function followed that a user's module defines (found again there by its qualified name,
+outside any ``<locals>``) is fingerprinted too (:func:`_code_token`): what it does only,
+the bytecode, names, arguments and constants, into nested code objects, not its line
+numbers, file name or docstring (a comment or a blank line added does not count). That
+only in a module a plain file loader loaded (``SourceFileLoader``,
+``SourcelessFileLoader``), in the master and in the worker: an import hook such as
+pytest's assertion rewriting changes the master's code and not the workers'. (The
+package's own hook, ``_mgpu_updater_hook``, loads no module itself: it applies the Chainer
+compat shim when Chainer is first imported, in the master and the workers alike, and
+changes no code of the user's.) Each worker compares them
+with its own import (:func:`differences`) and says what differs with ``Ready``; the master
+warns, naming each (:func:`warn`). Values computed at import (a time, an environment
+variable) differ too where the forward reads them: named all the same, since the
+replicas then compute with different values. The check never stops training: what it
+cannot read, it leaves out.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import importlib
+import importlib.machinery
 import os
 import sys
 import sysconfig
@@ -79,6 +92,75 @@ def _codes(code: types.CodeType) -> List[types.CodeType]:
         if type(const) is types.CodeType:
             out.extend(_codes(const))
     return out
+
+
+_PLAIN_LOADERS = (importlib.machinery.SourceFileLoader,
+                  importlib.machinery.SourcelessFileLoader)
+
+
+def _plainly_loaded(module: types.ModuleType) -> bool:
+    """Loaded from its file by Python's own loader: the code is the file's as compiled,
+    as a worker's import compiles it (an import hook's loader may change it)."""
+    spec = vars(module).get('__spec__')
+    loader = getattr(spec, 'loader', None) if spec is not None else None
+    return type(loader) in _PLAIN_LOADERS and \
+        type(vars(module).get('__loader__')) in _PLAIN_LOADERS
+
+
+def _constant(value: Any) -> Any:
+    """A code constant, comparably across processes (a frozenset, as a set literal in a
+    membership test compiles, in an order of its own)."""
+    kind = type(value)
+    if kind is types.CodeType:
+        return _code_parts(value)
+    if kind is tuple:
+        return ('tuple', tuple(_constant(v) for v in value))
+    if kind is frozenset:
+        return ('frozenset', tuple(sorted((repr(_constant(v)) for v in value))))
+    if kind in _PLAIN or kind is type(Ellipsis):
+        return (kind.__name__, repr(value))
+    return (kind.__name__,)   # not a literal (set at run time): its repr may be an address
+
+
+def _code_parts(code: types.CodeType, doc: Any = None) -> Tuple[Any, ...]:
+    """What the code does: not its line numbers (``co_firstlineno``, the line table) or
+    file name. ``doc``: the function's docstring, left out where it is the first
+    constant."""
+    consts = code.co_consts
+    if doc is not None and consts and consts[0] is doc:
+        consts = (None,) + consts[1:]
+    return (code.co_code, getattr(code, 'co_exceptiontable', b''), code.co_argcount,
+            code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags, code.co_names,
+            code.co_varnames, code.co_freevars, code.co_cellvars,
+            tuple(_constant(c) for c in consts))
+
+
+def _code_token(function: types.FunctionType) -> str:
+    """A digest of what a function's code does (:func:`_code_parts`), the same in each
+    process for the same source."""
+    doc = function.__doc__ if type(function.__doc__) is str else None
+    text = repr(_code_parts(function.__code__, doc))
+    data = text.encode('utf-8', 'backslashreplace')
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _found(module: types.ModuleType, qualname: str) -> Any:
+    """The function ``qualname`` names in ``module`` (a method: looked up in its class's
+    own dict, through ``staticmethod``, ``classmethod`` and ``property``), else None."""
+    if '<' in qualname:
+        return None
+    *path, last = qualname.split('.')
+    owner: Any = module
+    for name in path:
+        owner = vars(owner).get(name) if hasattr(owner, '__dict__') else None
+        if not issubclass(type(owner), type):
+            return None
+    member = vars(owner).get(last)
+    if type(member) in (staticmethod, classmethod):
+        member = member.__func__
+    elif type(member) is property:
+        member = member.fget
+    return member if type(member) is types.FunctionType else None
 
 
 def _token(value: Any, depth: int = 0) -> Any:
@@ -152,17 +234,18 @@ def _is_data(obj: Any) -> bool:
         chainer.Variable, chainer.dataset.DatasetMixin, chainer.dataset.Iterator))
 
 
-def fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """Module name -> {global: token}: what the forward code of ``roots``
-    (the model, ``loss_func``, the converter) reads in the user's modules, as the master
-    has it now; empty where it cannot tell (never an error)."""
+def fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[Any, Any]]:
+    """Module name -> {global: token, ('code', qualname): digest}: what the forward code
+    of ``roots`` (the model, ``loss_func``, the converter) reads in the user's modules, and
+    that code itself, as the master has it now; empty where it cannot tell (never an
+    error)."""
     try:
         return _fingerprints(roots)
     except Exception:  # noqa: BLE001 - a look, not a requirement
         return {}
 
 
-def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[Any, Any]]:
     from ._pickle_path import parts
     system = _system_paths()
     modules: Dict[str, types.ModuleType] = {}
@@ -199,31 +282,43 @@ def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             stack.extend(part for _, part in parts(obj))
         except Exception:  # noqa: BLE001 - what cannot be taken apart is not walked
             continue
-    names = _reached(entries, classes, modules, system)
-    out: Dict[str, Dict[str, Any]] = {}
+    names, functions = _reached(entries, classes, modules, system)
+    out: Dict[str, Dict[Any, Any]] = {}
     for module_name, module in modules.items():
         # (a name that is no identifier is an import hook's: pytest's assertion rewriting
         # adds '@py_builtins' to the master's modules, which a worker imports without it)
         found = {name: _token(value) for name, value in vars(module).items()
                  if name in names and name.isidentifier() and not name.startswith('__')}
         out[module_name] = {k: v for k, v in found.items() if v is not None}
+    for function in functions:
+        # (its code, under ('code', qualname): where the worker finds it again)
+        try:
+            module = _users(function.__module__, system)
+            if module is not None and _plainly_loaded(module) and \
+                    _found(module, function.__qualname__) is function:
+                out.setdefault(module.__name__, {})[('code', function.__qualname__)] = \
+                    _code_token(function)
+        except Exception:  # noqa: BLE001 - what cannot be read is left out
+            continue
     return {name: found for name, found in out.items() if found}
 
 
 def _reached(entries: List[Any], classes: List[type], modules: Dict[str, types.ModuleType],
-             system: Tuple[str, ...]) -> Set[str]:
+             system: Tuple[str, ...]) -> Tuple[Set[str], List[types.FunctionType]]:
     """The global and attribute names the code from ``entries`` reads, following the
     methods of ``classes`` and the user's modules' functions it names (a helper method a
-    forward calls: ``self.helper`` names ``helper``), to a fixed point. Adds the user's
-    modules those names reach to ``modules``."""
+    forward calls: ``self.helper`` names ``helper``), to a fixed point, and the functions
+    so followed. Adds the user's modules those names reach to ``modules``."""
     names: Set[str] = set()
     reached: Set[int] = set()
+    functions: List[types.FunctionType] = []
     pending = list(entries)
     while pending:
         function = pending.pop()
         if id(function) in reached:
             continue
         reached.add(id(function))
+        functions.append(function)
         new: Set[str] = set()
         for code in _codes(function.__code__):
             new.update(code.co_names)
@@ -240,10 +335,10 @@ def _reached(entries: List[Any], classes: List[type], modules: Dict[str, types.M
                     other = _users(_module_name(value), system)
                     if other is not None and other.__name__ not in modules:
                         modules[other.__name__] = other
-    return names
+    return names, functions
 
 
-def differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
+def differences(expected: Dict[str, Dict[Any, Any]]) -> Tuple[str, ...]:
     """In a worker: what its own import of each module holds otherwise than the master's
     ``expected`` (:func:`fingerprints`), in words; nothing where it cannot tell."""
     try:
@@ -252,7 +347,7 @@ def differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
         return ()
 
 
-def _differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
+def _differences(expected: Dict[str, Dict[Any, Any]]) -> Tuple[str, ...]:
     out = []
     for module_name, entries in expected.items():
         try:
@@ -261,12 +356,34 @@ def _differences(expected: Dict[str, Dict[str, Any]]) -> Tuple[str, ...]:
             out.append(f'{module_name}: not importable here ({type(exc).__name__}: {exc})')
             continue
         for key, token in entries.items():
+            if type(key) is tuple:
+                try:
+                    out.extend(_code_differs(module, key[1], token))
+                except Exception:  # noqa: BLE001 - what cannot be read is left out
+                    pass
+                continue
             value = vars(module).get(key, _MISSING)
             mine = _MISSING if value is _MISSING else _token(value)
             if not _same(mine, token):
                 out.append(f'{module_name}.{key}: {_say(token)} in the master, '
                            f'{_say(mine)} in the worker')
     return tuple(out)
+
+
+def _code_differs(module: types.ModuleType, qualname: str, digest: str) -> List[str]:
+    """The function's code in the worker's import of ``module``, where it is not the
+    master's ``digest``: its file changed since the master imported it."""
+    if not _plainly_loaded(module):
+        return []
+    function = _found(module, qualname)
+    if function is not None and _code_token(function) == digest:
+        return []
+    path = vars(module).get('__file__')
+    file = os.path.basename(path) if isinstance(path, str) else module.__name__
+    now = 'the worker does not find it in the file as it is now' if function is None else \
+        'the worker runs the file as it is now, the master its old code'
+    return [f'{module.__name__}.{qualname}: {file} was changed since the master imported '
+            f'it ({now})']
 
 
 class _Missing:
@@ -312,10 +429,13 @@ def warn(found: Dict[int, Sequence[str]], stacklevel: int = 2) -> None:
     more = f' (and {len(listed) - MAX_NAMED} more)' if len(listed) > MAX_NAMED else ''
     _warning.warn(
         'the worker processes import your modules again from their files, and their copies '
-        'of the model, loss_func and converter read there what the master\'s do not: '
+        'of the model, loss_func and converter read or run there what the master\'s do '
+        'not: '
         f'{"; ".join(listed[:MAX_NAMED])}{more}. The replicas compute with different values '
         'or functions. A value the script sets at run time in a module (config.SCALE = ...) '
-        'reaches them only as an argument of the model (or a persistent of it); a '
-        'function replaced in a module at run time, or a value in a file edited since, '
-        'does not reach them at all',
+        'reaches them only as an argument of the model (or a persistent of it), and a '
+        'function replaced in a module at run time not at all. A module file edited since '
+        'the master imported it (its code or its values) reaches the workers alone: restart '
+        'the process (the Python kernel), or reload the module (importlib.reload, '
+        '%autoreload 2) and build the model again',
         RuntimeWarning, stacklevel=stacklevel)

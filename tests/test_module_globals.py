@@ -162,6 +162,37 @@ def test_a_module_file_edited_since_the_master_imported_it_is_named(modules):
         _one_update(net)
 
 
+def test_a_function_edited_in_its_file_since_the_master_imported_it_is_named(modules):
+    """A notebook's kernel keeps the class it imported; each worker imports the file as it
+    is now and runs the new code."""
+    config, net, folder = modules
+    source = folder / f'{net.__name__}.py'
+    source.write_text(source.read_text().replace('self.l1(x) *',
+                                                  'F.sigmoid(self.l1(x)) * 4 *'))
+    importlib.invalidate_caches()
+    name = net.__name__
+    said = (rf'{name}\.Net\.forward: {name}\.py was changed since the master imported it '
+            r'\(the worker runs the file as it is now, the master its old code\) '
+            r'\(replica 1\)\..* restart the process .*importlib\.reload')
+    with pytest.warns(RuntimeWarning, match=said):
+        _one_update(net)
+
+
+@pytest.mark.parametrize('edit', [
+    ('    def forward', '    # a comment, and a blank line\n\n    def forward'),
+    ('(self, x, t):\n', '(self, x, t):\n        """A docstring."""\n'),
+], ids=['comment', 'docstring'])
+def test_a_file_edited_where_the_code_does_not_change_says_nothing(modules, edit):
+    """Line numbers and docstrings are not compared: only what the code does."""
+    config, net, folder = modules
+    source = folder / f'{net.__name__}.py'
+    text = source.read_text()
+    assert edit[0] in text
+    source.write_text(text.replace(edit[0], edit[1]))
+    importlib.invalidate_caches()
+    _one_update(net)   # warnings are errors here
+
+
 def test_the_fingerprint_leaves_out_chainer_numpy_and_the_main_module(modules):
     from mgpu_updater._module_globals import fingerprints
     config, net, _ = modules
@@ -171,3 +202,5 @@ def test_the_fingerprint_leaves_out_chainer_numpy_and_the_main_module(modules):
     assert found[config.__name__] == {'SCALE': 1.0}
     assert {'F', config.__name__} <= set(found[net.__name__])
     assert 'L' not in found[net.__name__]   # read by __init__ only, not on the forward's way
+    assert ('code', 'Net.forward') in found[net.__name__]
+    assert ('code', 'Net.__init__') not in found[net.__name__]
