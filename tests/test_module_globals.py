@@ -88,6 +88,24 @@ class Net(chainer.Chain):
 """
 
 
+ASSERTING = """
+import chainer
+import chainer.functions as F
+import chainer.links as L
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        assert len(x) == len(t)
+        return F.softmax_cross_entropy(self.l1(x), t)
+"""
+
+
 @pytest.fixture
 def modules(tmp_path, monkeypatch):
     """A config module and a model module that reads it, importable by the workers (the
@@ -191,6 +209,20 @@ def test_a_file_edited_where_the_code_does_not_change_says_nothing(modules, edit
     source.write_text(text.replace(edit[0], edit[1]))
     importlib.invalidate_caches()
     _one_update(net)   # warnings are errors here
+
+
+def test_code_an_import_hook_changed_in_the_master_alone_says_nothing(tmp_path, monkeypatch):
+    """pytest rewrites the asserts of the master's module; the workers import it plainly."""
+    name = f'asserting_{uuid.uuid4().hex[:8]}'
+    (tmp_path / f'{name}.py').write_text(ASSERTING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pytest.register_assert_rewrite(name)
+    try:
+        module = importlib.import_module(name)
+        assert type(module.__loader__).__name__ == 'AssertionRewritingHook'
+        _one_update(module)   # warnings are errors here
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_the_fingerprint_leaves_out_chainer_numpy_and_the_main_module(modules):
