@@ -394,6 +394,27 @@ def test_a_value_the_first_call_makes_and_an_extension_changes_is_named():
     assert 'model.mask: an array (4,) float32 -> an array (4,) float32' in message
 
 
+def test_a_classifiers_outputs_an_evaluation_writes_between_updates_are_named():
+    """A ``loss_func`` that trains through the Classifier's predictor, and an Evaluator on
+    the Classifier: only the Evaluator's call writes ``y``, ``loss`` and ``accuracy``,
+    between updates, on the master's copy alone. Named, though Chainer's forward writes
+    them before it reads them: a ``loss_func`` (or a hook) that reads ``accuracy`` would
+    see the evaluation's on the master and None on the workers."""
+    model = chainer.links.Classifier(chainer.links.Linear(5, 3))
+    x, t = chainer.dataset.concat_examples(dataset(4, seed=9))
+
+    def evaluate():
+        with chainer.using_config('train', False), chainer.no_backprop_mode():
+            model(x, t)
+    watch = UnsentState({'model': model})
+    messages = []
+    for _ in range(4):
+        messages.append(_update(watch, lambda: model.predictor(x)))
+        evaluate()
+    messages.append(_caught(watch.finish))
+    assert any('model.accuracy: None -> ' in m for m in messages)
+
+
 def test_two_replicas_name_nothing_after_one_update_and_an_evaluation():
     model = chainer.links.Classifier(chainer.links.Linear(5, 3))
     updater = ParallelAccumulatingUpdater(
