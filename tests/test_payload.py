@@ -172,13 +172,16 @@ def test_loss_func_that_is_the_model_trains_the_replica():
                                    err_msg=name)
 
 
-def test_script_defining_its_objects_in_main():
+@pytest.mark.parametrize('mode', [[], ['global']])
+def test_script_defining_its_objects_in_main(mode):
     """``python script.py`` under spawn: a class and a lambda defined inside the main
-    guard, where a worker re-importing the script never sees them."""
+    guard, where a worker re-importing the script never sees them; and a ``loss_func``
+    reading the model from a global of the script, set in the guard (docs/semantics.md:
+    it travels with the function and is each worker's replica)."""
     script = ROOT / 'tests' / 'scripts' / 'main_objects.py'
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script)] + mode, capture_output=True,
+                          text=True, timeout=120, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff = float(re.search(r'MAX_ABS_DIFF (\S+)', proc.stdout).group(1))
     moved = float(re.search(r'MOVED (\S+)', proc.stdout).group(1))

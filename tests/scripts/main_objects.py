@@ -1,12 +1,17 @@
 """A script in the style of Chainer's examples whose objects live in ``__main__``.
 
-    python main_objects.py
+    python main_objects.py [global]
 
 Run as a script under ``spawn``: each worker imports this file as ``__mp_main__`` and never
 runs the guarded block, so the model class, the loss lambda and the dataset class defined
-there exist only in the master. Prints ``MAX_ABS_DIFF`` between two CPU replicas and
+there exist only in the master. With ``global`` the ``loss_func`` is a function of the
+script that reaches the model through a global of the script (``NET``), which a worker's
+import leaves None: it travels with the function, in the same payload as the model, and
+is the worker's replica. Prints ``MAX_ABS_DIFF`` between two CPU replicas and
 ``StandardUpdater`` on the same samples, and ``MOVED`` (how far training moved the weights).
 """
+import sys
+
 import numpy
 
 import mgpu_updater
@@ -14,6 +19,14 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 from chainer.training.updaters import StandardUpdater
+
+
+NET = None   # the model, set in the guarded block (``global``)
+
+
+def global_loss(x, t):
+    """A loss_func that reaches the model through a global of the script."""
+    return F.softmax_cross_entropy(NET(x), t)
 
 
 def make_data(n, seed):
@@ -42,6 +55,7 @@ if __name__ == '__main__':
             return self.x[i], self.t[i]
 
     def main():
+        global NET
         k, b, updates = 2, 4, 2
         shards = [Pairs(*make_data(k * b * updates, seed)) for seed in (1, 2)]
         numpy.random.seed(0)
@@ -49,6 +63,8 @@ if __name__ == '__main__':
         reference = model.copy(mode='copy')
         start = model.fc.W.array.copy()
         loss = lambda x, t: F.softmax_cross_entropy(model(x), t)   # noqa: E731
+        if sys.argv[1:] == ['global']:
+            NET, loss = model, global_loss
 
         optimizer = chainer.optimizers.SGD(0.5)
         optimizer.setup(model)
