@@ -290,6 +290,15 @@ def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[Any, Any]]:
         found = {name: _token(value) for name, value in vars(module).items()
                  if name in names and name.isidentifier() and not name.startswith('__')}
         out[module_name] = {k: v for k, v in found.items() if v is not None}
+    for cls in classes:
+        # which function each of its methods is, under ('member', qualname): a method
+        # replaced at run time (Net.forward = f) is the master's alone
+        for name, member in vars(cls).items():
+            if type(member) in (staticmethod, classmethod):
+                member = member.__func__
+            if type(member) is types.FunctionType:
+                out.setdefault(cls.__module__, {})[
+                    ('member', f'{cls.__qualname__}.{name}')] = _token(member)
     for function in functions:
         # (its code, under ('code', qualname): where the worker finds it again)
         try:
@@ -358,7 +367,8 @@ def _differences(expected: Dict[str, Dict[Any, Any]]) -> Tuple[str, ...]:
         for key, token in entries.items():
             if type(key) is tuple:
                 try:
-                    out.extend(_code_differs(module, key[1], token))
+                    out.extend(_code_differs(module, key[1], token) if key[0] == 'code'
+                               else _member_differs(module, key[1], token))
                 except Exception:  # noqa: BLE001 - what cannot be read is left out
                     pass
                 continue
@@ -384,6 +394,26 @@ def _code_differs(module: types.ModuleType, qualname: str, digest: str) -> List[
         'the worker runs the file as it is now, the master its old code'
     return [f'{module.__name__}.{qualname}: {file} was changed since the master imported '
             f'it ({now})']
+
+
+def _member_differs(module: types.ModuleType, qualname: str, token: Any) -> List[str]:
+    """The method ``qualname`` of a class in the worker's import of ``module``, where it
+    is not the function the master's class holds (``token``): replaced in the master at
+    run time, or added there."""
+    *path, name = qualname.split('.')
+    owner: Any = module
+    for part in path:
+        owner = vars(owner).get(part, _MISSING)
+        if not issubclass(type(owner), type):
+            return []   # the class is not where the master's is: not compared
+    member = vars(owner).get(name, _MISSING)
+    if type(member) in (staticmethod, classmethod):
+        member = member.__func__
+    mine = _MISSING if member is _MISSING else _token(member)
+    if _same(mine, token):
+        return []
+    return [f'{module.__name__}.{qualname}: {_say(token)} in the master, {_say(mine)} in '
+            'the worker']
 
 
 class _Missing:
@@ -434,7 +464,7 @@ def warn(found: Dict[int, Sequence[str]], stacklevel: int = 2) -> None:
         f'{"; ".join(listed[:MAX_NAMED])}{more}. The replicas compute with different values '
         'or functions. A value the script sets at run time in a module (config.SCALE = ...) '
         'reaches them only as an argument of the model (or a persistent of it), and a '
-        'function replaced in a module at run time not at all. A module file edited since '
+        'function or method replaced in a module at run time not at all. A module file edited since '
         'the master imported it (its code or its values) reaches the workers alone: restart '
         'the process (the Python kernel), or reload the module (importlib.reload, '
         '%autoreload 2) and build the model again',

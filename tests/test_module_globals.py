@@ -196,6 +196,22 @@ def test_a_function_edited_in_its_file_since_the_master_imported_it_is_named(mod
         _one_update(net)
 
 
+def _scaled_forward(self, x, t):
+    return chainer.functions.softmax_cross_entropy(self.l1(x) * 3.0, t)
+
+
+def test_a_method_replaced_at_run_time_is_named(modules, monkeypatch):
+    """``Net.forward = f`` in the script (a notebook's cell): the master's class runs
+    ``f``, each worker's, imported again, the method of the file."""
+    config, net, _ = modules
+    monkeypatch.setattr(net.Net, 'forward', _scaled_forward)
+    name = net.__name__
+    said = (rf'{name}\.Net\.forward: function {__name__}\._scaled_forward in the master, '
+            rf'function {name}\.Net\.forward in the worker \(replica 1\)')
+    with pytest.warns(RuntimeWarning, match=said):
+        _one_update(net)
+
+
 @pytest.mark.parametrize('edit', [
     ('    def forward', '    # a comment, and a blank line\n\n    def forward'),
     ('(self, x, t):\n', '(self, x, t):\n        """A docstring."""\n'),
@@ -236,3 +252,5 @@ def test_the_fingerprint_leaves_out_chainer_numpy_and_the_main_module(modules):
     assert 'L' not in found[net.__name__]   # read by __init__ only, not on the forward's way
     assert ('code', 'Net.forward') in found[net.__name__]
     assert ('code', 'Net.__init__') not in found[net.__name__]
+    assert found[net.__name__][('member', 'Net.__init__')] == (
+        'function', net.__name__, 'Net.__init__')
