@@ -88,22 +88,10 @@ class Net(chainer.Chain):
 """
 
 
-ASSERTING = """
-import chainer
-import chainer.functions as F
-import chainer.links as L
-
-
-class Net(chainer.Chain):
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(5, 3)
-
-    def forward(self, x, t):
-        assert len(x) == len(t)
-        return F.softmax_cross_entropy(self.l1(x), t)
-"""
+#: MODEL without the config module, with an assert in its forward (which pytest rewrites)
+ASSERTING = MODEL.replace('import {config}\n', '').replace(
+    '        return F.softmax_cross_entropy(self.l1(x) * {config}.SCALE, t)',
+    '        assert len(x) == len(t)\n        return F.softmax_cross_entropy(self.l1(x), t)')
 
 
 @pytest.fixture
