@@ -29,7 +29,9 @@ only in a module a plain file loader loaded (``SourceFileLoader``,
 pytest's assertion rewriting changes the master's code and not the workers'. (The
 package's own hook, ``_mgpu_updater_hook``, loads no module itself: it applies the Chainer
 compat shim when Chainer is first imported, in the master and the workers alike, and
-changes no code of the user's.) Each worker compares them
+changes no code of the user's.) And which function each method of the user's classes in
+the payload is (``('member', qualname)``): a method replaced at run time (``Net.forward =
+f`` in a notebook's cell) is the master's alone. Each worker compares them
 with its own import (:func:`differences`) and says what differs with ``Ready``; the master
 warns, naming each (:func:`warn`). Values computed at import (a time, an environment
 variable) differ too where the forward reads them: named all the same, since the
