@@ -146,21 +146,32 @@ def _code_token(function: types.FunctionType) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def _found(module: types.ModuleType, qualname: str) -> Any:
-    """The function ``qualname`` names in ``module`` (a method: looked up in its class's
-    own dict, through ``staticmethod``, ``classmethod`` and ``property``), else None."""
-    if '<' in qualname:
-        return None
+def _method(member: Any) -> Any:
+    """A class's own dict entry as the function it holds, through ``staticmethod`` and
+    ``classmethod``."""
+    return member.__func__ if type(member) in (staticmethod, classmethod) else member
+
+
+def _entry(module: types.ModuleType, qualname: str) -> Any:
+    """What ``qualname`` names in ``module`` (a method: its class's own dict entry, as
+    :func:`_method` gives it); :data:`_MISSING` where it is not there, None where the class
+    that would hold it is not."""
     *path, last = qualname.split('.')
     owner: Any = module
     for name in path:
         owner = vars(owner).get(name) if hasattr(owner, '__dict__') else None
         if not issubclass(type(owner), type):
             return None
-    member = vars(owner).get(last)
-    if type(member) in (staticmethod, classmethod):
-        member = member.__func__
-    elif type(member) is property:
+    return _method(vars(owner).get(last, _MISSING))
+
+
+def _found(module: types.ModuleType, qualname: str) -> Any:
+    """The function ``qualname`` names in ``module`` (a method, or a ``property``'s
+    getter), else None."""
+    if '<' in qualname:
+        return None
+    member = _entry(module, qualname)
+    if type(member) is property:
         member = member.fget
     return member if type(member) is types.FunctionType else None
 
@@ -296,8 +307,7 @@ def _fingerprints(roots: Dict[str, Any]) -> Dict[str, Dict[Any, Any]]:
         # which function each of its methods is, under ('member', qualname): a method
         # replaced at run time (Net.forward = f) is the master's alone
         for name, member in vars(cls).items():
-            if type(member) in (staticmethod, classmethod):
-                member = member.__func__
+            member = _method(member)
             if type(member) is types.FunctionType:
                 out.setdefault(cls.__module__, {})[
                     ('member', f'{cls.__qualname__}.{name}')] = _token(member)
@@ -402,15 +412,9 @@ def _member_differs(module: types.ModuleType, qualname: str, token: Any) -> List
     """The method ``qualname`` of a class in the worker's import of ``module``, where it
     is not the function the master's class holds (``token``): replaced in the master at
     run time, or added there."""
-    *path, name = qualname.split('.')
-    owner: Any = module
-    for part in path:
-        owner = vars(owner).get(part, _MISSING)
-        if not issubclass(type(owner), type):
-            return []   # the class is not where the master's is: not compared
-    member = vars(owner).get(name, _MISSING)
-    if type(member) in (staticmethod, classmethod):
-        member = member.__func__
+    member = _entry(module, qualname)
+    if member is None:
+        return []   # the class is not where the master's is: not compared
     mine = _MISSING if member is _MISSING else _token(member)
     if _same(mine, token):
         return []
