@@ -27,6 +27,7 @@ from ._chunks import Chunking, check_split, split, splits
 from ._functions import cell_is_set, global_names
 from ._flat_buffers import KeptPersistents, ModelIndex, persistent_arrays, unique_params
 from ._loader import Batch, EpochInfo, Loader, RepeatingIteratorStopped
+from ._made_once import Seen
 from ._warning import warn
 
 
@@ -44,6 +45,8 @@ class WindowResult(NamedTuple):
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
     chunk_limit: Optional[int] = None    # the most samples it splits batches into (None:
                                          # whole batches; under 'auto', what it halved to)
+    made_once: Optional[Dict[str, str]] = None   # after its second window: the digests of
+                                         # what its forward made once (_made_once.Seen)
 
 
 #: what :meth:`Replica.direct_window` returns: samples, the loss (a float; when
@@ -430,6 +433,10 @@ class Replica:
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
+        #: several replicas: what the forward made once, looked at after two windows
+        self._made_once: Optional[Seen] = (
+            Seen(lambda: kept_between_calls(model, loss_func), model.params)
+            if one_of_many else None)
 
     def run_window(self, loss_scale: Optional[float]) -> WindowResult:
         """Run up to ``accumulate_steps`` micro-batches, accumulating gradients.
@@ -602,13 +609,18 @@ class Replica:
                 loss_sum = loss_sum + value * factor
             else:
                 sums[key] = sums.get(key, 0.0) + value * factor
+        made_once = None
+        if count and self._made_once is not None:
+            made_once = self._made_once.window_ended()
+            if made_once is not None:
+                self._made_once = None
         return WindowResult(
             count=count,
             loss_sum=loss_sum,   # a float, or a 0-dim array when kept on the device
             sums=sums,
             weights=weights, times=dict(times), epochs=epochs,
             summed=tuple(summed), micro_batch_size=micro_batch_size,
-            loading=self.loader.mode, chunk_limit=chunk)
+            loading=self.loader.mode, chunk_limit=chunk, made_once=made_once)
 
     def _direct(self, loss_scale: Optional[float]) -> WindowResult:
         """:meth:`direct_window` as a :class:`WindowResult` (a pipelined master alone)."""

@@ -21,6 +21,7 @@ from ._checkpoint import capture_state
 from ._flat_buffers import KeptPersistents, ModelIndex, unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
 from ._loader import EpochInfo, Loader
+from ._made_once import Compared
 from ._replica import (MODEL_OBSERVER, UPDATER_KEYS, Replica, WindowResult, combine,
                        scale_gradients, with_graph)
 from ._restarts import RestartLog
@@ -301,6 +302,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: with worker processes: the plain values of the model, loss_func and converter
         #: that they never receive, watched between updates (_unsent_state); else None
         self._unsent: Optional[UnsentState] = None
+        #: several replicas: the master's comparison of what each forward made once
+        #: (_made_once), until every replica's digests came in
+        self._made_once: Optional[Compared] = None
         self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
         self._t_at_end: Optional[int] = None   # the optimizer's t after the last update
         #: how the reporter current at the last update names the model's links
@@ -437,6 +441,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                                         'converter': self.converter},
                                        held=HeldObjects(self._optimizer.target,
                                                         self._worker_iterators))
+        if self.n_devices > 1 and (self._communicator is None
+                                   or self._communicator.rank == 0):
+            self._made_once = Compared(
+                [f'replica {i} ({label})' for i, label in enumerate(self.device_labels)]
+                if self._communicator is None
+                else [f'rank {r}' for r in range(self.n_devices)])
         #: what every replica took at the start (the updater's attributes may be set anew)
         self._taken_at_start = (self.converter, self.loss_func)
         # An updater dropped without finalize() (``del``, garbage collection, the
@@ -598,6 +608,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             # the step ran inside the reduction: its seconds are 'update', not 'comm'
             times = {'comm': (t1 - t0) + (clock() - t2) - self._step_seconds,
                      'update': self._step_seconds}
+            if self._made_once is not None and self._made_once.take(results):
+                self._made_once = None
             if fresh.count == 0:
                 raise StopIteration
         epochs = own.epochs

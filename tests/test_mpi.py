@@ -175,6 +175,12 @@ def test_counters_a_forward_moves_hold_rank_0s_on_every_rank(checks):
         assert out == {'debug_error': None, 'seen': 3 * 2 * 3, 'calls': 2 * 3}, rank
 
 
+def test_what_each_ranks_forward_made_once_differently_is_named_by_rank_0(checks):
+    rank0, rank1 = checks['made_once']
+    assert len(rank0) == 1 and '/proj in rank 1' in rank0[0], rank0
+    assert rank1 == []
+
+
 def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
     for rank, out in enumerate(checks['debug_sync']):
         assert out['in_sync_passes']

@@ -23,6 +23,8 @@ what the test asserts on:
   or set so later on that rank alone, raises on every rank before the step, naming it;
 - ``counters``: integer persistents a forward moves (a counter of samples, a Python int
   counter) hold rank 0's on every rank, and ``set_debug(True)`` sees the ranks agree.
+- ``made_once``: a projection each rank's forward draws at its first call (from its own
+  seed) is named by rank 0, after the second update; rank 1 warns of nothing.
 """
 import copy
 import json
@@ -402,6 +404,35 @@ def check_counters(batch_sizes=(3, 5), k=2, updates=3):
     return gathered(out)
 
 
+class FirstCallProjection(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(5, 3)
+        self.proj = None
+
+    def forward(self, x, t):
+        if self.proj is None:
+            self.proj = np.random.randn(x.shape[1], x.shape[1]).astype(np.float32)
+        return F.softmax_cross_entropy(self.fc(F.matmul(x, self.proj)), t)
+
+
+def check_made_once(updates=3):
+    import warnings
+    np.random.seed(RANK)
+    model = FirstCallProjection()
+    it = chainer.iterators.SerialIterator(dataset(40, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], communicator=comm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            run_updates(updater, model, updates)
+        finally:
+            updater.finalize()
+    return gathered([str(w.message) for w in caught if 'made one once' in str(w.message)])
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -420,6 +451,7 @@ def main(out_path):
     result['optimizer_mismatch_params_equal'] = [
         bitwise_equal([rank[case][2] for rank in everyone]) for case in range(2)]
     result['counters'] = check_counters()
+    result['made_once'] = check_made_once()
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,155 @@
+"""Arrays a forward made once and keeps in a plain attribute: the same in every replica?
+
+A forward that draws a value at its first call and keeps it (``self.proj =
+numpy.random.randn(...)`` once the input size is known, a mask, a random projection), or a
+``__setstate__`` that draws one anew when the model is unpickled, leaves each replica
+with its own: each process draws from its own seed. The replicas then compute with
+different models and train apart from ``StandardUpdater``'s one model (0.15 off in three
+updates in one such run), and no parameter or persistent shows it. So does an array the
+forward keeps and changes in place from its own micro-batches (a memory bank): each
+replica's holds its own shard's samples.
+
+Each replica of several (:class:`Seen`) looks, after its first two windows that ran a
+micro-batch, at the arrays its links hold in plain attributes (not parameters, child
+links or persistents; an array, or a Variable that is not a parameter): those that are
+the same object after both windows were made once (what a forward stores anew at each
+call, ``L.Classifier``'s ``y``, is another object each time). It sends a digest of each
+with its second window's result (:attr:`~mgpu_updater._replica.WindowResult.made_once`),
+and the master (:class:`Compared`) warns, once, naming every attribute whose digest
+differs from its own. Nothing is looked at after that: two windows of each replica
+cost it one walk of its links and one read of those arrays (sampled, where large).
+"""
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy
+import chainer
+
+from ._warning import warn
+
+#: the elements of one array that a digest reads, at most (evenly spaced)
+SAMPLE = 1 << 20
+
+
+def _array_of(value: Any) -> Any:
+    """The array a plain attribute holds (itself, or a non-parameter Variable's), or None."""
+    if isinstance(value, chainer.Variable):
+        if isinstance(value, chainer.Parameter):
+            return None
+        value = value.array
+    return value if isinstance(value, chainer.get_array_types()) else None
+
+
+def digest(array: Any) -> str:
+    """Dtype, shape and a hash of the elements (at most :data:`SAMPLE`, evenly spaced)."""
+    flat = array.reshape(-1)
+    if flat.size > SAMPLE:
+        flat = flat[::-(-flat.size // SAMPLE)]
+    data = numpy.ascontiguousarray(chainer.backend.CpuDevice().send(flat))
+    return (f'{numpy.dtype(array.dtype).str}{tuple(array.shape)}:'
+            + hashlib.blake2b(data.view(numpy.uint8), digest_size=16).hexdigest())
+
+
+class Seen:
+    """One replica's look at what its links hold, after its first two windows.
+
+    ``links``: called for ``(path, link, plain attributes)`` of the model's links, as
+    :func:`mgpu_updater._replica.kept_between_calls` gives them; ``params``: called for
+    the model's parameters. An array that holds a parameter's memory (a flat array whose
+    views the parameters are) is the parameters' storage, not something a forward made:
+    it is left out (:mod:`mgpu_updater._unsent_state` watches it between updates)."""
+
+    def __init__(self, links: Callable[[], List[Any]],
+                 params: Callable[[], List[chainer.Parameter]]) -> None:
+        self._links = links
+        self._params = params
+        self._first: Optional[Dict[str, Any]] = None
+
+    def window_ended(self) -> Optional[Dict[str, str]]:
+        """After a window that ran a micro-batch: None after the first; after the second,
+        ``{path/name: digest}`` of the arrays held by the same object after both (then
+        this replica is done with it)."""
+        held = {}
+        for path, _, values in self._links():
+            for name, value in values.items():
+                if _array_of(value) is not None:
+                    held[f'{path.rstrip("/")}/{name}'] = value
+        if self._first is None:
+            # a weak reference where the value takes one (a Variable: held strongly it
+            # would keep its graph's activations alive through the next window)
+            self._first = {key: _ref(value) for key, value in held.items()}
+            return None
+        kept = {key: _array_of(value) for key, value in held.items()
+                if key in self._first and self._first[key]() is value}
+        storage = [p.array for p in self._params() if p.array is not None]
+        out = {key: digest(array) for key, array in kept.items()
+               if not _holds_any(array, storage)}
+        self._first = None
+        return out
+
+
+def _holds_any(array: Any, params: List[Any]) -> bool:
+    """Whether ``array`` may share memory with one of the parameters' arrays."""
+    xp = chainer.backend.get_array_module(array)
+    return any(chainer.backend.get_array_module(p) is xp and xp.may_share_memory(array, p)
+               for p in params)
+
+
+def _ref(value: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:   # a CuPy array takes none: held for one window (an array, no graph)
+        return lambda: value
+
+
+class Compared:
+    """The master's side: compares the replicas' digests with its own, warns once.
+
+    ``names``: how the warning names each replica, in the order of the results."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._names = list(names)
+        self._own: Optional[Dict[str, str]] = None
+        self._waiting = set(range(1, len(self._names)))
+        self._apart: Dict[str, List[int]] = {}
+
+    def take(self, results: Sequence[Any]) -> bool:
+        """Look at one update's results (the master's first); True once every replica's
+        digests were compared (the caller then drops this)."""
+        if self._own is None:
+            own = results[0].made_once
+            if own is None:
+                return False
+            self._own = own
+        for rank in list(self._waiting):
+            theirs = results[rank].made_once if rank < len(results) else None
+            if theirs is None:
+                continue
+            self._waiting.discard(rank)
+            for key, value in theirs.items():
+                if key in self._own and self._own[key] != value:
+                    self._apart.setdefault(key, []).append(rank)
+        if self._waiting:
+            return False
+        if self._apart:
+            self._warn()
+        return True
+
+    def _warn(self) -> None:
+        where = '; '.join(
+            f'{key} in {", ".join(self._names[r] for r in ranks)}'
+            for key, ranks in sorted(self._apart.items()))
+        warn('the replicas hold different arrays where their forward made one once and '
+             f'kept it (other values than the master\'s: {where}). Where the forward reads '
+             'it, each replica computes with its own, and the model trains apart from '
+             'StandardUpdater\'s one model. '
+             'Such an array is drawn at the first call from each process\'s own random '
+             'stream (a projection or mask made once the input size is known), drawn anew '
+             'by a __setstate__, or changed in place by every forward from its replica\'s '
+             'own samples. Make it in __init__ (it then travels to every replica as it '
+             'is), draw it from a generator the link holds, or register it as a '
+             'persistent (add_persistent in __init__), which every replica takes from the '
+             'master each update; see docs/semantics.md#seeds', RuntimeWarning, stacklevel=4)
