@@ -157,20 +157,29 @@ def optimizer_fingerprint(optimizer: chainer.Optimizer) -> Tuple[Any, ...]:
     (chainer/optimizer.py:591), its ``_pre_update_hooks`` and ``_post_update_hooks``
     (:29-30)."""
     hooks = []
-    hookable = getattr(optimizer, '_hookable', None)
-    for timing in ('pre', 'post'):
-        for name, hook in (getattr(hookable, f'_{timing}_update_hooks', None) or {}).items():
-            kind = type(hook)
-            settings = ()
-            if kind.__module__.startswith('chainer.optimizer_hooks'):
-                settings = tuple(sorted((k, _comparable(v)) for k, v in vars(hook).items()
-                                        if isinstance(v, (bool, int, float, str))))
-            hooks.append((timing, name, f'{kind.__module__}.{kind.__qualname__}', settings))
+    for timing, name, hook in optimizer_hooks(optimizer):
+        kind = type(hook)
+        settings = ()
+        if kind.__module__.startswith('chainer.optimizer_hooks'):
+            settings = tuple(sorted((k, _comparable(v)) for k, v in vars(hook).items()
+                                    if isinstance(v, (bool, int, float, str))))
+        hooks.append((timing, name, f'{kind.__module__}.{kind.__qualname__}', settings))
     kind = type(optimizer)
     return (f'{kind.__module__}.{kind.__qualname__}',
             tuple(sorted((k, _comparable(v))
                          for k, v in optimizer.hyperparam.get_dict().items())),
             tuple(hooks))
+
+
+def optimizer_hooks(optimizer: chainer.Optimizer) -> List[Tuple[str, str, Any]]:
+    """``(timing, name, hook)`` of each hook ``optimizer.add_hook`` added, ``'pre'`` ones
+    first, each timing in the order added. They are kept in the private dicts of the
+    optimizer's ``_hookable`` (chainer/optimizer.py:591), its ``_pre_update_hooks`` and
+    ``_post_update_hooks`` (:29-30)."""
+    hookable = getattr(optimizer, '_hookable', None)
+    return [(timing, name, hook) for timing in ('pre', 'post')
+            for name, hook in (getattr(hookable, f'_{timing}_update_hooks', None)
+                               or {}).items()]
 
 
 def _comparable(value: Any) -> Any:

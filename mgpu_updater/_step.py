@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import chainer
 
+from . import _chainer_private as chainer_private
 from ._flat_buffers import initialized_params
 from ._groups import Group, ReduceHandle
 from ._replica import WindowResult, total_loss
@@ -43,22 +44,36 @@ def decide(count: int, loss: float, nonfinite: str, dynamic: bool,
     return scaling.update(count), False
 
 
-def finite_gradients(model: chainer.Link) -> bool:
-    """Whether every gradient of ``model`` is finite: one reduction per parameter on its
-    device, then one host read. Under a static loss scale nothing else looks (Chainer's
-    own check runs only for dynamic scaling), and a float16 gradient that overflowed, in
-    backward or in the sum over the replicas, would reach the parameters."""
-    flags = []
-    for param in model.params():
-        grad = param.grad
-        if grad is not None:
-            with chainer.using_device(param.device):
-                flags.append(param.device.xp.isfinite(grad).all())
+def nonfinite_gradients(optimizer: chainer.Optimizer) -> List[str]:
+    """The names of the parameters whose gradient holds inf or NaN and would reach a
+    parameter in the optimizer's step; empty when there is none. One reduction per
+    parameter on its device, then one host read. Under a static loss scale nothing else
+    looks (Chainer's own check runs only for dynamic scaling), and a float16 gradient that
+    overflowed, in backward or in the sum over the replicas, would reach the parameters.
+
+    A parameter the step leaves alone (``disable_update()``, ``update_rule.enabled =
+    False``, no update rule) does not count, as ``StandardUpdater`` trains the others
+    whatever its gradient holds, unless a hook of the optimizer reads every gradient
+    (one called with the optimizer, not for each parameter: ``GradientClipping``'s norm),
+    through which it would reach them all."""
+    whole = any(not getattr(hook, 'call_for_each_param', False)
+                for _, _, hook in chainer_private.optimizer_hooks(optimizer))
+    names, flags, seen = [], [], set()
+    for name, param in optimizer.target.namedparams():
+        grad, rule = param.grad, param.update_rule
+        if grad is None or id(param) in seen or not (
+                whole or (rule is not None and rule.enabled)):
+            continue
+        seen.add(id(param))
+        with chainer.using_device(param.device):
+            flags.append(param.device.xp.isfinite(grad).all())
+        names.append(name)
     if not flags:
-        return True
+        return []
     xp = chainer.backend.get_array_module(flags[0])
     with chainer.using_device(chainer.backend.get_device_from_array(flags[0])):
-        return bool(xp.stack(flags).all())
+        finite = chainer.backend.CpuDevice().send(xp.stack(flags))
+    return [name for name, ok in zip(names, finite) if not ok]
 
 
 class GradientStep:

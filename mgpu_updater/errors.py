@@ -1,7 +1,7 @@
 """Exceptions raised in the master for what happened elsewhere."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class WorkerError(RuntimeError):
@@ -89,17 +89,30 @@ class NonFiniteGradientError(NonFiniteLossError):
     loss scale (``optimizer.loss_scaling(scale=...)``), which Chainer steps on unchecked
     (dynamic loss scaling checks and skips by itself); ``nonfinite='raise'``.
 
-    Attributes: as :class:`NonFiniteLossError`, and ``loss_scale``.
+    Attributes: as :class:`NonFiniteLossError`, ``loss_scale``, and ``parameters``: the
+    names of those whose gradient holds inf or NaN.
     """
 
-    def __init__(self, iteration: int, loss: float, loss_scale: float) -> None:
+    def __init__(self, iteration: int, loss: float, loss_scale: float,
+                 parameters: Sequence[str] = ()) -> None:
         self.iteration = iteration
         self.loss = loss
         self.applied = False
         self.loss_scale = loss_scale
+        self.parameters = list(parameters)
         FloatingPointError.__init__(
             self,
             f'the summed gradient of update {iteration} holds inf or NaN under the static '
-            f'loss scale {loss_scale:g} (the loss is {loss}); parameters were not updated. '
+            f'loss scale {loss_scale:g} (the loss is {loss}{_in_gradients(parameters)}); '
+            'parameters were not updated. '
             'Lower the loss scale, use dynamic loss scaling (optimizer.loss_scaling() '
             "without scale), or pass nonfinite='skip' to skip such updates")
+
+
+def _in_gradients(names: Sequence[str], most: int = 8) -> str:
+    """``', in the gradient of /a/W, /b/W'``: at most ``most`` names, then how many more."""
+    if not names:
+        return ''
+    shown = ', '.join(names[:most])
+    more = f' and {len(names) - most} more' if len(names) > most else ''
+    return f'; in the gradient of {shown}{more}'

@@ -26,7 +26,7 @@ from ._replica import (MODEL_OBSERVER, UPDATER_KEYS, Replica, WindowResult, comb
                        scale_gradients, with_graph)
 from ._restarts import RestartLog
 from ._unsent_state import HeldObjects, UnsentState
-from .errors import NonFiniteGradientError, NonFiniteLossError
+from .errors import NonFiniteGradientError, NonFiniteLossError, _in_gradients
 from ._warning import new_updater, warn
 
 
@@ -135,8 +135,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             and lowers the scale, so the policy does not apply. Under a static loss scale
             (``optimizer.loss_scaling(scale=...)``, on which Chainer steps unchecked) a
             finite loss whose summed gradient is not finite is held to the same policy
-            (:class:`NonFiniteGradientError`, a :class:`NonFiniteLossError`); ``'ignore'``
-            steps on it, as StandardUpdater does.
+            (:class:`NonFiniteGradientError`, a :class:`NonFiniteLossError`, naming the
+            parameters); ``'ignore'`` steps on it, as StandardUpdater does. A frozen
+            parameter's gradient (``disable_update()``, its update rule disabled) counts
+            only where a hook of the optimizer reads every gradient (``GradientClipping``).
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
             t is reduced into a second set of buffers and applied one update late, so
             update t+1's gradient was computed on parameters one step stale (no
@@ -767,16 +769,18 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         """Under a static loss scale, whether the summed gradient is finite (else raise
         or skip, as ``nonfinite`` says); True without looking elsewhere."""
         if (self.nonfinite == 'ignore' or loss_scale is None
-                or chainer_private.loss_scaling_is_dynamic(optimizer)
-                or _step.finite_gradients(optimizer.target)):
+                or chainer_private.loss_scaling_is_dynamic(optimizer)):
+            return True
+        bad = _step.nonfinite_gradients(optimizer)
+        if not bad:
             return True
         if self.nonfinite == 'raise':
-            raise self._noted(NonFiniteGradientError(of_update, loss, loss_scale))
+            raise self._noted(NonFiniteGradientError(of_update, loss, loss_scale, bad))
         self._skipped += 1
         self._set_back(of_update)
         warn(f'skipping {self._step_of(of_update)}: the summed gradient holds inf '
-             f'or NaN under the static loss scale {loss_scale:g}',
-             RuntimeWarning)
+             f'or NaN under the static loss scale {loss_scale:g}'
+             f'{_in_gradients(bad)}', RuntimeWarning)
         return False
 
     def _report(self, results: List[WindowResult], own: WindowResult,

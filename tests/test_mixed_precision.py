@@ -10,6 +10,7 @@ import chainer
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater
+from mgpu_updater.errors import NonFiniteGradientError
 
 from _models import classifier, dataset, params, run_updates
 
@@ -101,3 +102,83 @@ def test_float16_loss_summed_over_a_large_window_stays_finite():
         updater.finalize()
     np.testing.assert_allclose(float(obs['main/loss']), np.mean(expected), rtol=1e-3)
     assert np.isfinite(params(model)['/predictor/l1/W']).all()
+
+
+class FrozenSqrt(chainer.Chain):
+    """A layer, frozen in the tests, whose weight gradient is NaN (a square root at 0
+    behind a ReLU) while the loss and the head's gradient stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.c1 = chainer.links.Linear(5, 4)
+            self.fc = chainer.links.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(chainer.functions.sqrt(chainer.functions.relu(self.c1(x))))
+
+
+def _frozen_sqrt(freeze, clip=False):
+    np.random.seed(0)
+    model = chainer.links.Classifier(FrozenSqrt())
+    opt = chainer.optimizers.SGD(0.1).setup(model)
+    if freeze == 'disable_update':
+        model.predictor.c1.disable_update()
+    else:
+        for param in model.predictor.c1.params():
+            param.update_rule.enabled = False
+    if clip:   # reads every gradient: the frozen NaN reaches the head through its norm
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    opt.loss_scaling(scale=8.0)   # static
+    return model, opt
+
+
+@pytest.mark.parametrize('n,k', [(2, 2), (1, 2), (1, 1)])
+@pytest.mark.parametrize('freeze', ['disable_update', 'rule_disabled'])
+def test_a_frozen_parameters_nonfinite_gradient_does_not_stop_a_static_scale(n, k, freeze):
+    """Under a static loss scale the step leaves a frozen parameter alone, whatever its
+    gradient holds, and StandardUpdater trains the rest: so do we, under the default
+    nonfinite='raise' (it raised NonFiniteGradientError; 'skip' skipped every update)."""
+    b, updates = 4, 3
+    datasets = [dataset(b * k * updates, seed=60 + r) for r in range(n)]
+    model, opt = _frozen_sqrt(freeze)
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets], opt,
+        devices=['@numpy'] * n, accumulate_steps=k)
+    with np.errstate(divide='ignore', invalid='ignore'):
+        try:
+            run_updates(updater, model, updates)
+        finally:
+            updater.finalize()
+        assert np.isnan(model.predictor.c1.W.grad).any()   # what the test is about
+        ref, ref_opt = _frozen_sqrt(freeze)
+        batches = sum([sum((d[i:i + b * k] for d in datasets), [])
+                       for i in range(0, b * k * updates, b * k)], [])
+        reference = StandardUpdater(
+            chainer.iterators.SerialIterator(batches, n * b * k, shuffle=False), ref_opt)
+        for _ in range(updates):
+            reference.update()
+    for name, value in params(model).items():
+        np.testing.assert_allclose(value, params(ref)[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+    assert not np.allclose(model.predictor.fc.W.array,   # the head trained
+                           _frozen_sqrt(freeze)[0].predictor.fc.W.array)
+
+
+def test_a_frozen_nonfinite_gradient_that_a_hook_spreads_is_raised_naming_it():
+    """GradientClipping's norm reads every gradient, the frozen one's NaN included, and
+    would make every gradient NaN: the step is refused, naming the parameter."""
+    data = dataset(8, seed=60)
+    model, opt = _frozen_sqrt('disable_update', clip=True)
+    before = params(model)
+    updater = ParallelAccumulatingUpdater(
+        chainer.iterators.SerialIterator(data, 4, shuffle=False), opt, devices=['@numpy'])
+    with np.errstate(divide='ignore', invalid='ignore'):
+        try:
+            with pytest.raises(NonFiniteGradientError, match=(
+                    r'in the gradient of /predictor/c1/W, /predictor/c1/b\); parameters')):
+                updater.update()
+        finally:
+            updater.finalize()
+    for name, value in params(model).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
