@@ -735,6 +735,16 @@ class Replica:
         except KeyError as exc:
             if not is_unregistered_observer_error(exc):   # a link of another model reported
                 raise
+            if isinstance(self.loss_func, chainer.Link) and any(
+                    link is self.model for link in self.loss_func.links(skipself=True)):
+                raise RuntimeError(
+                    f'{self.name}: loss_func ({_describe(self.loss_func)}) is a link around '
+                    f'the model (the optimizer\'s target, {_describe(self.model)}, is one of '
+                    'its links) and reported through itself, which is no link of the model, '
+                    'so no reporter of a replica knows it. Set the optimizer up on '
+                    f'{_describe(self.loss_func)} and pass no loss_func, as Chainer\'s '
+                    'examples do; to train a part of it only, call disable_update() on the '
+                    'others') from exc
             raise RuntimeError(
                 f'{self.name}: loss_func ({_describe(self.loss_func)}) reported through a '
                 'link that is not part of this replica\'s model, so it computes with a '

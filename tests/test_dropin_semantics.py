@@ -22,7 +22,7 @@ from mgpu_updater import _loss_binding, _startup
 import _dropin_models
 from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
                             seeded)
-from _models import StaticLazyClassifier, dataset, params, setup_optimizer
+from _models import MLP, StaticLazyClassifier, dataset, params, setup_optimizer
 
 N, K, B, UPDATES = 2, 2, 4, 2
 
@@ -223,6 +223,30 @@ def test_worker_whose_loss_func_reports_through_another_model_says_so(monkeypatc
     with pytest.raises(WorkerError, match=r'(?s)replica 1 .*reported through a link that '
                                           r'is not part of this replica'):
         _ours(model, lambda m: _dropin_models.global_reporting_loss, _datasets())
+
+
+def test_a_classifier_around_the_optimizers_target_says_to_set_the_optimizer_up_on_it():
+    """``loss_func=L.Classifier(net)`` with the optimizer set up on a part of ``net`` (a
+    head to fine-tune): the Classifier reports through itself, no link of any replica's
+    model. The error says so and how to fix it; it said the loss_func computed with a
+    different copy of the model."""
+    np.random.seed(0)
+    net = MLP()
+    classifier = chainer.links.Classifier(net)
+    optimizer = chainer.optimizers.SGD(0.1).setup(net.l2)
+    updater = ParallelAccumulatingUpdater(
+        [chainer.iterators.SerialIterator(d, 4, shuffle=False) for d in _datasets()],
+        optimizer, devices=['@numpy', '@numpy'], loss_func=classifier)
+    reporter = chainer.Reporter()
+    reporter.add_observer('main', classifier)
+    try:
+        with reporter.scope({}), pytest.raises(
+                RuntimeError, match=r'loss_func \(Classifier\) is a link around the model '
+                                    r'.*Set the optimizer up on Classifier and pass no '
+                                    r'loss_func.*disable_update\(\)'):
+            updater.update()
+    finally:
+        updater.finalize()
 
 
 @pytest.mark.parametrize('holder', [HoldsAModel, HoldsAReportingModel])
