@@ -5,25 +5,28 @@ numpy.random.randn(...)`` once the input size is known, a mask, a random project
 ``__setstate__`` that draws one anew when the model is unpickled, leaves each replica
 with its own: each process draws from its own seed. The replicas then compute with
 different models and train apart from ``StandardUpdater``'s one model (0.15 off in three
-updates in one such run), and no parameter or persistent shows it. So does an array the
-forward keeps and changes in place from its own micro-batches (a memory bank): each
-replica's holds its own shard's samples.
+updates in one such run), and no parameter or persistent shows it.
 
-Each replica of several (:class:`Seen`) looks, after its first two windows that ran a
-micro-batch, at the arrays its links hold in plain attributes (not parameters, child
-links or persistents; an array, or a Variable that is not a parameter): those that are
-the same object after both windows were made once (what a forward stores anew at each
-call, ``L.Classifier``'s ``y``, is another object each time). It sends a digest of each
-with its second window's result (:attr:`~mgpu_updater._replica.WindowResult.made_once`),
-and the master (:class:`Compared`) warns, once, naming every attribute whose digest
-differs from its own. Nothing is looked at after that: two windows of each replica
-cost it one walk of its links and one read of those arrays (sampled, where large).
+Each replica of several (:class:`Seen`) looks at the arrays its links hold in plain
+attributes (not parameters, child links or persistents; an array, or a Variable that is
+not a parameter) after each of its first :data:`WINDOWS` windows that ran a micro-batch.
+One that is the same object after each, with the same contents after the last two, was
+made once: what a forward stores anew at each call (``L.Classifier``'s ``y``) is another
+object each time, and what it changes in place from its own samples (a recurrent state
+kept per sample, a memory bank) changes, both each replica's own, as documented. It sends
+a digest of each with that window's result
+(:attr:`~mgpu_updater._replica.WindowResult.made_once`), and the master
+(:class:`Compared`) warns, once, naming every attribute whose contents differ from its
+own where dtype and shape are the same (a cache each replica sizes to the longest input
+it saw is not made alike). Nothing is looked at after that: the first windows of each
+replica cost it one walk of its links each and two reads of such arrays (sampled, where
+large).
 """
 from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 import chainer
@@ -43,18 +46,25 @@ def _array_of(value: Any) -> Any:
     return value if isinstance(value, chainer.get_array_types()) else None
 
 
-def digest(array: Any) -> str:
-    """Dtype, shape and a hash of the elements (at most :data:`SAMPLE`, evenly spaced)."""
+#: the windows that ran a micro-batch a replica looks over (see the module's docstring)
+WINDOWS = 3
+
+
+def digest(array: Any) -> Optional[Tuple[str, str]]:
+    """``(dtype and shape, a hash of the elements)``, at most :data:`SAMPLE` of them,
+    evenly spaced; None for an array of Python objects (no bytes to hash)."""
+    if array.dtype.hasobject:
+        return None
     flat = array.reshape(-1)
     if flat.size > SAMPLE:
         flat = flat[::-(-flat.size // SAMPLE)]
     data = numpy.ascontiguousarray(chainer.backend.CpuDevice().send(flat))
-    return (f'{numpy.dtype(array.dtype).str}{tuple(array.shape)}:'
-            + hashlib.blake2b(data.view(numpy.uint8), digest_size=16).hexdigest())
+    return (f'{numpy.dtype(array.dtype).str}{tuple(array.shape)}',
+            hashlib.blake2b(data.view(numpy.uint8), digest_size=16).hexdigest())
 
 
 class Seen:
-    """One replica's look at what its links hold, after its first two windows.
+    """One replica's look at what its links hold, over its first :data:`WINDOWS` windows.
 
     ``links``: called for ``(path, link, plain attributes)`` of the model's links, as
     :func:`mgpu_updater._replica.kept_between_calls` gives them; ``params``: called for
@@ -66,29 +76,48 @@ class Seen:
                  params: Callable[[], List[chainer.Parameter]]) -> None:
         self._links = links
         self._params = params
-        self._first: Optional[Dict[str, Any]] = None
+        self._windows = 0
+        # what each window found so far: a reference to each value, and its digest
+        self._refs: Dict[str, Callable[[], Any]] = {}
+        self._digests: Dict[str, Tuple[str, str]] = {}
 
-    def window_ended(self) -> Optional[Dict[str, str]]:
-        """After a window that ran a micro-batch: None after the first; after the second,
-        ``{path/name: digest}`` of the arrays held by the same object after both (then
-        this replica is done with it)."""
+    def window_ended(self) -> Optional[Dict[str, Tuple[str, str]]]:
+        """After a window that ran a micro-batch: None, until the last one looked at;
+        then ``{path/name: digest}`` of the arrays made once (this replica is then done
+        with it)."""
+        self._windows += 1
         held = {}
         for path, _, values in self._links():
             for name, value in values.items():
                 if _array_of(value) is not None:
                     held[f'{path.rstrip("/")}/{name}'] = value
-        if self._first is None:
+        if self._windows == 1:
             # a weak reference where the value takes one (a Variable: held strongly it
             # would keep its graph's activations alive through the next window)
-            self._first = {key: _ref(value) for key, value in held.items()}
+            self._refs = {key: _ref(value) for key, value in held.items()}
             return None
         kept = {key: _array_of(value) for key, value in held.items()
-                if key in self._first and self._first[key]() is value}
-        storage = [p.array for p in self._params() if p.array is not None]
-        out = {key: digest(array) for key, array in kept.items()
-               if not _holds_any(array, storage)}
-        self._first = None
+                if key in self._refs and self._refs[key]() is value}
+        if self._windows == 2:
+            storage = [p.array for p in self._params() if p.array is not None]
+            kept = {key: array for key, array in kept.items()
+                    if not _holds_any(array, storage)}
+        digests = {key: d for key, d in ((key, digest(array)) for key, array in kept.items())
+                   if d is not None}
+        if self._windows < WINDOWS:
+            self._refs = {key: self._refs[key] for key in digests}
+            self._digests = digests
+            return None
+        out = {key: d for key, d in digests.items() if self._digests.get(key) == d}
+        self._refs, self._digests = {}, {}
         return out
+
+
+def _ref(value: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:   # one that takes none: held until the next window (no graph)
+        return lambda: value
 
 
 def _holds_any(array: Any, params: List[Any]) -> bool:
@@ -98,13 +127,6 @@ def _holds_any(array: Any, params: List[Any]) -> bool:
                for p in params)
 
 
-def _ref(value: Any) -> Callable[[], Any]:
-    try:
-        return weakref.ref(value)
-    except TypeError:   # a CuPy array takes none: held for one window (an array, no graph)
-        return lambda: value
-
-
 class Compared:
     """The master's side: compares the replicas' digests with its own, warns once.
 
@@ -112,7 +134,7 @@ class Compared:
 
     def __init__(self, names: Sequence[str]) -> None:
         self._names = list(names)
-        self._own: Optional[Dict[str, str]] = None
+        self._own: Optional[Dict[str, Tuple[str, str]]] = None
         self._waiting = set(range(1, len(self._names)))
         self._apart: Dict[str, List[int]] = {}
 
@@ -129,8 +151,9 @@ class Compared:
             if theirs is None:
                 continue
             self._waiting.discard(rank)
-            for key, value in theirs.items():
-                if key in self._own and self._own[key] != value:
+            for key, (kind, value) in theirs.items():
+                own = self._own.get(key)
+                if own is not None and own[0] == kind and own[1] != value:
                     self._apart.setdefault(key, []).append(rank)
         if self._waiting:
             return False
@@ -147,9 +170,8 @@ class Compared:
              'it, each replica computes with its own, and the model trains apart from '
              'StandardUpdater\'s one model. '
              'Such an array is drawn at the first call from each process\'s own random '
-             'stream (a projection or mask made once the input size is known), drawn anew '
-             'by a __setstate__, or changed in place by every forward from its replica\'s '
-             'own samples. Make it in __init__ (it then travels to every replica as it '
-             'is), draw it from a generator the link holds, or register it as a '
-             'persistent (add_persistent in __init__), which every replica takes from the '
-             'master each update; see docs/semantics.md#seeds', RuntimeWarning, stacklevel=4)
+             'stream (a projection or mask made once the input size is known), or drawn '
+             'anew by a __setstate__. Make it in __init__ (it then travels to every '
+             'replica as it is), or draw it from a generator the link holds, which every '
+             'replica takes as it is; see docs/semantics.md#seeds', RuntimeWarning,
+             stacklevel=4)

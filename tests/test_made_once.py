@@ -1,6 +1,7 @@
 """What a forward makes once and keeps in a plain attribute must be the same in every
 replica, as in StandardUpdater's one model; where the replicas hold different ones, the
-master says so after their second window (:mod:`mgpu_updater._made_once`).
+master says so after their first three windows (:mod:`mgpu_updater._made_once`). What
+each replica keeps of its own samples is its own, and is not named.
 
 Each model here has fixed input sizes (no lazy link), so nothing runs a forward before the
 replicas are copied: whatever the first call makes, each replica makes for itself.
@@ -81,9 +82,64 @@ class MemoryBank(chainer.Chain):
 
     def forward(self, x, t):
         self.bank *= 0.5
-        self.bank += 0.5 * x.array.mean(axis=0) if isinstance(x, chainer.Variable) else \
-            0.5 * x.mean(axis=0)
+        self.bank += 0.5 * x.mean(axis=0)
         return F.softmax_cross_entropy(self.l(x - self.bank), t)
+
+
+class PerSampleState(chainer.Chain):
+    """Truncated BPTT over fixed streams: a state per sample, kept in place in one array;
+    each replica's rows are its own samples', as StandardUpdater's are the batch's."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(N_IN, N_IN)
+            self.out = L.Linear(N_IN, 3)
+        self.state = None
+
+    def forward(self, x, t):
+        if self.state is None:
+            self.state = np.zeros_like(x)
+        h = F.tanh(self.l(x) + self.state)
+        self.state[...] = h.array
+        return F.softmax_cross_entropy(self.out(h), t)
+
+
+class GrowingCache(chainer.Chain):
+    """A table made to the largest input seen so far (a positional encoding to the
+    longest sequence), grown anew only when an input needs more: its size is each
+    replica's own."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(N_IN, 3)
+        self.table = None
+
+    def forward(self, x, t):
+        if self.table is None or self.table.shape[0] < len(x):
+            self.table = np.sin(np.arange(len(x) * N_IN, dtype=np.float32)).reshape(
+                len(x), N_IN)
+        return F.softmax_cross_entropy(self.l(x + self.table[:len(x)]), t)
+
+
+class EveryOtherCall(chainer.Chain):
+    """Keeps the last hidden array of every other call (a diagnostic), and an array of
+    class names (Python objects)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(N_IN, 3)
+        self.calls = 0
+        self.names = np.array(['a', 'b', 'c'], dtype=object)
+
+    def forward(self, x, t):
+        h = self.l(x)
+        if self.calls % 2 == 0:
+            self.last_h = h.array
+        self.calls += 1
+        return F.softmax_cross_entropy(h, t)
 
 
 def _shards(n, updates):
@@ -153,8 +209,13 @@ def test_what_the_first_call_makes_alike_trains_as_standard_updater_and_says_not
 def test_under_accumulation_too():
     """k=2: the projection is drawn at the window's first micro-batch."""
     np.random.seed(0)
-    found = _run(_ours(FirstCallProjection(), 2, 4, accumulate_steps=2), 2)
+    found = _run(_ours(FirstCallProjection(), 2, 6, accumulate_steps=2), 3)
     assert len(found) == 1 and '/proj in replica 1 (@numpy)' in str(found[0].message)
+
+
+def test_not_before_the_third_window():
+    np.random.seed(0)
+    assert _run(_ours(FirstCallProjection(), 2, 2), 2) == []
 
 
 def test_an_array_drawn_anew_by_setstate_is_named():
@@ -163,9 +224,22 @@ def test_an_array_drawn_anew_by_setstate_is_named():
     assert len(found) == 1 and '/mask in replica 1 (@numpy)' in str(found[0].message)
 
 
-def test_an_array_changed_in_place_from_each_replicas_samples_is_named():
-    found = _run(_ours(MemoryBank(), 2, 3), 3)
-    assert len(found) == 1 and '/bank in replica 1 (@numpy)' in str(found[0].message)
+@pytest.mark.parametrize('make', [PerSampleState, MemoryBank, GrowingCache, EveryOtherCall])
+def test_what_each_replica_keeps_of_its_own_samples_is_not_named(make):
+    """State kept per sample, changed in place (it trains as StandardUpdater, shown here),
+    a memory bank changed in place, a cache sized to the inputs seen (the replicas' batch
+    sizes differ, so do their tables' shapes), an array stored every other call; an
+    array of Python objects has nothing to compare (its digest raised TypeError)."""
+    model, reference_model = make(), make()
+    reference_model.copyparams(model)
+    sizes = (B - 1, B) if make is GrowingCache else (B, B)
+    its = [chainer.iterators.SerialIterator(d, size, shuffle=False)
+           for d, size in zip(_shards(2, 3), sizes)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    assert _run(updater, 3) == []
+    if make is PerSampleState:
+        assert _largest_difference(model, _reference(reference_model, 2, 3)) < 1e-6
 
 
 def test_what_a_classifier_stores_at_every_call_is_not_made_once():
@@ -182,8 +256,8 @@ def test_one_replica_has_nothing_to_compare():
 def test_a_digest_tells_arrays_apart_and_samples_large_ones(monkeypatch):
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     assert _made_once.digest(a) == _made_once.digest(a.copy())
-    assert _made_once.digest(a) != _made_once.digest(a.reshape(4, 3))
-    assert _made_once.digest(a) != _made_once.digest(a.astype(np.float64))
+    assert _made_once.digest(a)[0] != _made_once.digest(a.reshape(4, 3))[0]
+    assert _made_once.digest(a)[0] != _made_once.digest(a.astype(np.float64))[0]
     b = a.copy()
     b[2, 3] = -1
     assert _made_once.digest(a) != _made_once.digest(b)
@@ -193,9 +267,10 @@ def test_a_digest_tells_arrays_apart_and_samples_large_ones(monkeypatch):
     assert _made_once.digest(a) == _made_once.digest(c)
     c[2, 1] = -1   # element 9: read
     assert _made_once.digest(a) != _made_once.digest(c)
+    assert _made_once.digest(a.T) == _made_once.digest(a.T.copy())   # not contiguous
+    assert _made_once.digest(np.array(['x'], dtype=object)) is None
 
 
-def test_a_value_that_takes_no_weak_reference_is_held_for_one_window():
-    """A CuPy array takes no weak reference; the look holds it until the next window."""
+def test_a_value_that_takes_no_weak_reference_is_held_until_the_next_window():
     value = object.__new__(type('NoWeakref', (), {'__slots__': ()}))
     assert _made_once._ref(value)() is value
