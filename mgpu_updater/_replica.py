@@ -45,7 +45,7 @@ class WindowResult(NamedTuple):
     loading: str = ''                    # how its loader loads (_loader.Loader.mode)
     chunk_limit: Optional[int] = None    # the most samples it splits batches into (None:
                                          # whole batches; under 'auto', what it halved to)
-    made_once: Optional[Dict[str, str]] = None   # after its second window: the digests of
+    made_once: Optional[Dict[str, Any]] = None   # after its first windows: the digests of
                                          # what its forward made once (_made_once.Seen)
 
 
@@ -433,7 +433,7 @@ class Replica:
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
-        #: several replicas: what the forward made once, looked at after two windows
+        #: several replicas: what the forward made once, looked at over its first windows
         self._made_once: Optional[Seen] = (
             Seen(lambda: kept_between_calls(model, loss_func), model.params)
             if one_of_many else None)
@@ -740,8 +740,8 @@ class Replica:
                 raise RuntimeError(
                     f'{self.name}: loss_func ({_describe(self.loss_func)}) is a link around '
                     f'the model (the optimizer\'s target, {_describe(self.model)}, is one of '
-                    'its links) and reported through itself, which is no link of the model, '
-                    'so no reporter of a replica knows it. Set the optimizer up on '
+                    'its links) and reported through a link that is not the model\'s, so '
+                    'no reporter of a replica knows it. Set the optimizer up on '
                     f'{_describe(self.loss_func)} and pass no loss_func, as Chainer\'s '
                     'examples do; to train a part of it only, call disable_update() on the '
                     'others') from exc

@@ -53,13 +53,13 @@ def nonfinite_gradients(optimizer: chainer.Optimizer) -> List[str]:
 
     A parameter the step leaves alone (``disable_update()``, ``update_rule.enabled =
     False``, no update rule) does not count, as ``StandardUpdater`` trains the others
-    whatever its gradient holds, unless a hook of the optimizer reads every gradient
-    (one called with the optimizer, not for each parameter: ``GradientClipping``'s norm),
-    through which it would reach them all."""
-    whole = any(not getattr(hook, 'call_for_each_param', False)
-                for _, _, hook in chainer_private.optimizer_hooks(optimizer))
-    names, flags, seen = [], [], set()
-    for name, param in optimizer.target.namedparams():
+    whatever its gradient holds, unless a hook of the optimizer that runs before the step
+    reads every gradient (one called with the optimizer, not for each parameter:
+    ``GradientClipping``'s norm), through which it would reach them all."""
+    whole = any(timing == 'pre' and not getattr(hook, 'call_for_each_param', False)
+                for timing, _, hook in chainer_private.optimizer_hooks(optimizer))
+    checked, flags, seen = [], [], set()
+    for param in optimizer.target.params():
         grad, rule = param.grad, param.update_rule
         if grad is None or id(param) in seen or not (
                 whole or (rule is not None and rule.enabled)):
@@ -67,13 +67,20 @@ def nonfinite_gradients(optimizer: chainer.Optimizer) -> List[str]:
         seen.add(id(param))
         with chainer.using_device(param.device):
             flags.append(param.device.xp.isfinite(grad).all())
-        names.append(name)
+        checked.append(param)
     if not flags:
         return []
     xp = chainer.backend.get_array_module(flags[0])
     with chainer.using_device(chainer.backend.get_device_from_array(flags[0])):
         finite = chainer.backend.CpuDevice().send(xp.stack(flags))
-    return [name for name, ok in zip(names, finite) if not ok]
+    if finite.all():
+        return []
+    bad = {id(param) for param, ok in zip(checked, finite) if not ok}
+    names = {}
+    for name, param in optimizer.target.namedparams():
+        if id(param) in bad:
+            names.setdefault(id(param), name)
+    return list(names.values())
 
 
 class GradientStep:

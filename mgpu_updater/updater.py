@@ -138,7 +138,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             (:class:`NonFiniteGradientError`, a :class:`NonFiniteLossError`, naming the
             parameters); ``'ignore'`` steps on it, as StandardUpdater does. A frozen
             parameter's gradient (``disable_update()``, its update rule disabled) counts
-            only where a hook of the optimizer reads every gradient (``GradientClipping``).
+            only where a hook of the optimizer reads every gradient before the step
+            (``GradientClipping``).
         pipelined: opt-in (as ChainerMN's ``double_buffering``): the gradient of update
             t is reduced into a second set of buffers and applied one update late, so
             update t+1's gradient was computed on parameters one step stale (no

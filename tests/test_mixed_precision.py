@@ -118,7 +118,20 @@ class FrozenSqrt(chainer.Chain):
         return self.fc(chainer.functions.sqrt(chainer.functions.relu(self.c1(x))))
 
 
-def _frozen_sqrt(freeze, clip=False):
+class GradientNormLog:
+    """An optimizer hook after the step that reads every gradient (a norm it logs)."""
+    name = 'GradientNormLog'
+    timing = 'post'
+
+    def __init__(self):
+        self.norms = []
+
+    def __call__(self, optimizer):
+        self.norms.append(sum(float((p.grad ** 2).sum()) for p in optimizer.target.params()
+                              if p.grad is not None))
+
+
+def _frozen_sqrt(freeze, clip=False, log=False):
     np.random.seed(0)
     model = chainer.links.Classifier(FrozenSqrt())
     opt = chainer.optimizers.SGD(0.1).setup(model)
@@ -129,19 +142,25 @@ def _frozen_sqrt(freeze, clip=False):
             param.update_rule.enabled = False
     if clip:   # reads every gradient: the frozen NaN reaches the head through its norm
         opt.add_hook(chainer.optimizer_hooks.GradientClipping(1.0))
+    if log:   # reads every gradient after the step: nothing reaches a parameter
+        opt.add_hook(GradientNormLog())
     opt.loss_scaling(scale=8.0)   # static
     return model, opt
 
 
-@pytest.mark.parametrize('n,k', [(2, 2), (1, 2), (1, 1)])
-@pytest.mark.parametrize('freeze', ['disable_update', 'rule_disabled'])
-def test_a_frozen_parameters_nonfinite_gradient_does_not_stop_a_static_scale(n, k, freeze):
+@pytest.mark.parametrize('n,k,freeze,log', [
+    (2, 2, 'disable_update', False), (1, 2, 'disable_update', False),
+    (1, 1, 'disable_update', False), (2, 2, 'rule_disabled', False),
+    (1, 1, 'rule_disabled', False), (2, 1, 'disable_update', True)])
+def test_a_frozen_parameters_nonfinite_gradient_does_not_stop_a_static_scale(n, k, freeze,
+                                                                               log):
     """Under a static loss scale the step leaves a frozen parameter alone, whatever its
     gradient holds, and StandardUpdater trains the rest: so do we, under the default
-    nonfinite='raise' (it raised NonFiniteGradientError; 'skip' skipped every update)."""
+    nonfinite='raise' (it raised NonFiniteGradientError; 'skip' skipped every update).
+    So does a hook after the step that reads every gradient."""
     b, updates = 4, 3
     datasets = [dataset(b * k * updates, seed=60 + r) for r in range(n)]
-    model, opt = _frozen_sqrt(freeze)
+    model, opt = _frozen_sqrt(freeze, log=log)
     updater = ParallelAccumulatingUpdater(
         [chainer.iterators.SerialIterator(d, b, shuffle=False) for d in datasets], opt,
         devices=['@numpy'] * n, accumulate_steps=k)
@@ -151,7 +170,7 @@ def test_a_frozen_parameters_nonfinite_gradient_does_not_stop_a_static_scale(n, 
         finally:
             updater.finalize()
         assert np.isnan(model.predictor.c1.W.grad).any()   # what the test is about
-        ref, ref_opt = _frozen_sqrt(freeze)
+        ref, ref_opt = _frozen_sqrt(freeze, log=log)
         batches = sum([sum((d[i:i + b * k] for d in datasets), [])
                        for i in range(0, b * k * updates, b * k)], [])
         reference = StandardUpdater(
