@@ -135,43 +135,44 @@ class Compared:
     def __init__(self, names: Sequence[str]) -> None:
         self._names = list(names)
         self._own: Optional[Dict[str, Tuple[str, str]]] = None
+        # each replica's digests, as they came (kept until the master's own are in)
+        self._theirs: Dict[int, Dict[str, Tuple[str, str]]] = {}
         self._waiting = set(range(1, len(self._names)))
-        self._apart: Dict[str, List[int]] = {}
 
     def take(self, results: Sequence[Any]) -> bool:
         """Look at one update's results (the master's first); True once every replica's
         digests were compared (the caller then drops this)."""
         if self._own is None:
-            own = results[0].made_once
-            if own is None:
-                return False
-            self._own = own
-        for rank in list(self._waiting):
+            self._own = results[0].made_once
+        for rank in self._waiting:
             theirs = results[rank].made_once if rank < len(results) else None
-            if theirs is None:
-                continue
-            self._waiting.discard(rank)
+            if theirs is not None:
+                self._theirs[rank] = theirs
+        if self._own is None or len(self._theirs) < len(self._waiting):
+            return False
+        apart: Dict[str, List[int]] = {}
+        for rank, theirs in sorted(self._theirs.items()):
             for key, (kind, value) in theirs.items():
                 own = self._own.get(key)
                 if own is not None and own[0] == kind and own[1] != value:
-                    self._apart.setdefault(key, []).append(rank)
-        if self._waiting:
-            return False
-        if self._apart:
-            self._warn()
+                    apart.setdefault(key, []).append(rank)
+        if apart:
+            self._warn(apart)
         return True
 
-    def _warn(self) -> None:
+    def _warn(self, apart: Dict[str, List[int]]) -> None:
         where = '; '.join(
             f'{key} in {", ".join(self._names[r] for r in ranks)}'
-            for key, ranks in sorted(self._apart.items()))
+            for key, ranks in sorted(apart.items()))
         warn('the replicas hold different arrays where their forward made one once and '
              f'kept it (other values than the master\'s: {where}). Where the forward reads '
              'it, each replica computes with its own, and the model trains apart from '
              'StandardUpdater\'s one model. '
              'Such an array is drawn at the first call from each process\'s own random '
-             'stream (a projection or mask made once the input size is known), or drawn '
-             'anew by a __setstate__. Make it in __init__ (it then travels to every '
-             'replica as it is), or draw it from a generator the link holds, which every '
-             'replica takes as it is; see docs/semantics.md#seeds', RuntimeWarning,
-             stacklevel=4)
+             'stream (a projection or mask made once the input size is known), drawn '
+             'anew by a __setstate__, or made from the replica\'s own first samples. Make '
+             'it in __init__ (it then travels to every replica as it is), draw it from a '
+             'generator the link holds, which every replica takes as it is, or make it '
+             'from data that is the same on every replica. One the forward never reads (a '
+             'copy kept for inspection) does no harm; see docs/semantics.md#seeds',
+             RuntimeWarning, stacklevel=4)

@@ -434,9 +434,18 @@ class Replica:
         self.reporter = chainer.Reporter()
         observers(self.reporter, model)
         #: several replicas: what the forward made once, looked at over its first windows
-        self._made_once: Optional[Seen] = (
-            Seen(lambda: kept_between_calls(model, loss_func), model.params)
-            if one_of_many else None)
+        self._made_once: Optional[Seen] = None
+        self._one_of_many = one_of_many
+        self.look_again()
+
+    def look_again(self) -> None:
+        """Start the look at what the forward makes once (:mod:`._made_once`; several
+        replicas only) from the next window: a survivor's window that a worker's death
+        abandoned (``max_worker_restarts``) counts for nothing."""
+        if self._one_of_many:
+            model, loss_func = self.model, self.loss_func
+            self._made_once = Seen(lambda: kept_between_calls(model, loss_func),
+                                   model.params)
 
     def run_window(self, loss_scale: Optional[float]) -> WindowResult:
         """Run up to ``accumulate_steps`` micro-batches, accumulating gradients.

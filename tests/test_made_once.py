@@ -8,6 +8,9 @@ replicas are copied: whatever the first call makes, each replica makes for itsel
 """
 from __future__ import annotations
 
+import os
+import signal
+import types
 import warnings
 
 import numpy as np
@@ -216,6 +219,39 @@ def test_under_accumulation_too():
 def test_not_before_the_third_window():
     np.random.seed(0)
     assert _run(_ours(FirstCallProjection(), 2, 2), 2) == []
+
+
+@pytest.mark.parametrize('killed_after', [1, 2])
+def test_a_worker_replaced_in_the_first_windows_leaves_the_look_whole(killed_after):
+    """Three replicas, replica 1's process SIGKILLed after update 1 or 2 and replaced
+    (max_worker_restarts): the survivor redoes its window, which its look counted twice
+    (its digests went out with the abandoned update, or came early), and nothing was
+    named."""
+    np.random.seed(0)
+    updater = _ours(FirstCallProjection(), 3, 6, max_worker_restarts=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            for i in range(6):
+                updater.update()
+                if i + 1 == killed_after:
+                    os.kill(updater.worker_pids()[0], signal.SIGKILL)
+            assert updater.worker_restarts == 1
+        finally:
+            updater.finalize()
+    found = [w for w in caught if 'made one once' in str(w.message)]
+    assert len(found) == 1
+    assert '/proj in replica 1 (@numpy), replica 2 (@numpy)' in str(found[0].message)
+
+
+def test_the_masters_comparison_keeps_what_comes_before_its_own():
+    def result(made_once):
+        return types.SimpleNamespace(made_once=made_once)
+    compared = _made_once.Compared(['replica 0', 'replica 1', 'replica 2'])
+    mine, other = ('<f4(2,)', 'a'), ('<f4(2,)', 'b')
+    assert not compared.take([result(None), result(None), result({'/p': other})])
+    with pytest.warns(RuntimeWarning, match=r'/p in replica 1, replica 2'):
+        assert compared.take([result({'/p': mine}), result({'/p': other}), result(None)])
 
 
 def test_an_array_drawn_anew_by_setstate_is_named():

@@ -347,6 +347,7 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
                 comm.abandon()   # NCCL: first of all, the collectives stuck on a dead rank end
                 device = replica.loader.device
                 keeper.rewind(replica, lambda: _make_loader(init, device))
+                replica.look_again()   # the abandoned window's look counts for nothing
                 if board is not None:
                     board.start_over()
                 conn.send(Rewound())
