@@ -221,6 +221,11 @@ class ModelIndex:
         self.persistents = persistent_slots(link)   # (path, owner, name)
         self._owners = {path.rpartition('/')[0] or '/': owner
                         for path, owner, _ in self.persistents}
+        types = chainer.get_array_types()
+        #: the persistents that held an array when indexed: those travel in the flat
+        #: buffers, the others as values (a value set to a 0-d array since still does)
+        self._array_paths = frozenset(path for path, value in self.named_persistents()
+                                      if isinstance(value, types))
 
     def param_arrays(self) -> Dict[str, Any]:
         return {name: p.array for name, p in self.params}
@@ -232,18 +237,32 @@ class ModelIndex:
         return [(path, persistent_value(owner, name)) for path, owner, name in self.persistents]
 
     def persistent_arrays(self) -> List[Tuple[str, Any]]:
-        """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
+        """(path, array) of every array persistent (BatchNorm's running mean, var...):
+        those that held an array when indexed. One that holds something else now raises,
+        naming it: the buffers hold an array for it."""
+        if not self._array_paths:
+            return []
         types = chainer.get_array_types()
-        return [(key, value) for key, value in self.named_persistents()
-                if isinstance(value, types) and value is not None]
+        out = [(key, value) for key, value in self.named_persistents()
+               if key in self._array_paths]
+        for key, value in out:
+            if not isinstance(value, types):
+                raise RuntimeError(
+                    f'the persistent {key} held an array when the replicas were built and '
+                    f'now holds {value!r} (of type {type(value).__name__}): the buffers '
+                    'that carry persistents between the replicas hold an array for it. '
+                    f'Set its elements instead (link.{key.rpartition("/")[2]}[...] = '
+                    'value), or finalize this updater and build a new one after the change')
+        return out
 
     def persistent_scalars(self) -> Dict[str, Any]:
-        """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
-        if not self.persistents:   # (the master's every update, for the Step)
+        """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...):
+        those that held no array when indexed, whatever they hold now (a 0-d array set
+        since travels as a value, as the number it replaced did)."""
+        if len(self.persistents) == len(self._array_paths):   # (every update, the Step)
             return {}
-        types = chainer.get_array_types()
         return {key: value for key, value in self.named_persistents()
-                if not isinstance(value, types)}
+                if key not in self._array_paths}
 
     def set_persistent_scalars(self, values: Mapping[str, Any]) -> None:
         """Set each persistent of ``values`` (paths as :meth:`persistent_scalars` gives)."""

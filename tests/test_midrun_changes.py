@@ -181,3 +181,79 @@ def test_a_persistent_the_forward_grows_at_a_later_update_raises_naming_it():
     finally:
         updater.finalize()
     assert updater.worker_pids() == []
+
+
+class Scaled(chainer.Chain):
+    """A linear layer whose output a persistent scales (``beta``, a number an extension
+    anneals) and shifts (``shift``, an array), and a parameter ``w`` of its own."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+            self.w = chainer.Parameter(np.ones(3, np.float32))
+        self.add_persistent('beta', 1.0)
+        self.add_persistent('shift', np.zeros(3, np.float32))
+
+    def forward(self, x, t):
+        w = chainer.functions.cast(self.w, np.float32)
+        y = self.l(x) * float(self.beta) + self.shift + w
+        return chainer.functions.softmax_cross_entropy(y, t)
+
+
+@pytest.mark.parametrize('value', [np.array(0.5), np.array(0.5, np.float32), np.float32(0.5)])
+def test_a_number_persistent_set_to_a_0d_array_reaches_every_replica(value):
+    """``model.beta = numpy.array(0.5)`` between updates, where ``beta`` was a number: the
+    workers kept 1.0 with no word (0.03 off in four updates); it travels as the number it
+    replaced did, as StandardUpdater reads it."""
+    model, ref = Scaled(), Scaled()
+    ref.copyparams(model)
+    its, updater = _updater(model, 2)
+    try:
+        for u in range(4):
+            run_updates(updater, model, 1)
+            if u == 0:
+                model.beta = value
+    finally:
+        updater.finalize()
+    ref_opt = setup_optimizer('sgd', ref)
+    data = dataset(8 * B * 2, seed=1)
+    reference = StandardUpdater(chainer.iterators.SerialIterator(
+        sum([data[i:i + B] + data[i + 8 * B:i + 9 * B] for i in range(0, 4 * B, B)], []),
+        2 * B, shuffle=False), ref_opt)
+    for u in range(4):
+        reference.update()
+        if u == 0:
+            ref.beta = value
+    for name, array in params(ref).items():
+        np.testing.assert_allclose(params(model)[name], array, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+def test_an_array_persistent_set_to_a_number_raises_naming_it():
+    model = Scaled()
+    _, updater = _updater(model, 2)
+    try:
+        run_updates(updater, model, 1)
+        model.shift = 0.7
+        with pytest.raises(RuntimeError, match=r'the persistent /shift held an array when the '
+                                               r'replicas were built and now holds 0\.7 .*'
+                                               r'link\.shift\[\.\.\.\] = value'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+def test_a_parameter_given_an_array_of_another_dtype_raises_naming_it():
+    """Chainer's own error said 'Dtype of data and grad mismatch', naming nothing."""
+    model = Scaled()
+    _, updater = _updater(model, 2)
+    try:
+        run_updates(updater, model, 1)
+        model.w.array = model.w.array.astype(np.float64)
+        with pytest.raises(RuntimeError, match=r'the parameter /w holds a float64 array now, '
+                                               r'where the replicas and the buffers that '
+                                               r'carry its gradient hold float32'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()

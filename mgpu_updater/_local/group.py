@@ -429,7 +429,16 @@ class SummedGrads:
                 grad = param.grad
                 if grad is not None:
                     view = shared.setdefault(id(grad), (grad, view))[1]
-                param.grad = view
+                try:
+                    param.grad = view
+                except TypeError as exc:   # Chainer's "Dtype of data and grad mismatch"
+                    raise RuntimeError(
+                        f'the parameter {name} holds a {param.dtype} array now, where the '
+                        f'replicas and the buffers that carry its gradient hold '
+                        f'{view.dtype}: its array was replaced by one of another dtype '
+                        'during training. Change dtypes before the first update, or '
+                        'finalize this updater and build a new one after the change'
+                    ) from exc
             return
         ensure_grads(self.model)
         self.layouts.grad.unpack(self.comm.buffer, grad_arrays(self.model))
