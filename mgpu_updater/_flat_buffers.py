@@ -71,7 +71,7 @@ class FlatLayout:
                     if e.name in skip:
                         continue
                     dst = flat[e.offset:e.offset + e.size]
-                    src = arrays[e.name]
+                    src = arrays[e.name] if e.name in arrays else _no_array(e)
                     if src is None:
                         dst.fill(0)
                     elif scale is None:
@@ -91,7 +91,7 @@ class FlatLayout:
                 for e in entries:
                     if e.name in skip:
                         continue
-                    dst = arrays[e.name]
+                    dst = arrays[e.name] if e.name in arrays else _no_array(e)
                     src = flat[e.offset:e.offset + e.size].reshape(e.shape)
                     if scale is None:
                         dst[...] = src
@@ -140,6 +140,16 @@ def _xp(array: Any) -> Any:
 # What of a model travels
 
 
+def _no_array(entry: Any) -> Any:
+    """Raise: ``entry``'s persistent holds no array now (a number given to it since)."""
+    raise RuntimeError(
+        f'the persistent {entry.name} held a {entry.shape} array when the replicas were '
+        'built and holds no array now: the buffers that carry persistents between the '
+        f'replicas hold an array for it. Set its elements instead '
+        f'(link.{entry.name.rpartition("/")[2]}[...] = value), or finalize this updater '
+        'and build a new one after the change')
+
+
 class ModelLayouts:
     """The three layouts of one model.
 
@@ -162,6 +172,9 @@ class ModelLayouts:
         aliases = self.index.aliases
         self.state = FlatLayout('param', [(n, a) for n, a in params if n not in aliases]
                                 + persist)
+        #: the persistents that travel as values, in each update's Step: those that held
+        #: no array when laid out, whatever they hold now (a number given a 0-d array)
+        self.values = frozenset(self.index.persistent_scalars())
         self._grad_sets: Dict[Optional[int], FlatLayout] = {None: self.grad}
         if double_buffered:
             for parity in (0, 1):
@@ -179,6 +192,13 @@ class ModelLayouts:
         for layout in list(self._grad_sets.values()) + [self.stat, self.state]:
             spec.update(layout.spec())
         return spec
+
+    def step_values(self, link: chainer.Link) -> Dict[str, Any]:
+        """What :attr:`values` names, as ``link`` holds them now (the master's Step)."""
+        if not self.values:
+            return {}
+        return {path: value for path, value in self.index_of(link).named_persistents()
+                if path in self.values}
 
     def index_of(self, link: chainer.Link) -> 'ModelIndex':
         """The index of ``link``: the one found at construction where ``link`` is the link
@@ -221,11 +241,6 @@ class ModelIndex:
         self.persistents = persistent_slots(link)   # (path, owner, name)
         self._owners = {path.rpartition('/')[0] or '/': owner
                         for path, owner, _ in self.persistents}
-        types = chainer.get_array_types()
-        #: the persistents that held an array when indexed: those travel in the flat
-        #: buffers, the others as values (a value set to a 0-d array since still does)
-        self._array_paths = frozenset(path for path, value in self.named_persistents()
-                                      if isinstance(value, types))
 
     def param_arrays(self) -> Dict[str, Any]:
         return {name: p.array for name, p in self.params}
@@ -237,32 +252,18 @@ class ModelIndex:
         return [(path, persistent_value(owner, name)) for path, owner, name in self.persistents]
 
     def persistent_arrays(self) -> List[Tuple[str, Any]]:
-        """(path, array) of every array persistent (BatchNorm's running mean, var...):
-        those that held an array when indexed. One that holds something else now raises,
-        naming it: the buffers hold an array for it."""
-        if not self._array_paths:
-            return []
+        """(path, array) of every array persistent (BatchNorm's running mean, var...)."""
         types = chainer.get_array_types()
-        out = [(key, value) for key, value in self.named_persistents()
-               if key in self._array_paths]
-        for key, value in out:
-            if not isinstance(value, types):
-                raise RuntimeError(
-                    f'the persistent {key} held an array when the replicas were built and '
-                    f'now holds {value!r} (of type {type(value).__name__}): the buffers '
-                    'that carry persistents between the replicas hold an array for it. '
-                    f'Set its elements instead (link.{key.rpartition("/")[2]}[...] = '
-                    'value), or finalize this updater and build a new one after the change')
-        return out
+        return [(key, value) for key, value in self.named_persistents()
+                if isinstance(value, types) and value is not None]
 
     def persistent_scalars(self) -> Dict[str, Any]:
-        """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...):
-        those that held no array when indexed, whatever they hold now (a 0-d array set
-        since travels as a value, as the number it replaced did)."""
-        if len(self.persistents) == len(self._array_paths):   # (every update, the Step)
+        """(path -> value) of every non-array persistent (BatchNorm's counter ``N``...)."""
+        if not self.persistents:   # (the master's every update, for the Step)
             return {}
+        types = chainer.get_array_types()
         return {key: value for key, value in self.named_persistents()
-                if key not in self._array_paths}
+                if not isinstance(value, types)}
 
     def set_persistent_scalars(self, values: Mapping[str, Any]) -> None:
         """Set each persistent of ``values`` (paths as :meth:`persistent_scalars` gives)."""

@@ -138,7 +138,7 @@ class MpiGroup(Group):
         issue(comm, self._order)
         comm.end_update()
         index = layouts.index_of(model)
-        kept = self._rank0_values(index) if self.rank == 0 else None
+        kept = self._rank0_values(index, layouts.step_values(model)) if self.rank == 0 else None
         stepping = None if self.optimizer is None else optimizer_fingerprint(self.optimizer)
         gathered = comm.allgather_obj((own, comm.issued(), kept, stepping))
         check_same_order({rank: issued for rank, (_, issued, _, _) in enumerate(gathered)},
@@ -155,15 +155,14 @@ class MpiGroup(Group):
         self._check_epochs(results)
         return results
 
-    def _rank0_values(self, index: Any) -> Any:
+    def _rank0_values(self, index: Any, values: Dict[str, Any]) -> Any:
         """The persistents that are not averaged, as rank 0 holds them after its window:
         integer arrays (on the host) and non-array values (BatchNorm's ``N``). A forward
         that moves them (a counter of samples) moved each rank's by its own share; as
         among local replicas, they take the master's: rank 0's."""
         arrays = dict(index.persistent_arrays()) if self._kept else {}
         host = chainer.backend.CpuDevice()
-        return ({name: numpy.array(host.send(arrays[name])) for name in self._kept},
-                index.persistent_scalars())
+        return ({name: numpy.array(host.send(arrays[name])) for name in self._kept}, values)
 
     def _take_rank0_values(self, index: Any, own: Dict[str, Any], kept: Any) -> None:
         arrays, scalars = kept

@@ -236,9 +236,9 @@ def test_an_array_persistent_set_to_a_number_raises_naming_it():
     try:
         run_updates(updater, model, 1)
         model.shift = 0.7
-        with pytest.raises(RuntimeError, match=r'the persistent /shift held an array when the '
-                                               r'replicas were built and now holds 0\.7 .*'
-                                               r'link\.shift\[\.\.\.\] = value'):
+        with pytest.raises(RuntimeError, match=r'the persistent /shift held a \(3,\) array '
+                                               r'when the replicas were built and holds no '
+                                               r'array now.*link\.shift\[\.\.\.\] = value'):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
@@ -254,6 +254,57 @@ def test_a_parameter_given_an_array_of_another_dtype_raises_naming_it():
         with pytest.raises(RuntimeError, match=r'the parameter /w holds a float64 array now, '
                                                r'where the replicas and the buffers that '
                                                r'carry its gradient hold float32'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+class ResetState(chainer.Chain):
+    """A persistent state that ``reset_state()`` sets to None and the forward makes again."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+        self.add_persistent('h', np.zeros(3, np.float32))
+
+    def reset_state(self):
+        self.h = None
+
+    def forward(self, x, t):
+        if self.h is None:
+            self.h = np.zeros(3, np.float32)
+        y = self.l(x) + self.h
+        self.h = self.h * 0.5 + y.array.mean(axis=0) * 0.5
+        return chainer.functions.softmax_cross_entropy(y, t)
+
+
+@pytest.mark.parametrize('kwargs', [{'nonfinite': 'skip'}, {'micro_batch_size': 'auto'}])
+def test_one_replica_takes_a_persistent_reset_to_none_as_standard_updater(kwargs):
+    """One replica has no buffers: a state reset to None between updates trains on, also
+    where the persistents are kept to be set back. Several replicas raise, naming it."""
+    model, ref = ResetState(), ResetState()
+    ref.copyparams(model)
+    _, updater = _updater(model, 1, **kwargs)
+    reference = StandardUpdater(chainer.iterators.SerialIterator(
+        dataset(8 * B, seed=1), B, shuffle=False), setup_optimizer('sgd', ref))
+    try:
+        for u in range(3):
+            run_updates(updater, model, 1)
+            reference.update()
+            model.reset_state()
+            ref.reset_state()
+    finally:
+        updater.finalize()
+    for name, array in params(ref).items():
+        np.testing.assert_allclose(params(model)[name], array, rtol=1e-6, err_msg=name)
+    model = ResetState()
+    _, updater = _updater(model, 2)
+    try:
+        run_updates(updater, model, 1)
+        model.reset_state()
+        with pytest.raises(RuntimeError, match=r'the persistent /h held a \(3,\) array when '
+                                               r'the replicas were built and holds no array'):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()

@@ -181,6 +181,10 @@ def test_what_each_ranks_forward_made_once_differently_is_named_by_rank_0(checks
     assert rank1 == []
 
 
+def test_a_number_persistent_given_a_0d_array_on_rank_0_reaches_every_rank(checks):
+    assert checks['value_persistent'] == [0.5, 0.5]
+
+
 def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
     for rank, out in enumerate(checks['debug_sync']):
         assert out['in_sync_passes']

@@ -182,7 +182,7 @@ class LocalGroup(Group):
                 # Raised while sending: the master's window has not run, so its Step is
                 # made again alike.
                 self._sent = Step(loss_scale,
-                                  self.layouts.index_of(self.model).persistent_scalars(), parity)
+                                  self.layouts.step_values(self.model), parity)
                 self.recovery.recover(error, self._begin_again)
 
     def _begin_again(self) -> None:

@@ -448,7 +448,7 @@ def master_begin(workers: Workers, comm: Any, layouts: ModelLayouts, model: Any,
         index = layouts.index_of(model)
         if not layouts.state.names.issubset(in_place):   # else nothing to copy
             layouts.state.pack(index.state_arrays(), comm.buffer, skip=in_place)
-        again = Step(loss_scale, index.persistent_scalars(), parity)
+        again = Step(loss_scale, layouts.step_values(model), parity)
     issue(comm, before_window(order))
     workers.send(again)
     return again

@@ -24,7 +24,9 @@ what the test asserts on:
 - ``counters``: integer persistents a forward moves (a counter of samples, a Python int
   counter) hold rank 0's on every rank, and ``set_debug(True)`` sees the ranks agree.
 - ``made_once``: a projection each rank's forward draws at its first call (from its own
-  seed) is named by rank 0, after the second update; rank 1 warns of nothing.
+  seed) is named by rank 0, after the third update; rank 1 warns of nothing.
+- ``value_persistent``: a number persistent that rank 0 gives a 0-d array between updates
+  holds it on every rank after the next update (it was dropped).
 """
 import copy
 import json
@@ -433,6 +435,32 @@ def check_made_once(updates=3):
     return gathered([str(w.message) for w in caught if 'made one once' in str(w.message)])
 
 
+class Annealed(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(5, 3)
+        self.add_persistent('beta', 1.0)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.fc(x) * float(self.beta), t)
+
+
+def check_value_persistent():
+    model = Annealed()
+    it = chainer.iterators.SerialIterator(dataset(40, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], communicator=comm)
+    try:
+        run_updates(updater, model, 1)
+        if RANK == 0:
+            model.beta = np.array(0.5)
+        run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    return gathered(float(model.beta))
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -452,6 +480,7 @@ def main(out_path):
         bitwise_equal([rank[case][2] for rank in everyone]) for case in range(2)]
     result['counters'] = check_counters()
     result['made_once'] = check_made_once()
+    result['value_persistent'] = check_value_persistent()
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)
