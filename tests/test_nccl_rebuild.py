@@ -438,10 +438,11 @@ class Recorder:
 def test_a_worker_abandons_before_it_rewinds_and_rejoins_with_the_masters_handle():
     rec = Recorder()
     replica = types.SimpleNamespace(loader=types.SimpleNamespace(
-        release=rec.release, hold=rec.hold, device=None))
+        release=rec.release, hold=rec.hold, device=None),
+        look_again=lambda: rec.log.append('look again'))
     init = types.SimpleNamespace(size=3, announce_packs=False)
     conn = Conn([Rewind(), Rejoin('the new handle'), Stop()])
     worker_module._answer(conn, init, replica, rec, layouts=None, views=None, board=None,
                           keeper=rec)
-    assert rec.log == ['abandon', 'rewind', ('rejoin', 'the new handle')]
+    assert rec.log == ['abandon', 'rewind', 'look again', ('rejoin', 'the new handle')]
     assert [m[0] for m in conn.sent] == [Rewound.KIND, Rejoined.KIND]
