@@ -75,6 +75,8 @@ class FlatLayout:
                     if src is None:
                         dst.fill(0)
                     elif scale is None:
+                        if src.dtype != dst.dtype and src.dtype.kind != dst.dtype.kind:
+                            _retyped(e, src, dst.dtype)
                         dst[...] = src.reshape(-1)
                     else:
                         # one fused multiply-copy; 'unsafe' keeps float16 as float16
@@ -138,6 +140,17 @@ def _xp(array: Any) -> Any:
 
 # --------------------------------------------------------------------------------------
 # What of a model travels
+
+
+def _retyped(entry: Any, array: Any, dtype: Any) -> None:
+    """Raise: ``entry``'s array is of another kind than its slot (floats where integers
+    were), so that copying it would cast its values."""
+    raise RuntimeError(
+        f'{entry.name} holds a {array.dtype} array now, where the slot that carries it '
+        f'between the replicas holds {dtype}, its dtype when they were built: its '
+        'values would be cast (floats to integers, or back). Give it an array of its '
+        f'dtype (new.astype(numpy.{dtype})), or finalize this updater and build a new '
+        'one after the change')
 
 
 def _no_array(entry: Any) -> Any:
