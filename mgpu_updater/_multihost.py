@@ -138,19 +138,31 @@ class MpiGroup(Group):
         issue(comm, self._order)
         comm.end_update()
         index = layouts.index_of(model)
-        kept = self._rank0_values(index, layouts.step_values(model)) if self.rank == 0 else None
+        # the kept arrays that hold no array now (a number or None given since): raised
+        # on every rank alike, after the exchange, not by one rank before it
+        held = dict(index.persistent_arrays()) if self._kept else {}
+        lost = [name for name in self._kept if name not in held]
+        kept = (self._rank0_values(index, layouts.step_values(model))
+                if self.rank == 0 and not lost else None)
         stepping = None if self.optimizer is None else optimizer_fingerprint(self.optimizer)
-        gathered = comm.allgather_obj((own, comm.issued(), kept, stepping))
-        check_same_order({rank: issued for rank, (_, issued, _, _) in enumerate(gathered)},
-                         comm.updates)
+        gathered = comm.allgather_obj((own, comm.issued(), kept, stepping, lost))
+        check_same_order({rank: g[1] for rank, g in enumerate(gathered)}, comm.updates)
         _check_same_optimizer([g[3] for g in gathered], comm.updates)
+        lost_on = {rank: g[4] for rank, g in enumerate(gathered) if g[4]}
+        if lost_on:
+            raise RuntimeError(
+                'the persistents ' + '; '.join(f'{names} of rank {rank}' for rank, names
+                                               in sorted(lost_on.items()))
+                + ' held arrays when the ranks started and hold no array now: each update '
+                'takes them from rank 0 into the array every rank holds. Set their elements '
+                'instead (link.name[...] = value), or build new updaters after the change')
         ensure_grads(model)
         layouts.grad.unpack(comm.buffer, index.grad_arrays())
         persistents = dict(index.persistent_arrays())
         layouts.stat.unpack(comm.buffer, persistents)
         if self.rank != 0:
             self._take_rank0_values(index, persistents, gathered[0][2])
-        results = [result for result, _, _, _ in gathered]
+        results = [g[0] for g in gathered]
         results[self.rank] = own
         self._check_epochs(results)
         return results

@@ -14,7 +14,7 @@ import random
 import time
 import types
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 import numpy
 
@@ -402,9 +402,11 @@ class Replica:
         self.before_read = before_read
         self.chunking = chunking
         self._index: Optional[ModelIndex] = None   # under chunking.auto (_Rewind)
-        #: what the model held when the replica started, until the first window that ran
-        #: a micro-batch checked it (:meth:`_check_unchanged`); then None
-        self._started_with = model_signature(model) if one_of_many else None
+        #: what the model held at the start of its first window (the update's values
+        #: set: a replacement worker's persistents as the master's), until the first
+        #: window that ran a micro-batch checked it (:meth:`_check_unchanged`); then None
+        self._started_with: Optional[Tuple[Any, FrozenSet[str]]] = None
+        self._check_start = one_of_many   # whether that is still to come
         #: parameters with no array when the replicas were copied (a lazy link no forward
         #: called): each window checks that they still have none (:meth:`_check_unset`)
         self._unset = ([(name, p) for name, p in unique_params(model) if p.array is None]
@@ -468,6 +470,8 @@ class Replica:
         """
         if self.direct:
             return self._direct(loss_scale)
+        if self._check_start and self._started_with is None:
+            self._started_with = _start_signature(self.model)
         self.loader.window_started()
         times = {'data': 0.0, 'compute': 0.0}   # seconds, added up over the attempts
         window = _Window(self.loader, self.name)
@@ -788,8 +792,11 @@ class Replica:
         it started with (names, shapes, dtypes). A link created inside ``forward`` (in
         ``init_scope``, on the first call) gets each replica's own random values, and no
         collective carries it, so the replicas would train apart, silently."""
-        now = model_signature(self.model)
-        before, self._started_with = self._started_with, None
+        (before, numbers), self._started_with = self._started_with, None
+        self._check_start = False
+        # a persistent that held a number may hold a 0-d array now (``x = x + xp.sum(...)``
+        # on a GPU): it travels as the number did (_flat_buffers.ModelLayouts.values)
+        now = tuple(entry for entry in model_signature(self.model) if entry[0] not in numbers)
         if now == before:
             return
         old, new = dict(before), dict(now)
@@ -1065,6 +1072,13 @@ def model_signature(model: chainer.Link) -> Tuple[Tuple[str, Tuple[Any, ...]], .
     out += [(name, (tuple(a.shape), numpy.dtype(a.dtype).str))
             for name, a in persistent_arrays(model)]
     return tuple(sorted(out))
+
+
+def _start_signature(model: chainer.Link) -> Tuple[Any, FrozenSet[str]]:
+    """:func:`model_signature`, and the persistents that hold a number (not None)."""
+    numbers = frozenset(path for path, value in ModelIndex(model).persistent_scalars().items()
+                        if value is not None)
+    return model_signature(model), numbers
 
 
 def copy_signature(model: chainer.Link) -> Tuple[Any, ...]:

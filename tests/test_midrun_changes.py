@@ -15,6 +15,10 @@ to the parameters the model has are carried as every update's are
 """
 from __future__ import annotations
 
+import os
+import signal
+import warnings
+
 import numpy as np
 import pytest
 
@@ -23,6 +27,7 @@ import chainer.links as L
 from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater, _unsent_state, shard_iterators
+from mgpu_updater.errors import WorkerRestartWarning
 
 from _models import (GrowsPersistent, classifier, dataset, params, run_updates,
                      setup_optimizer)
@@ -337,3 +342,62 @@ def test_an_int_persistent_given_a_float_array_raises_naming_it():
             run_updates(updater, model, 1)
     finally:
         updater.finalize()
+
+
+def _train_scaled(kill):
+    """Scaled on two replicas, beta given a 0-d array after update 1; ``kill``: the update
+    before which the worker is SIGKILLed (and replaced)."""
+    np.random.seed(0)
+    model = Scaled()
+    _, updater = _updater(model, 2, max_worker_restarts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', WorkerRestartWarning)
+        try:
+            for u in range(4):
+                if u == kill:
+                    os.kill(updater.worker_pids()[0], signal.SIGKILL)
+                run_updates(updater, model, 1)
+                if u == 0:
+                    model.beta = np.array(0.5)
+            assert updater.worker_restarts == (kill is not None)
+        finally:
+            updater.finalize()
+    return params(model)
+
+
+def test_a_worker_replaced_after_a_number_persistent_was_given_a_0d_array_takes_it():
+    """The replacement starts from the start's payload, where beta was a number, and takes
+    the 0-d array with the update's values: its first window's look at what its model
+    started with took that for an array persistent its forward made, and the update
+    failed ('not restarted')."""
+    whole, restarted = _train_scaled(None), _train_scaled(2)
+    for name, array in whole.items():
+        np.testing.assert_array_equal(restarted[name], array, err_msg=name)
+
+
+class SumsOnTheDevice(chainer.Chain):
+    """A number persistent the forward makes a 0-d array at its first call (a sum kept as
+    ``total = total + xp.sum(...)``, which CuPy returns as a 0-d array; numpy's own
+    arithmetic gives a scalar, hence the ``numpy.array``)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+        self.add_persistent('total', 0.0)
+
+    def forward(self, x, t):
+        self.total = np.array(self.total + np.abs(x).sum())
+        return chainer.functions.softmax_cross_entropy(self.l(x), t)
+
+
+def test_a_number_persistent_the_first_forward_makes_a_0d_array_travels_as_a_number():
+    """It was refused after the first window, as a persistent that 'was None' and became
+    an array; it travels as the number did (the master's, each update)."""
+    model = SumsOnTheDevice()
+    _, updater = _updater(model, 2)
+    try:
+        run_updates(updater, model, 3)
+    finally:
+        updater.finalize()
+    assert isinstance(model.total, np.ndarray) and model.total.shape == ()

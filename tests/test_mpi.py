@@ -185,6 +185,12 @@ def test_a_number_persistent_given_a_0d_array_on_rank_0_reaches_every_rank(check
     assert checks['value_persistent'] == [0.5, 0.5]
 
 
+def test_an_int_persistent_every_rank_gives_a_number_raises_on_every_rank(checks):
+    for rank, raised in enumerate(checks['lost_kept']):
+        assert raised is not None and "the persistents ['/count'] of rank 0" in raised, rank
+        assert 'held arrays when the ranks started and hold no array now' in raised
+
+
 def test_debug_mode_names_a_rank_whose_parameters_drifted(checks):
     for rank, out in enumerate(checks['debug_sync']):
         assert out['in_sync_passes']

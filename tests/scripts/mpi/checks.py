@@ -27,6 +27,8 @@ what the test asserts on:
   seed) is named by rank 0, after the third update; rank 1 warns of nothing.
 - ``value_persistent``: a number persistent that rank 0 gives a 0-d array between updates
   holds it on every rank after the next update (it was dropped).
+- ``lost_kept``: an int array persistent that every rank gives a number raises on every
+  rank, naming it (rank 0 raised a bare KeyError before the exchange; rank 1 waited).
 """
 import copy
 import json
@@ -461,6 +463,35 @@ def check_value_persistent():
     return gathered(float(model.beta))
 
 
+class Counted(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.fc = L.Linear(5, 3)
+        self.add_persistent('count', np.zeros(3, np.int32))
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.fc(x), t)
+
+
+def check_lost_kept():
+    model = Counted()
+    it = chainer.iterators.SerialIterator(dataset(40, seed=RANK), 4, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], communicator=comm)
+    try:
+        run_updates(updater, model, 1)
+        model.count = 0
+        try:
+            run_updates(updater, model, 1)
+            raised = None
+        except RuntimeError as e:
+            raised = str(e)
+    finally:
+        updater.finalize()
+    return gathered(raised)
+
+
 def main(out_path):
     result = {'size': SIZE, 'verbs': check_verbs(), 'cases': {}}
     for name, *args in CASES:
@@ -481,6 +512,7 @@ def main(out_path):
     result['counters'] = check_counters()
     result['made_once'] = check_made_once()
     result['value_persistent'] = check_value_persistent()
+    result['lost_kept'] = check_lost_kept()
     if RANK == 0:
         with open(out_path, 'w') as f:
             json.dump(result, f, indent=1)
