@@ -795,8 +795,10 @@ class Replica:
         (before, numbers), self._started_with = self._started_with, None
         self._check_start = False
         # a persistent that held a number may hold a 0-d array now (``x = x + xp.sum(...)``
-        # on a GPU): it travels as the number did (_flat_buffers.ModelLayouts.values)
-        now = tuple(entry for entry in model_signature(self.model) if entry[0] not in numbers)
+        # on a GPU): it travels as the number did (_flat_buffers.ModelLayouts.values); one
+        # it made an array of another shape (each replica's own statistic) is compared
+        now = tuple(entry for entry in model_signature(self.model)
+                    if not (entry[0] in numbers and entry[1][0] == ()))
         if now == before:
             return
         old, new = dict(before), dict(now)
@@ -809,8 +811,9 @@ class Replica:
         if added and set(added) <= arrays and not gone and not changed:
             raise RuntimeError(
                 f'{self.name}: its model changed during its first update: the persistents '
-                f'{added} were None or not yet registered when the replicas were copied '
-                'and became arrays in the forward, where each replica gives them its own '
+                f'{added} held no array (None, or a number) or were not yet registered '
+                'when the replicas were copied and became arrays in the forward, where '
+                'each replica gives them its own '
                 'values and no update can carry arrays it did not start with. Give them '
                 'their arrays in __init__ '
                 "(self.add_persistent('buf', numpy.zeros(n, 'f')); a link of Chainer's: "

@@ -157,8 +157,9 @@ def test_a_persistent_made_an_array_in_the_first_forward_is_named_as_such():
     """Only BatchNormalization's are made in the initialising pass: what another first
     call makes from its batch, the pass (one call more than StandardUpdater's) must not."""
     updater = _ours(BufferInForward(), ['@numpy', '@numpy'])
-    with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] were None or not yet "
-                                           r"registered when the replicas were copied"):
+    with pytest.raises(RuntimeError, match=r"persistents \['/buf'\] held no array \(None, "
+                                           r"or a number\) or were not yet registered when "
+                                           r"the replicas were copied"):
         _run(updater, 1)
 
 

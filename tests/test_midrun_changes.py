@@ -401,3 +401,31 @@ def test_a_number_persistent_the_first_forward_makes_a_0d_array_travels_as_a_num
     finally:
         updater.finalize()
     assert isinstance(model.total, np.ndarray) and model.total.shape == ()
+
+
+class RunningMeanFromANumber(chainer.Chain):
+    """A persistent that starts as the number 0.0 and that the forward makes a running
+    mean of its outputs, a (3,) array: each replica's own statistic."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+        self.add_persistent('run', 0.0)
+
+    def forward(self, x, t):
+        y = self.l(x)
+        self.run = 0.9 * self.run + 0.1 * y.array.mean(axis=0)
+        return chainer.functions.softmax_cross_entropy(y, t)
+
+
+def test_a_number_persistent_the_first_forward_makes_an_array_of_a_shape_is_refused():
+    """Only a 0-d array may stand for the number it replaced."""
+    model = RunningMeanFromANumber()
+    _, updater = _updater(model, 2)
+    try:
+        with pytest.raises(RuntimeError, match=r"the persistents \['/run'\] held no array "
+                                               r'\(None, or a number\)'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
