@@ -71,7 +71,7 @@ class FlatLayout:
                     if e.name in skip:
                         continue
                     dst = flat[e.offset:e.offset + e.size]
-                    src = arrays[e.name] if e.name in arrays else _no_array(e)
+                    src = arrays[e.name]
                     if src is None:
                         dst.fill(0)
                     elif scale is None:
@@ -83,6 +83,8 @@ class FlatLayout:
                         _xp(dst).multiply(src.reshape(-1), scale, out=dst, casting='unsafe')
         except ValueError as exc:
             raise self._reshaped(arrays, exc)
+        except KeyError as exc:
+            raise self._missing(arrays, exc)
 
     def unpack(self, buffer: Callable[[str], Any], arrays: Mapping[str, Any],
                scale: Optional[float] = None, skip: Collection[str] = ()) -> None:
@@ -93,7 +95,7 @@ class FlatLayout:
                 for e in entries:
                     if e.name in skip:
                         continue
-                    dst = arrays[e.name] if e.name in arrays else _no_array(e)
+                    dst = arrays[e.name]
                     src = flat[e.offset:e.offset + e.size].reshape(e.shape)
                     if scale is None:
                         dst[...] = src
@@ -101,6 +103,19 @@ class FlatLayout:
                         _xp(dst).multiply(src, scale, out=dst, casting='unsafe')
         except ValueError as exc:
             raise self._reshaped(arrays, exc)
+        except KeyError as exc:
+            raise self._missing(arrays, exc)
+
+    def _missing(self, arrays: Mapping[str, Any], exc: KeyError) -> Exception:
+        """The error where an entry has no array: a persistent laid out as an array that
+        holds a number or None now is named, with the fix; else ``exc`` as it came."""
+        for entries in self.groups.values():
+            for e in entries:
+                if e.name not in arrays:
+                    error = _no_array(e)
+                    error.__cause__ = exc
+                    return error
+        return exc
 
     def _reshaped(self, arrays: Mapping[str, Any], exc: ValueError) -> Exception:
         """The error where an array no longer fits its slice: one the model changed the
@@ -153,9 +168,9 @@ def _retyped(entry: Any, array: Any, dtype: Any) -> None:
         'one after the change')
 
 
-def _no_array(entry: Any) -> Any:
-    """Raise: ``entry``'s persistent holds no array now (a number given to it since)."""
-    raise RuntimeError(
+def _no_array(entry: Any) -> RuntimeError:
+    """The error for ``entry``'s persistent holding no array now (a number given since)."""
+    return RuntimeError(
         f'the persistent {entry.name} held a {entry.shape} array when the replicas were '
         'built and holds no array now: the buffers that carry persistents between the '
         f'replicas hold an array for it. Set its elements instead '

@@ -138,11 +138,11 @@ class MpiGroup(Group):
         issue(comm, self._order)
         comm.end_update()
         index = layouts.index_of(model)
+        persistents = dict(index.persistent_arrays())
         # the kept arrays that hold no array now (a number or None given since): raised
         # on every rank alike, after the exchange, not by one rank before it
-        held = dict(index.persistent_arrays()) if self._kept else {}
-        lost = [name for name in self._kept if name not in held]
-        kept = (self._rank0_values(index, layouts.step_values(model))
+        lost = [name for name in self._kept if name not in persistents]
+        kept = (self._rank0_values(persistents, layouts.step_values(model))
                 if self.rank == 0 and not lost else None)
         stepping = None if self.optimizer is None else optimizer_fingerprint(self.optimizer)
         gathered = comm.allgather_obj((own, comm.issued(), kept, stepping, lost))
@@ -158,7 +158,6 @@ class MpiGroup(Group):
                 'instead (link.name[...] = value), or build new updaters after the change')
         ensure_grads(model)
         layouts.grad.unpack(comm.buffer, index.grad_arrays())
-        persistents = dict(index.persistent_arrays())
         layouts.stat.unpack(comm.buffer, persistents)
         if self.rank != 0:
             self._take_rank0_values(index, persistents, gathered[0][2])
@@ -167,12 +166,11 @@ class MpiGroup(Group):
         self._check_epochs(results)
         return results
 
-    def _rank0_values(self, index: Any, values: Dict[str, Any]) -> Any:
+    def _rank0_values(self, arrays: Dict[str, Any], values: Dict[str, Any]) -> Any:
         """The persistents that are not averaged, as rank 0 holds them after its window:
         integer arrays (on the host) and non-array values (BatchNorm's ``N``). A forward
         that moves them (a counter of samples) moved each rank's by its own share; as
         among local replicas, they take the master's: rank 0's."""
-        arrays = dict(index.persistent_arrays()) if self._kept else {}
         host = chainer.backend.CpuDevice()
         return ({name: numpy.array(host.send(arrays[name])) for name in self._kept}, values)
 
