@@ -10,7 +10,7 @@ on the master only. So the master sends them:
 - its configuration as the thread that starts training sees it (``chainer.config``: the
   global entries and that thread's own, which ``chainer.set_debug`` and ``chainer.config.x
   = v`` set), every entry but those listed in ``_NOT_SENT``, applied to the worker's
-  ``chainer.global_config`` before it builds its replica;
+  ``chainer.global_config`` before it unpickles its copies (``_local.worker.ProcessSetup``);
 - one seed per worker, drawn from the master's own ``numpy.random`` global state, so the
   script's seed decides them and the master's stream advances the same way every run;
   each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``;

@@ -33,6 +33,7 @@ from mgpu_updater._local.resume import (Change, Keeper, Records, ResumePoint, ap
                                         difference, restore)
 from mgpu_updater._chunks import Chunking
 from mgpu_updater._local.group import payload_factory
+from mgpu_updater._local.worker import unpickle_payload
 from mgpu_updater._replica import WindowResult
 from mgpu_updater.comm.shm import ShmCommunicator
 
@@ -342,9 +343,11 @@ def test_a_replacement_payload_starts_at_the_chunk_size_auto_found(auto, expecte
         bind_loss_to_model=None, converter=faulty.Converter(), iterator=_iterator(),
         prefetch=0, accumulate_steps=1, scaling=None, comm_name='shm',
         chunking=Chunking(None, auto=auto)), model)
-    init = pickle.loads(payload(None, resume='here', chunk_size=2))
+    def unpickled(data):
+        return unpickle_payload(data, lambda setup: setup)[1]
+    init = unpickled(payload(None, resume='here', chunk_size=2))
     assert init.chunking == Chunking(expected, auto=auto) and init.resume == 'here'
-    assert pickle.loads(payload(None)).chunking == Chunking(None, auto=auto)
+    assert unpickled(payload(None)).chunking == Chunking(None, auto=auto)
 
 
 class _Loader:

@@ -3,7 +3,7 @@
 Under StandardUpdater, ``numpy.random.seed(s)`` makes a run with dropout reproducible, and
 ``chainer.global_config`` / ``chainer.config`` settings hold for every gradient. The
 workers are fresh processes: the master sends them one seed each (drawn from its own
-seeded ``numpy.random``) and its configuration, applied before they build.
+seeded ``numpy.random``) and its configuration, applied before they unpickle their copies.
 """
 from __future__ import annotations
 
@@ -48,6 +48,28 @@ class PythonRandomNoise(chainer.Chain):
         return self.l1(x * np.float32(random.random()))
 
 
+class ScaleDrawnOnUnpickling(chainer.Chain):
+    """Draws an input scale from ``numpy.random`` in ``__init__`` and again in
+    ``__setstate__``: each worker draws its own when its copy is unpickled (the replicas
+    then differ, which the package warns of), from its seeded stream."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+        self._draw()
+
+    def _draw(self):
+        self.scale = np.random.rand(5).astype(np.float32)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._draw()
+
+    def forward(self, x):
+        return self.l1(x * self.scale)
+
+
 def _train(seed, model_class=DropoutMLP, updates=3):
     np.random.seed(0)                    # the same initial parameters in every run
     model = L.Classifier(model_class())
@@ -68,8 +90,12 @@ def _same(a, b):
     return all(np.array_equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize('model_class', [DropoutMLP, PythonRandomNoise])
+@pytest.mark.parametrize('model_class', [
+    DropoutMLP, PythonRandomNoise,
+    pytest.param(ScaleDrawnOnUnpickling, marks=pytest.mark.filterwarnings(
+        'ignore:the replicas hold different arrays:RuntimeWarning'))])
 def test_the_same_numpy_seed_gives_bitwise_the_same_run(model_class):
+    """A draw at unpickling too: each worker seeds before it unpickles its copies."""
     first, second = _train(7, model_class), _train(7, model_class)
     assert _same(first, second)
     assert not _same(first, _train(8, model_class))

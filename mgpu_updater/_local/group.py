@@ -29,7 +29,7 @@ from .protocol import (Joining, Rejoin, Rejoined, State, StateRequest, Step, bro
                        master_begin, master_finish, slot_views)
 from .recovery import Recovery
 from .resume import Records, ResumePoint
-from .worker import WorkerInit, main as worker_main
+from .worker import ProcessSetup, WorkerInit, main as worker_main
 
 
 class LocalGroup(Group):
@@ -624,10 +624,11 @@ class Detached:
 
 
 class Payload:
-    """A worker's payload, pickled (a :class:`~.worker.WorkerInit`) once the communicator
-    handle, the board's name (None: no board) and whether the ranks announce their packs
-    there are known (see ``_payload``); again, with a resume point, for a worker that
-    replaces one that died (:mod:`.recovery`).
+    """A worker's payload, pickled (a :class:`~.worker.ProcessSetup`, then a
+    :class:`~.worker.WorkerInit`) once the communicator handle, the board's name (None: no
+    board) and whether the ranks announce their packs there are known (see ``_payload``);
+    again, with a resume point, for a worker that replaces one that died
+    (:mod:`.recovery`).
 
     Whatever in it refers to ``master_model`` or its links (a closure as ``loss_func``)
     refers to the worker's replica, ``init_kwargs['model']``, once unpickled.
@@ -646,13 +647,15 @@ class Payload:
         """The pickled payload; ``resume``, a replacement's resume point, and
         ``chunk_size``: under ``micro_batch_size='auto'``, the size the lost worker had
         come to (None: as at the start)."""
-        kwargs = self.init_kwargs
+        kwargs = dict(self.init_kwargs)
         replace = _payload.replica_links(self.master_model, kwargs['model'])
         if chunk_size is not None and kwargs['chunking'].auto:
-            kwargs = dict(kwargs, chunking=kwargs['chunking']._replace(size=chunk_size))
-        return _payload.dumps(WorkerInit(comm_handle=handle, board=board,
-                                         announce_packs=announce_packs, resume=resume,
-                                         **kwargs), replace)
+            kwargs['chunking'] = kwargs['chunking']._replace(size=chunk_size)
+        setup = ProcessSetup(kwargs['device'], **{name: kwargs.pop(name) for name in
+                                                  ProcessSetup._fields[1:] if name in kwargs})
+        return _payload.dumps(setup) + _payload.dumps(
+            WorkerInit(comm_handle=handle, board=board, announce_packs=announce_packs,
+                       resume=resume, **kwargs), replace)
 
 
 def _pickled(payloads: Dict[int, 'Payload'], handle: Any, board: Optional[str],

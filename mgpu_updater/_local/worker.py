@@ -1,12 +1,13 @@
 """The worker process: receive a command, run the window, reduce, report.
 
 Runs in a process started with ``spawn`` (or ``forkserver``), so it imports everything
-afresh; what it needs arrives pickled in :class:`WorkerInit`. Protocol over the pipe
+afresh; what it needs arrives pickled: a :class:`ProcessSetup`, then a :class:`WorkerInit`
+(two pickles, one payload). Protocol over the pipe
 (the messages are :mod:`mgpu_updater._local.protocol`'s):
 
 master -> worker                          worker -> master
                                           Hello() first, once Python's start-up is over
-payload bytes (a pickled WorkerInit)      Joining() once built, then Ready() once its
+payload bytes (ProcessSetup, WorkerInit)  Joining() once built, then Ready() once its
                                           communicator is joined
 Step(loss_scale, scalars, parity)         Done(WindowResult) (or, where packs are
                                           announced, a post and its result in its
@@ -19,7 +20,9 @@ Stop()                                    (exits)
 """
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -49,10 +52,7 @@ class WorkerInit(NamedTuple):
     comm_name: str
     comm_handle: Any
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
-    config: Any = None          # the master's chainer.config entries (_inherit)
-    process: Any = None         # its numpy error handling, warning filters (_inherit)
     module_globals: Any = None  # what its copies read in the user's modules (_module_globals)
-    seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
     cores: Optional[tuple] = None        # the cores it runs on (_threads.core_shares)
@@ -63,6 +63,47 @@ class WorkerInit(NamedTuple):
     keep_resume: bool = False            # keep and send its resume points (.resume)
     resume: Any = None                   # a replacement's .resume.ResumePoint, or None
     signature: Any = None                # the master's _replica.copy_signature of the model
+
+
+class ProcessSetup(NamedTuple):
+    """What a worker applies to its process before it unpickles anything of the user's
+    (its :class:`WorkerInit`, pickled after this in the same payload): a ``__setstate__``
+    that draws from ``numpy.random`` draws from this worker's seeded stream, so a seeded
+    run repeats, and one that reads ``chainer.config`` sees the master's; what is
+    unpickled onto the current device goes to the worker's own."""
+    device: Any                 # device specifier as given
+    config: Any = None          # the master's chainer.config entries (_inherit)
+    process: Any = None         # its numpy error handling, warning filters (_inherit)
+    seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
+
+
+def unpickle_payload(payload: bytes,
+                     setup: Callable[[ProcessSetup], Any]) -> Optional[tuple]:
+    """``(setup(ProcessSetup), WorkerInit)`` from a payload, the setup applied (by
+    ``setup``) before the WorkerInit is unpickled; None where the master stopped the worker
+    before its payload came (it sent something else)."""
+    stream = io.BytesIO(payload)
+    first = pickle.load(stream)
+    if not isinstance(first, ProcessSetup):
+        return None
+    applied = setup(first)
+    return applied, pickle.load(stream)
+
+
+def _set_up(setup: ProcessSetup) -> Any:
+    """Apply ``setup`` to this process; the worker's device, in use."""
+    import chainer
+    from .. import _inherit
+    _inherit.apply_config(setup.config or {})
+    if setup.process is not None:
+        _inherit.apply_process_settings(setup.process)
+    if setup.seed is not None:
+        _inherit.seed_process(setup.seed)
+    device = chainer.get_device(setup.device)
+    device.use()
+    if setup.seed is not None:
+        _inherit.seed_device(setup.seed, device)
+    return device
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -178,13 +219,12 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         payload = conn.recv_bytes()
         from .. import _compat
         _compat.apply()
-        import pickle
-        init = pickle.loads(payload)
+        unpickled = unpickle_payload(payload, _set_up)
         del payload
-        if not isinstance(init, WorkerInit):   # stopped before its payload came: no error
-            init = None
+        if unpickled is None:   # stopped before its payload came: no error
             return
-        replica, comm, layouts, in_place = _build(init, lambda: conn.send(Joining()))
+        device, init = unpickled
+        replica, comm, layouts, in_place = _build(init, device, lambda: conn.send(Joining()))
         from .._module_globals import differences
         conn.send(Ready(differences(init.module_globals or {})))
     except BaseException:  # noqa: BLE001 - reported to the master
@@ -216,9 +256,10 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
         pass
 
 
-def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> Any:
-    import chainer
-    from .. import _inherit, _loss_binding, comm as comm_module
+def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda: None) -> Any:
+    """The replica, communicator, layouts and in-place helpers of ``init``, on ``device``
+    (set up by :func:`_set_up`)."""
+    from .. import _loss_binding, comm as comm_module
     from .._flat_buffers import ModelLayouts
     from .._replica import Replica
     from .._threads import ThreadBinding, limit_process
@@ -226,15 +267,6 @@ def _build(init: 'WorkerInit', joining: Callable[[], None] = lambda: None) -> An
 
     reuse_freed_memory(init.reuse_host_memory)   # before its first window
     ThreadBinding(init.cores)   # before its loader's thread starts: for its whole life
-    _inherit.apply_config(init.config or {})
-    if init.process is not None:
-        _inherit.apply_process_settings(init.process)
-    if init.seed is not None:
-        _inherit.seed_process(init.seed)
-    device = chainer.get_device(init.device)
-    device.use()
-    if init.seed is not None:
-        _inherit.seed_device(init.seed, device)
     model = init.model
     if init.signature is not None:   # what unpickling built: as the master's model?
         from .._replica import copy_difference, copy_signature
