@@ -171,7 +171,7 @@ def replica_links(master: chainer.Link, replica: chainer.Link) -> Dict[int, Any]
 
 
 def dumps(obj: Any, replace: Optional[Dict[int, Any]] = None) -> bytes:
-    """``obj`` pickled for a worker process (which unpickles it with ``pickle.loads``).
+    """``obj`` pickled for a worker process (which unpickles it with ``pickle.load``).
 
     Every object whose ``id`` is a key of ``replace`` is pickled as that key's value
     (the same object wherever it is referenced).

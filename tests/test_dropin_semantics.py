@@ -18,6 +18,7 @@ from chainer.training.updaters import StandardUpdater
 
 from mgpu_updater import ParallelAccumulatingUpdater, WorkerError
 from mgpu_updater import _loss_binding, _startup
+from mgpu_updater._local.worker import unpickle_payload
 
 import _dropin_models
 from _dropin_models import (HoldsAModel, HoldsAReportingModel, Outer, SelfLoss, loss_of,
@@ -177,7 +178,7 @@ def test_closure_over_the_model_arrives_bound_to_the_replica_model(closure_paylo
         updater._start()
     finally:
         updater.finalize()   # the master's prefetch thread
-    init = pickle.loads(captured[1](None))
+    init = unpickle_payload(captured[1](None), lambda setup: setup)[1]
     cells = [c.cell_contents for c in init.loss_func.__closure__]
     assert any(c is init.model for c in cells), cells
 

@@ -54,8 +54,7 @@ class FirstCallProjection(chainer.Chain):
 
 class DrawnOnUnpickling(chainer.Chain):
     """A mask made in ``__init__`` and drawn anew by ``__setstate__`` (each worker draws
-    its own when its copy is unpickled); real-valued, so no two draws are alike (a 0/1
-    mask of five came out as the master's once in 32 runs)."""
+    its own when its copy is unpickled); real-valued, so that no two draws are alike."""
 
     def __init__(self):
         super().__init__()

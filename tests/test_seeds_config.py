@@ -269,6 +269,56 @@ def test_workers_raise_where_the_master_would_on_a_floating_point_error(how):
         updater.finalize()
 
 
+_WARNS_ON_IMPORT = '''
+import warnings
+import chainer
+import chainer.functions as F
+import chainer.links as L
+warnings.warn('this module is deprecated', DeprecationWarning)
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        return F.softmax_cross_entropy(self.l1(x), t)
+'''
+
+
+def test_a_module_that_warns_on_import_before_the_filters_are_set_trains(tmp_path,
+                                                                         monkeypatch):
+    """The script imports a module that warns (a deprecation) and then turns warnings
+    into errors, as StandardUpdater trains under: each worker imports the module as it
+    unpickles its copy of the model, before it takes the master's filters."""
+    import importlib
+    (tmp_path / 'warns_on_import_mod.py').write_text(_WARNS_ON_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))   # the spawned workers take sys.path
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        module = importlib.import_module('warns_on_import_mod')
+    try:
+        np.random.seed(0)
+        model = module.Net()
+        data = dataset(8, seed=1)
+        its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False)
+               for r in range(2)]
+        updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                              devices=DEVICES)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter('error')
+                run_updates(updater, model, 1)
+        finally:
+            updater.finalize()
+        assert updater.iteration == 1
+    finally:
+        import sys
+        sys.modules.pop('warns_on_import_mod', None)
+
+
 class DeepRecursion(chainer.Chain):
     """A forward that recurses ``depth`` calls deep, as a recursive network over a deep
     tree does (past Python's default limit of 1000)."""

@@ -52,6 +52,7 @@ class WorkerInit(NamedTuple):
     comm_name: str
     comm_handle: Any
     chunking: Any = None        # _chunks.Chunking: how it splits loaded micro-batches
+    process: Any = None         # its numpy error handling, warning filters (_inherit)
     module_globals: Any = None  # what its copies read in the user's modules (_module_globals)
     blas_threads: Optional[int] = None   # its BLAS/OpenMP threads (_threads; None: as they are)
     reuse_host_memory: bool = False      # keep freed memory for reuse (_host_memory)
@@ -70,10 +71,11 @@ class ProcessSetup(NamedTuple):
     (its :class:`WorkerInit`, pickled after this in the same payload): a ``__setstate__``
     that draws from ``numpy.random`` draws from this worker's seeded stream, so a seeded
     run repeats, and one that reads ``chainer.config`` sees the master's; what is
-    unpickled onto the current device goes to the worker's own."""
+    unpickled onto the current device goes to the worker's own. The master's warning
+    filters and numpy error handling come after (``WorkerInit.process``): unpickling imports
+    the user's modules, which the script imported before it set them."""
     device: Any                 # device specifier as given
     config: Any = None          # the master's chainer.config entries (_inherit)
-    process: Any = None         # its numpy error handling, warning filters (_inherit)
     seed: Optional[int] = None  # this worker's random seed, drawn by the master (_inherit)
 
 
@@ -95,8 +97,6 @@ def _set_up(setup: ProcessSetup) -> Any:
     import chainer
     from .. import _inherit
     _inherit.apply_config(setup.config or {})
-    if setup.process is not None:
-        _inherit.apply_process_settings(setup.process)
     if setup.seed is not None:
         _inherit.seed_process(setup.seed)
     device = chainer.get_device(setup.device)
@@ -259,7 +259,7 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
 def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda: None) -> Any:
     """The replica, communicator, layouts and in-place helpers of ``init``, on ``device``
     (set up by :func:`_set_up`)."""
-    from .. import _loss_binding, comm as comm_module
+    from .. import _inherit, _loss_binding, comm as comm_module
     from .._flat_buffers import ModelLayouts
     from .._replica import Replica
     from .._threads import ThreadBinding, limit_process
@@ -267,6 +267,8 @@ def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda
 
     reuse_freed_memory(init.reuse_host_memory)   # before its first window
     ThreadBinding(init.cores)   # before its loader's thread starts: for its whole life
+    if init.process is not None:
+        _inherit.apply_process_settings(init.process)
     model = init.model
     if init.signature is not None:   # what unpickling built: as the master's model?
         from .._replica import copy_difference, copy_signature
