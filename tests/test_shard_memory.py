@@ -23,6 +23,7 @@ from chainer.training.updaters import StandardUpdater
 from mgpu_updater import ParallelAccumulatingUpdater, _payload, shard_iterators
 from mgpu_updater._checkpoint import capture_state, load_state
 from mgpu_updater._iterators import Shard, compact
+from mgpu_updater._local.group import Payload
 
 from _models import classifier, params, run_updates, setup_optimizer
 
@@ -229,14 +230,14 @@ def _train(monkeypatch, travel_whole, updates=4, k=2):
     if travel_whole:   # what the shards did before: pickle the whole base dataset
         monkeypatch.setattr(Shard, '__reduce_ex__', object.__reduce_ex__)
     sizes = []
-    dumps = _payload.dumps
+    pickled = Payload.__call__
 
-    def measured(obj, replace=None):
-        data = dumps(obj, replace)
+    def measured(payload, *args, **kwargs):
+        data = pickled(payload, *args, **kwargs)
         sizes.append(len(data))
         return data
 
-    monkeypatch.setattr(_payload, 'dumps', measured)
+    monkeypatch.setattr(Payload, '__call__', measured)
     x, t = _arrays()
     model = classifier(seed=3, n_in=FEATURES)
     its = shard_iterators(chainer.datasets.TupleDataset(x, t), SHARDS, 4, seed=11)
