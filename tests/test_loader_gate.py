@@ -50,9 +50,12 @@ def _loader(data, depth=2, gated=True, b=2):
                       chainer.dataset.concat_examples, None, depth, gated=gated)
 
 
-def _settle(data, quiet=0.1, timeout=5.0):
-    """Wait until no example was read for ``quiet`` seconds; how many were read."""
+def _settle(data, at_least=0, quiet=0.1, timeout=5.0):
+    """Wait until ``at_least`` examples were read (a loaded machine may start the thread
+    late), then until none was read for ``quiet`` seconds; how many were read."""
     deadline = time.perf_counter() + timeout
+    while len(data.reads) < at_least and time.perf_counter() < deadline:
+        time.sleep(0.005)
     while time.perf_counter() < deadline:
         n = len(data.reads)
         time.sleep(quiet)
@@ -73,17 +76,17 @@ def test_a_gated_loader_starts_held_and_loads_only_when_released():
     data = _Counting()
     loader = _loader(data)
     try:
-        first = _settle(data)          # the first batch (read in the constructor) only
+        first = _settle(data, 2)       # the first batch (read in the constructor) only
         assert first == 2
         loader.release()               # the replica waits: the thread loads ahead
-        full = _settle(data)
+        full = _settle(data, first + 2 * 2)
         assert full == first + 2 * 2   # its depth: two more batches of two
         loader.hold()                  # busy again
         loader.get()                   # a place frees up ...
         held = time.perf_counter()
         assert _settle(data) == full   # ... but nothing is read while held
         loader.release()
-        assert _settle(data) > full
+        assert _settle(data, full + 1) > full
         assert min(data.reads[full:]) > held
     finally:
         loader.close()
@@ -108,13 +111,14 @@ def test_a_batch_taken_under_a_held_gate_wakes_the_thread_only_when_it_is_let_go
     try:
         _settle(data)
         loader.release()
-        assert _settle(data) == 2 + 2 * 2   # two batches queued, one waiting for a place
+        # two batches queued, one waiting for a place
+        assert _settle(data, 2 + 2 * 2) == 2 + 2 * 2
         loader.hold()
         assert _labels(loader.get()) == _expected(data, 0)
         time.sleep(0.3)
         assert loader._items.qsize() == 1   # the waiting batch is not put: still asleep
         loader.release()
-        assert _settle(data) == 2 + 3 * 2   # now it puts that batch and loads the next
+        assert _settle(data, 2 + 3 * 2) == 2 + 3 * 2   # now it puts that batch and loads the next
         loader.hold()
         assert [_labels(loader.get()) for _ in range(4)] == [
             _expected(data, j) for j in (1, 2, 3, 4)]
@@ -129,9 +133,9 @@ def test_a_held_gate_hands_out_every_batch_loaded_ahead_then_loads_in_place():
     data = _Counting()
     loader = _loader(data)
     try:
-        _settle(data)
+        _settle(data, 2)
         loader.release()
-        _settle(data)
+        _settle(data, 2 + 2 * 2)
         loader.hold()
         got = [_labels(loader.get()) for _ in range(6)]
         assert got == [_expected(data, j) for j in range(6)]
@@ -158,7 +162,7 @@ def test_a_get_that_finds_nothing_loaded_loads_it_itself_and_holds_again(monkeyp
         assert loader.gated and loader._holding and loader._parked
         assert len(data.reads) == 8              # and the thread loaded nothing meanwhile
         loader.release()                         # a wait: the thread loads ahead again
-        _settle(data)
+        _settle(data, 9)
         assert len(data.reads) > 8 and here not in data.threads[8:]
         loader.hold()
         assert [loader.get().arrays[1].tolist() for _ in range(2)] == [
@@ -236,7 +240,7 @@ def test_the_trial_switches_the_gate_and_its_decision_stays(decision):
         if decision == 'ahead':   # the thread loads meanwhile
             before = _settle(data)
             loader.get()
-            assert _settle(data) > before
+            assert _settle(data, before + 1) > before
     finally:
         loader.close()
         reference.close()
