@@ -171,8 +171,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         update_timeout: seconds after which such a wait gives up: every worker is
             stopped, then :class:`~mgpu_updater.WorkerError` is raised with the same
             information (default None: wait as long as the workers live). Stopping a
-            worker that does not answer takes up to 7 s more (asked for 3 s, SIGTERM for
-            2 s, then SIGKILL).
+            worker that does not answer takes up to 5 s more (asked for 3 s, then
+            SIGKILL).
         bind_cores: ``'auto'`` (default), True or False: whether each replica process of
             this host runs on a share of the cores of its own (the master: the thread
             that runs its first update, while the updater runs; restored by

@@ -3,7 +3,8 @@
 Workers start with ``spawn`` (default) or ``forkserver``, so a master that already
 initialised CUDA is fine. Every wait watches the workers' process sentinels, so a worker
 that dies (SIGKILL, OOM killer) becomes a :class:`WorkerError` at once, and shutdown
-escalates ask -> terminate -> kill, each step bounded, and always reaps.
+escalates ask -> kill, each step bounded, and always reaps (a worker leaves a SIGTERM
+to its master: ``.worker``).
 
 Start-up runs in three steps, so that no write can block on a process that is gone:
 
@@ -43,7 +44,6 @@ from .stall import StackFiles, StallWatch
 from ..errors import WorkerError
 
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
-TERMINATE_TIMEOUT = 2.0  # after SIGTERM
 KILL_TIMEOUT = 2.0       # after SIGKILL
 MAIN_GUARD_EXIT = 78     # exit code of a worker that re-ran the script's training (EX_CONFIG)
 
@@ -561,7 +561,7 @@ class WorkerPool:
                           exitcode=proc.exitcode)
 
     def close(self) -> None:
-        """Stop every worker: ask, then terminate, then kill; each wait bounded. Then kill
+        """Stop every worker: ask, then kill; each wait bounded. Then kill
         what is left of each worker's process group (its iterator's processes). Twice is
         fine."""
         if self._closed:
@@ -576,8 +576,7 @@ class WorkerPool:
         ranks = self.ranks
         interrupted: Optional[BaseException] = None
         try:
-            for step, wait in (('ask', ASK_TIMEOUT), ('terminate', TERMINATE_TIMEOUT),
-                               ('kill', KILL_TIMEOUT)):
+            for step, wait in (('ask', ASK_TIMEOUT), ('kill', KILL_TIMEOUT)):
                 if step != 'ask':
                     for r in ranks:
                         if not self._exited(r):

@@ -11,7 +11,10 @@ update (at the board, for a Done, for a mailbox: :mod:`.protocol`) are watched:
   with the same information; the updater then stops every worker, as after any failure.
 
 The clock starts when the master, its own window over, first waits for a worker in the
-update, not when the update starts: a model whose windows take minutes is no stall.
+update, not when the update starts: a model whose windows take minutes is no stall. Nor is
+a time the master itself did not run: the waits check at least every :data:`POLL` seconds,
+and a longer gap between two checks (the whole job stopped by ``SIGSTOP``, as a scheduler
+suspends it, or a suspended machine) is left out of the time waited.
 
 The stacks: each worker registers :mod:`faulthandler` on ``SIGUSR1`` (:data:`STACK_SIGNAL`)
 with a file of its own (:meth:`StackFiles.path`), which dumps every thread's Python stack
@@ -33,6 +36,8 @@ from .._warning import warn
 
 STACK_SIGNAL = signal.SIGUSR1
 DUMP_WAIT = 1.0   # seconds the master waits for a worker's stack after the signal
+POLL = 1.0        # seconds a watched wait blocks at most between two checks
+NOT_RUN = 2.0     # seconds beyond POLL between two checks: the master itself did not run
 
 
 class StackFiles:
@@ -140,6 +145,7 @@ class StallWatch:
         self.warn_after, self.timeout = warn_after, timeout
         self.stacks, self._pid_of, self._device_of = stacks, pid_of, device_of
         self._since: Optional[float] = None
+        self._last = 0.0   # when check last ran
         self._warned = False
         self.update = 0
 
@@ -151,13 +157,10 @@ class StallWatch:
     def due_in(self) -> Optional[float]:
         """Seconds until :meth:`check` has something to do (None: never), for a wait that
         blocks."""
-        if self._since is None:
-            return min((t for t in (self.warn_after, self.timeout) if t is not None),
-                       default=None)
-        waited = time.monotonic() - self._since
+        waited = 0.0 if self._since is None else time.monotonic() - self._since
         due = [t - waited for t in ((None if self._warned else self.warn_after),
                                     self.timeout) if t is not None]
-        return max(0.0, min(due)) if due else None
+        return max(0.0, min(due + [POLL])) if due else None
 
     def check(self, waiting: Collection[int]) -> None:
         """The master is waiting for ``waiting``: warn, or raise, when it is time."""
@@ -165,8 +168,11 @@ class StallWatch:
             return
         now = time.monotonic()
         if self._since is None:
-            self._since = now
+            self._since = self._last = now
             return
+        gap, self._last = now - self._last, now
+        if gap > POLL + NOT_RUN:   # the master did not run either: nobody's stall
+            self._since += gap
         waited = now - self._since
         if self.timeout is not None and waited >= self.timeout:
             ranks = sorted(waiting)

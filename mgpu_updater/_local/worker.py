@@ -180,6 +180,24 @@ def _lead_process_group() -> None:
         pass
 
 
+def _defer_sigterm(master_gone: Callable[[], bool]) -> None:
+    """A SIGTERM that reaches this worker while its master lives is the master's to act
+    on, as Ctrl-C is: a job's SIGTERM (a scheduler's cancel or time limit) reaches every
+    process of it, and a master whose handler saves a snapshot before it exits needs its
+    workers for the update in progress. The master stops this worker (asked, then killed),
+    and a worker whose master is gone exits by itself (:func:`_watch_parent`). A process
+    forked from this one (its iterator's pool), and this worker once its master is gone,
+    take the signal's default action."""
+    me = os.getpid()
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if os.getpid() == me and not master_gone():
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def _kill_own_group() -> None:
     if os.getpgrp() == os.getpid():   # never the master's group
         os.killpg(0, signal.SIGKILL)
@@ -213,6 +231,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         remove_stack_file(stack_file)
 
     master_gone = _watch_parent(parent_pid, orphaned)
+    _defer_sigterm(master_gone)
     replica = comm = init = None
     try:
         conn.send(Hello())

@@ -1,0 +1,81 @@
+"""Signals a job scheduler sends to every process of a job, the workers included.
+
+Slurm's cancel and time limit, and a control group's kill, send SIGTERM to every process;
+a suspended job (``scontrol suspend``, gang scheduling) gets SIGSTOP, then SIGCONT. Under
+StandardUpdater a script may catch SIGTERM and save a snapshot before it exits, and a
+suspended job goes on where it was when continued; so must they here.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import warnings
+
+import chainer
+
+from mgpu_updater import ParallelAccumulatingUpdater, StallWarning
+
+from _models import SleepsInWorker, classifier, dataset, run_updates, setup_optimizer
+
+
+def _updater(model, **kwargs):
+    its = [chainer.iterators.SerialIterator(dataset(64, seed=r), 4, shuffle=False)
+           for r in range(2)]
+    return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                       devices=['@numpy'] * 2, **kwargs)
+
+
+def _alive(pid):
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+    except OSError:
+        return False
+
+
+def test_a_sigterm_to_the_workers_leaves_the_master_to_decide():
+    """The job's SIGTERM reached the worker too, and the master's handler chose to go on
+    (to finish the update and save a snapshot): the worker is still there for it (it died
+    of the signal, and the master's next update raised WorkerError)."""
+    model = classifier(seed=0)
+    updater = _updater(model)
+    try:
+        run_updates(updater, model, 1)
+        pid = updater.worker_pids()[0]
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _alive(pid)
+        run_updates(updater, model, 2)
+        assert updater.iteration == 3
+    finally:
+        updater.finalize()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_a_suspended_job_is_no_stall():
+    """Master and worker stopped for 4 s while the master waits for the worker, then
+    continued: with update_timeout=2 s and stall_warning=1 s the update goes on, since
+    neither process ran meanwhile (the master raised WorkerError after the 'wait')."""
+    model = SleepsInWorker(0.6, at=2)
+    updater = _updater(model, update_timeout=2.0, stall_warning=1.5)
+    try:
+        run_updates(updater, model, 1)
+        worker = updater.worker_pids()[0]
+        stopper = subprocess.Popen(
+            ['sh', '-c', f'sleep 0.2; kill -STOP {worker} {os.getpid()}; sleep 4; '
+                         f'kill -CONT {worker} {os.getpid()}'])
+        try:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter('always')
+                run_updates(updater, model, 1)   # the worker sleeps 0.6 s in this one
+        finally:
+            stopper.wait(30)
+        assert [str(w.message) for w in record if issubclass(w.category, StallWarning)] == []
+        assert updater.iteration == 2
+    finally:
+        updater.finalize()
