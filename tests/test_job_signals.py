@@ -57,9 +57,43 @@ def test_a_sigterm_to_the_workers_leaves_the_master_to_decide():
     assert not _alive(pid)
 
 
+class _SlowExamples(chainer.dataset.DatasetMixin):
+    """Examples that take 20 ms each to load (in a MultiprocessIterator's processes)."""
+
+    def __init__(self, n):
+        self.base = dataset(n, seed=1)
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        time.sleep(0.02)
+        return self.base[i]
+
+
+def test_a_sigterm_to_a_workers_iterator_processes_leaves_them_loading():
+    """The job's SIGTERM reaches the processes a worker's MultiprocessIterator forked too,
+    as they load: they stay, as the master's would with the script's handler (one killed
+    lost the batch it was loading, and the worker waited for it for good)."""
+    model = classifier(seed=0)
+    its = [chainer.iterators.SerialIterator(dataset(64, seed=0), 4),
+           chainer.iterators.MultiprocessIterator(_SlowExamples(64), 4, n_processes=2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, update_timeout=20.0)
+    try:
+        run_updates(updater, model, 2)
+        group = os.getpgid(updater.worker_pids()[0])   # the worker and what it forked
+        time.sleep(0.05)   # loading ahead
+        os.killpg(group, signal.SIGTERM)
+        run_updates(updater, model, 3)
+        assert updater.iteration == 5
+    finally:
+        updater.finalize()
+
+
 def test_a_suspended_job_is_no_stall():
     """Master and worker stopped for 4 s while the master waits for the worker, then
-    continued: with update_timeout=2 s and stall_warning=1 s the update goes on, since
+    continued: with update_timeout=2 s and stall_warning=1.5 s the update goes on, since
     neither process ran meanwhile (the master raised WorkerError after the 'wait')."""
     model = SleepsInWorker(0.6, at=2)
     updater = _updater(model, update_timeout=2.0, stall_warning=1.5)

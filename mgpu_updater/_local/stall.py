@@ -13,8 +13,9 @@ update (at the board, for a Done, for a mailbox: :mod:`.protocol`) are watched:
 The clock starts when the master, its own window over, first waits for a worker in the
 update, not when the update starts: a model whose windows take minutes is no stall. Nor is
 a time the master itself did not run: the waits check at least every :data:`POLL` seconds,
-and a longer gap between two checks (the whole job stopped by ``SIGSTOP``, as a scheduler
-suspends it, or a suspended machine) is left out of the time waited.
+and a gap between two checks longer than ``POLL + NOT_RUN`` (the whole job stopped by
+``SIGSTOP``, as a scheduler suspends it, or a suspended virtual machine) counts as
+``POLL``.
 
 The stacks: each worker registers :mod:`faulthandler` on ``SIGUSR1`` (:data:`STACK_SIGNAL`)
 with a file of its own (:meth:`StackFiles.path`), which dumps every thread's Python stack
@@ -172,7 +173,7 @@ class StallWatch:
             return
         gap, self._last = now - self._last, now
         if gap > POLL + NOT_RUN:   # the master did not run either: nobody's stall
-            self._since += gap
+            self._since += gap - POLL
         waited = now - self._since
         if self.timeout is not None and waited >= self.timeout:
             ranks = sorted(waiting)

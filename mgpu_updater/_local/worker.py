@@ -185,13 +185,13 @@ def _defer_sigterm(master_gone: Callable[[], bool]) -> None:
     on, as Ctrl-C is: a job's SIGTERM (a scheduler's cancel or time limit) reaches every
     process of it, and a master whose handler saves a snapshot before it exits needs its
     workers for the update in progress. The master stops this worker (asked, then killed),
-    and a worker whose master is gone exits by itself (:func:`_watch_parent`). A process
-    forked from this one (its iterator's pool), and this worker once its master is gone,
-    take the signal's default action."""
-    me = os.getpid()
-
+    and a worker whose master is gone exits by itself (:func:`_watch_parent`). The
+    processes forked from this one do the same (a ``MultiprocessIterator``'s pool, which
+    lost the batch a process killed was loading, and waited for it for good), as the
+    master's own do where the script handles SIGTERM (they inherit its handler); the
+    master kills them with this worker's process group. Once the master is gone, the signal takes its default action."""
     def on_sigterm(signum: int, frame: Any) -> None:
-        if os.getpid() == me and not master_gone():
+        if not master_gone():
             return
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
