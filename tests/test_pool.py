@@ -97,6 +97,30 @@ def test_a_worker_that_exits_becomes_a_worker_error_at_once(pool):
     assert info.value.exitcode == 3
 
 
+def _process_exists(pid):
+    """Whether ``pid`` is a process (a zombie not reaped yet is one)."""
+    return os.path.exists(f'/proc/{pid}')
+
+
+def test_no_group_is_killed_by_the_pid_of_a_worker_reaped_before(pool, monkeypatch):
+    """Once a worker is reaped, its pid (its group's id) may be a new process's, another
+    training's worker or a shell's job: a group kill by it would hit that group. Every
+    kill of a worker's group comes while it is still a process, or not at all."""
+    kills = []
+    kill = pool_module._kill_group
+    monkeypatch.setattr(pool_module, '_kill_group',
+                        lambda pgid: (kills.append((pgid, _process_exists(pgid))), kill(pgid)))
+    p = pool('silent', 'exit')
+    dead = p.pids()[1]
+    p.send(('step', 1))
+    with pytest.raises(WorkerError, match='exited with code 3'):
+        p.gather('done', timeout=60)
+    assert not _process_exists(dead)   # reaped
+    p.close()
+    assert (dead, True) in kills
+    assert [k for k in kills if not k[1]] == []
+
+
 def test_a_sigkilled_worker_becomes_a_worker_error_at_once(pool):
     p = pool('silent', 'silent')
     p.send(('step', 1))

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set
 
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
 from .stall import StackFiles, StallWatch
@@ -163,6 +163,7 @@ class WorkerPool:
         self._conns: Dict[int, Any] = {}
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
+        self._reaped: Set[int] = set()  # ranks whose dead worker :meth:`_reap` reaped
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
@@ -315,7 +316,9 @@ class WorkerPool:
         ranks = sorted(payloads)
         for rank in ranks:
             old = self._procs[rank]
-            _kill_group(old.pid)
+            if rank not in self._reaped:   # its group was killed then
+                _kill_group(old.pid)
+            self._reaped.discard(rank)
             old.join(KILL_TIMEOUT)
             self._conns.pop(rank).close()
             handle = self._exits.pop(rank)
@@ -358,7 +361,7 @@ class WorkerPool:
                 if not thread.is_alive():
                     del threads[rank]
                     if rank in failed:
-                        if self._procs[rank].exitcode is not None or isinstance(
+                        if self._exited(rank) or isinstance(
                                 failed[rank], (BrokenPipeError, ConnectionResetError)):
                             self._raise_dead(rank)
                         raise WorkerError(f'could not send the start-up payload: '
@@ -378,8 +381,8 @@ class WorkerPool:
 
     def check_alive(self) -> None:
         """Raise :class:`WorkerError` if a worker has died (never blocks)."""
-        for rank, proc in self._procs.items():
-            if proc.exitcode is not None:
+        for rank in list(self._procs):
+            if self._exited(rank):
                 msg = self._last_words(rank)
                 if msg is not None:
                     if msg[0] == Failed.KIND:
@@ -508,9 +511,22 @@ class WorkerPool:
     def _raise_dead(self, rank: int) -> None:
         raise self._dead_error(rank)
 
-    def _dead_error(self, rank: int) -> WorkerError:
+    def _reap(self, rank: int, timeout: float = 0.5) -> Any:
+        """The worker process of ``rank``, reaped if it exits within ``timeout``: its
+        process group (what its iterator started) is killed first, while its pid, the
+        group's id, is still its own; once reaped, that pid may be a new process's, whose
+        group a later kill would hit (:meth:`close`, :meth:`replace` kill no group of a
+        worker reaped here)."""
         proc = self._procs[rank]
-        proc.join(0.5)
+        if rank not in self._reaped and multiprocessing.connection.wait(
+                [self._exits[rank]], timeout):
+            _kill_group(proc.pid)
+            proc.join(timeout)
+            self._reaped.add(rank)
+        return proc
+
+    def _dead_error(self, rank: int) -> WorkerError:
+        proc = self._reap(rank)
         return WorkerError(f'the worker process (pid {proc.pid}) '
                            f'{_describe_exit(proc.exitcode)}',
                            replica=rank, device=str(self._devices[rank]),
@@ -518,8 +534,7 @@ class WorkerPool:
 
     def _raise_not_started(self, rank: int) -> None:
         """A worker died before its first message: while importing the main module."""
-        proc = self._procs[rank]
-        proc.join(0.5)
+        proc = self._reap(rank)
         main_file = getattr(sys.modules.get('__main__'), '__file__', None)
         if proc.exitcode == MAIN_GUARD_EXIT:
             what = (f'the worker process (pid {proc.pid}) re-ran the training code while '
@@ -592,9 +607,11 @@ class WorkerPool:
             for r in ranks:
                 if not self._exited(r):
                     self._procs[r].kill()
-        # Not reaped yet (a zombie keeps its pid), so each group id is still that worker's.
+        # Not reaped yet (a zombie keeps its pid), so each group id is still that worker's;
+        # one reaped already (:meth:`_reap`) had its group killed then.
         for r in ranks:
-            _kill_group(self._procs[r].pid)
+            if r not in self._reaped:
+                _kill_group(self._procs[r].pid)
         for r in ranks:
             self._procs[r].join(KILL_TIMEOUT)
         for conn in self._conns.values():
@@ -607,6 +624,7 @@ class WorkerPool:
         self._procs.clear()
         self._conns.clear()
         self._exits.clear()
+        self._reaped.clear()
         self._stacks.close()
         if interrupted is not None:
             raise interrupted
