@@ -102,10 +102,9 @@ def _process_exists(pid):
     return os.path.exists(f'/proc/{pid}')
 
 
-def test_no_group_is_killed_by_the_pid_of_a_worker_reaped_before(pool, monkeypatch):
+def test_a_dead_workers_group_is_killed_before_the_pool_reaps_it(pool, monkeypatch):
     """Once a worker is reaped, its pid (its group's id) may be a new process's, another
-    training's worker or a shell's job: a group kill by it would hit that group. Every
-    kill of a worker's group comes while it is still a process, or not at all."""
+    training's worker or a shell's job: the group kill comes while it is a zombie."""
     kills = []
     kill = pool_module._kill_group
     monkeypatch.setattr(pool_module, '_kill_group',
@@ -117,8 +116,32 @@ def test_no_group_is_killed_by_the_pid_of_a_worker_reaped_before(pool, monkeypat
         p.gather('done', timeout=60)
     assert not _process_exists(dead)   # reaped
     p.close()
-    assert (dead, True) in kills
-    assert [k for k in kills if not k[1]] == []
+    assert kills[0] == (dead, True)
+
+
+def test_no_group_is_killed_by_a_reaped_workers_pid_that_another_process_holds(
+        pool, monkeypatch):
+    """A dead worker reaped by multiprocessing (any Process.start, active_children) before
+    the pool saw it, its pid then taken by a new process (here: /proc says one holds it):
+    the pool kills no group by that pid."""
+    kills = []
+    kill = pool_module._kill_group
+    monkeypatch.setattr(pool_module, '_kill_group',
+                        lambda pgid: (kills.append(pgid), kill(pgid)))
+    p = pool('silent', 'exit')
+    dead = p.pids()[1]
+    p.send(('step', 1))
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and _process_exists(dead):   # reaps it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    exists = os.path.exists
+    monkeypatch.setattr(pool_module.os.path, 'exists',
+                        lambda path: path == f'/proc/{dead}' or exists(path))
+    with pytest.raises(WorkerError, match='exited with code 3'):
+        p.gather('done', timeout=60)
+    p.close()
+    assert dead not in kills and len(kills) == 1   # the living worker's group only
 
 
 def test_a_sigkilled_worker_becomes_a_worker_error_at_once(pool):

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence
 
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
 from .stall import StackFiles, StallWatch
@@ -163,7 +163,6 @@ class WorkerPool:
         self._conns: Dict[int, Any] = {}
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
-        self._reaped: Set[int] = set()  # ranks whose dead worker :meth:`_reap` reaped
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
@@ -316,9 +315,7 @@ class WorkerPool:
         ranks = sorted(payloads)
         for rank in ranks:
             old = self._procs[rank]
-            if rank not in self._reaped:   # its group was killed then
-                _kill_group(old.pid)
-            self._reaped.discard(rank)
+            self._kill_worker_group(rank)
             old.join(KILL_TIMEOUT)
             self._conns.pop(rank).close()
             handle = self._exits.pop(rank)
@@ -512,18 +509,36 @@ class WorkerPool:
         raise self._dead_error(rank)
 
     def _reap(self, rank: int, timeout: float = 0.5) -> Any:
-        """The worker process of ``rank``, reaped if it exits within ``timeout``: its
-        process group (what its iterator started) is killed first, while its pid, the
-        group's id, is still its own; once reaped, that pid may be a new process's, whose
-        group a later kill would hit (:meth:`close`, :meth:`replace` kill no group of a
-        worker reaped here)."""
+        """The worker process of ``rank``, reaped if it exits within ``timeout``, its
+        process group (what its iterator started) killed first."""
         proc = self._procs[rank]
-        if rank not in self._reaped and multiprocessing.connection.wait(
-                [self._exits[rank]], timeout):
-            _kill_group(proc.pid)
+        if multiprocessing.connection.wait([self._exits[rank]], timeout):
+            self._kill_worker_group(rank)
             proc.join(timeout)
-            self._reaped.add(rank)
         return proc
+
+    def _kill_worker_group(self, rank: int) -> None:
+        """SIGKILL the process group the worker of ``rank`` leads (what its iterator
+        started), unless the worker was reaped (here, or by ``multiprocessing``, whose
+        ``Process.start`` reaps finished children) and its pid, the group's id, is now
+        another process's (another training's worker, a shell's job), whose group that
+        would kill. While a member of the worker's group lives, no new process gets it."""
+        proc = self._procs[rank]
+        if self._reaped(rank) and os.path.exists(f'/proc/{proc.pid}'):
+            return
+        _kill_group(proc.pid)
+
+    def _reaped(self, rank: int) -> bool:
+        """Whether the worker of ``rank`` was reaped, reaping nothing (where its exit
+        handle is a pidfd; else by its pid, which names no child of ours once reaped)."""
+        handle, proc = self._exits[rank], self._procs[rank]
+        how, which = ((os.P_PIDFD, handle) if handle != proc.sentinel
+                      else (os.P_PID, proc.pid))
+        try:
+            os.waitid(how, which, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            return True
+        return False
 
     def _dead_error(self, rank: int) -> WorkerError:
         proc = self._reap(rank)
@@ -607,11 +622,10 @@ class WorkerPool:
             for r in ranks:
                 if not self._exited(r):
                     self._procs[r].kill()
-        # Not reaped yet (a zombie keeps its pid), so each group id is still that worker's;
-        # one reaped already (:meth:`_reap`) had its group killed then.
+        # Not reaped here yet (a zombie keeps its pid), so each group id is still that
+        # worker's, unless someone else reaped it (:meth:`_kill_worker_group`).
         for r in ranks:
-            if r not in self._reaped:
-                _kill_group(self._procs[r].pid)
+            self._kill_worker_group(r)
         for r in ranks:
             self._procs[r].join(KILL_TIMEOUT)
         for conn in self._conns.values():
@@ -624,7 +638,6 @@ class WorkerPool:
         self._procs.clear()
         self._conns.clear()
         self._exits.clear()
-        self._reaped.clear()
         self._stacks.close()
         if interrupted is not None:
             raise interrupted
