@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set
 
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
 from .stall import StackFiles, StallWatch
@@ -163,6 +163,7 @@ class WorkerPool:
         self._conns: Dict[int, Any] = {}
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
+        self._group_killed: Set[int] = set()   # ranks whose group :meth:`_reap` killed
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
@@ -317,6 +318,7 @@ class WorkerPool:
             old = self._procs[rank]
             self._kill_worker_group(rank)
             old.join(KILL_TIMEOUT)
+            self._group_killed.discard(rank)
             self._conns.pop(rank).close()
             handle = self._exits.pop(rank)
             if isinstance(handle, int):
@@ -514,17 +516,20 @@ class WorkerPool:
         proc = self._procs[rank]
         if multiprocessing.connection.wait([self._exits[rank]], timeout):
             self._kill_worker_group(rank)
+            self._group_killed.add(rank)   # no second kill by a pid it frees now
             proc.join(timeout)
         return proc
 
     def _kill_worker_group(self, rank: int) -> None:
         """SIGKILL the process group the worker of ``rank`` leads (what its iterator
-        started), unless the worker was reaped (here, or by ``multiprocessing``, whose
-        ``Process.start`` reaps finished children) and its pid, the group's id, is now
-        another process's (another training's worker, a shell's job), whose group that
-        would kill. While a member of the worker's group lives, no new process gets it."""
+        started), unless :meth:`_reap` did, or the worker was reaped (by
+        ``multiprocessing``, whose ``Process.start`` reaps finished children) and its pid,
+        the group's id, is now another process's (another training's worker, a shell's
+        job), whose group that would kill. While a member of the worker's group lives, no
+        new process gets it."""
         proc = self._procs[rank]
-        if self._reaped(rank) and os.path.exists(f'/proc/{proc.pid}'):
+        if rank in self._group_killed or (
+                self._reaped(rank) and os.path.exists(f'/proc/{proc.pid}')):
             return
         _kill_group(proc.pid)
 
@@ -638,6 +643,7 @@ class WorkerPool:
         self._procs.clear()
         self._conns.clear()
         self._exits.clear()
+        self._group_killed.clear()
         self._stacks.close()
         if interrupted is not None:
             raise interrupted
