@@ -117,13 +117,14 @@ def test_a_dead_workers_group_is_killed_before_the_pool_reaps_it(pool, monkeypat
     assert not _process_exists(dead)   # reaped
     p.close()
     assert kills[0] == (dead, True)
+    assert [pgid for pgid, _ in kills].count(dead) == 1   # not again by the pid it freed
 
 
 def test_no_group_is_killed_by_a_reaped_workers_pid_that_another_process_holds(
         pool, monkeypatch):
     """A dead worker reaped by multiprocessing (any Process.start, active_children) before
-    the pool saw it, its pid then taken by a new process (here: /proc says one holds it):
-    the pool kills no group by that pid."""
+    the pool saw it, its pid then taken by a new process (here: /proc gives that pid
+    another start time): the pool kills no group by that pid."""
     kills = []
     kill = pool_module._kill_group
     monkeypatch.setattr(pool_module, '_kill_group',
@@ -135,9 +136,9 @@ def test_no_group_is_killed_by_a_reaped_workers_pid_that_another_process_holds(
     while multiprocessing.active_children() and _process_exists(dead):   # reaps it
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    exists = os.path.exists
-    monkeypatch.setattr(pool_module.os.path, 'exists',
-                        lambda path: path == f'/proc/{dead}' or exists(path))
+    start_time = pool_module._start_time
+    monkeypatch.setattr(pool_module, '_start_time',
+                        lambda pid: 'later' if pid == dead else start_time(pid))
     with pytest.raises(WorkerError, match='exited with code 3'):
         p.gather('done', timeout=60)
     p.close()

@@ -164,6 +164,7 @@ class WorkerPool:
         self._exits: Dict[int, Any] = {}    # per rank: ready once that worker has exited
         self._early: Dict[int, tuple] = {}  # per rank: a message :meth:`check` read early
         self._group_killed: Set[int] = set()   # ranks whose group :meth:`_reap` killed
+        self._started: Dict[int, Optional[str]] = {}   # per rank: its _start_time
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
@@ -231,6 +232,7 @@ class WorkerPool:
                     f"{exc}). Set TMPDIR to a shorter directory, or pass "
                     "start_method='spawn'") from exc
             self._procs[rank] = proc
+            self._started[rank] = _start_time(proc.pid)
             self._conns[rank] = parent
             self._exits[rank] = _exit_handle(proc)
         child.close()
@@ -523,27 +525,17 @@ class WorkerPool:
     def _kill_worker_group(self, rank: int) -> None:
         """SIGKILL the process group the worker of ``rank`` leads (what its iterator
         started), unless :meth:`_reap` did, or the worker was reaped (by
-        ``multiprocessing``, whose ``Process.start`` reaps finished children) and its pid,
-        the group's id, is now another process's (another training's worker, a shell's
-        job), whose group that would kill. While a member of the worker's group lives, no
-        new process gets it."""
-        proc = self._procs[rank]
-        if rank in self._group_killed or (
-                self._reaped(rank) and os.path.exists(f'/proc/{proc.pid}')):
+        ``multiprocessing``, whose ``Process.start`` reaps finished children; under
+        ``forkserver``, by the server) and its pid, the group's id, is now another
+        process's (another training's worker, a shell's job), whose group that would kill.
+        While a member of the worker's group lives, no new process gets that pid."""
+        pid = self._procs[rank].pid
+        if rank in self._group_killed:
             return
-        _kill_group(proc.pid)
-
-    def _reaped(self, rank: int) -> bool:
-        """Whether the worker of ``rank`` was reaped, reaping nothing (where its exit
-        handle is a pidfd; else by its pid, which names no child of ours once reaped)."""
-        handle, proc = self._exits[rank], self._procs[rank]
-        how, which = ((os.P_PIDFD, handle) if handle != proc.sentinel
-                      else (os.P_PID, proc.pid))
-        try:
-            os.waitid(how, which, os.WEXITED | os.WNOWAIT | os.WNOHANG)
-        except ChildProcessError:
-            return True
-        return False
+        started, now = self._started.get(rank), _start_time(pid)
+        if started is not None and now is not None and now != started:
+            return   # the pid names a process started since
+        _kill_group(pid)
 
     def _dead_error(self, rank: int) -> WorkerError:
         proc = self._reap(rank)
@@ -644,6 +636,7 @@ class WorkerPool:
         self._conns.clear()
         self._exits.clear()
         self._group_killed.clear()
+        self._started.clear()
         self._stacks.close()
         if interrupted is not None:
             raise interrupted
@@ -675,6 +668,17 @@ def _exit_handle(proc: Any) -> Any:
         return os.pidfd_open(proc.pid)
     except (AttributeError, OSError):   # not Linux, an old kernel, or already reaped
         return proc.sentinel
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When the process ``pid`` started, as ``/proc/<pid>/stat`` says (None: no such
+    process, or no ``/proc``): with the pid, it names one process, not one that takes the
+    pid later."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _kill_group(pgid: int) -> None:
