@@ -22,6 +22,15 @@ def gone_within(pids, seconds):
     return False
 
 
+def alive(pid):
+    """Whether ``pid`` is a running process (a zombie, exited but not reaped, is not)."""
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+    except OSError:
+        return False
+
+
 def children(pid):
     """The running processes whose parent is ``pid`` (read from ``/proc``)."""
     out = []

@@ -19,6 +19,7 @@ import pytest
 
 from mgpu_updater import ParallelAccumulatingUpdater, shard_iterators
 
+from _processes import alive
 from _models import classifier, dataset, setup_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +37,6 @@ def _run(mode):
     return proc, line
 
 
-def _alive(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
-    except OSError:
-        return False
-
-
 def test_del_stops_the_workers_and_releases_the_shared_memory_at_once():
     proc, line = _run('del')
     workers, segments = line('WORKERS'), line('SEGMENTS')
@@ -56,9 +49,9 @@ def test_an_exit_without_finalize_leaves_no_process_no_segment_and_no_warning():
     proc, line = _run('exit')
     workers, segments = line('WORKERS'), line('SEGMENTS')
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(map(_alive, workers)):
+    while time.monotonic() < deadline and any(map(alive, workers)):
         time.sleep(0.05)
-    assert not any(map(_alive, workers))
+    assert not any(map(alive, workers))
     assert [s for s in segments if os.path.exists('/dev/shm/' + s)] == []
     assert 'resource_tracker' not in proc.stderr and 'leaked' not in proc.stderr, \
         proc.stderr[-2000:]

@@ -17,6 +17,7 @@ import chainer
 
 from mgpu_updater import ParallelAccumulatingUpdater, StallWarning
 
+from _processes import alive
 from _models import SleepsInWorker, classifier, dataset, run_updates, setup_optimizer
 
 
@@ -25,14 +26,6 @@ def _updater(model, **kwargs):
            for r in range(2)]
     return ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
                                        devices=['@numpy'] * 2, **kwargs)
-
-
-def _alive(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
-    except OSError:
-        return False
 
 
 def test_a_sigterm_to_the_workers_leaves_the_master_to_decide():
@@ -46,15 +39,15 @@ def test_a_sigterm_to_the_workers_leaves_the_master_to_decide():
         pid = updater.worker_pids()[0]
         os.kill(pid, signal.SIGTERM)
         time.sleep(0.5)
-        assert _alive(pid)
+        assert alive(pid)
         run_updates(updater, model, 2)
         assert updater.iteration == 3
     finally:
         updater.finalize()
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 class _SlowExamples(chainer.dataset.DatasetMixin):

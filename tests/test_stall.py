@@ -17,6 +17,7 @@ import chainer
 
 from mgpu_updater import ParallelAccumulatingUpdater, StallWarning, WorkerError
 
+from _processes import alive
 from _models import SleepsInWorker, dataset, run_updates, setup_optimizer
 
 
@@ -30,18 +31,10 @@ def _updater(model, **kwargs):
 def _gone(pids, seconds=5.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.05)
     return False
-
-
-def _alive(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
-    except OSError:
-        return False
 
 
 def test_a_stalled_worker_is_named_with_its_stack_and_the_run_goes_on():
