@@ -21,6 +21,8 @@ from mgpu_updater import WorkerError
 from mgpu_updater._local import worker as _worker
 from mgpu_updater._local.pool import MAIN_GUARD_EXIT, WorkerPool
 
+from _processes import alive
+
 DEVICES = ['@numpy', '@numpy', '@numpy']
 
 
@@ -80,15 +82,7 @@ def test_a_worker_dead_before_hello_is_a_guard_error_and_the_others_stop_at_once
     pool.close()
     assert stopped_by_force == []
     assert multiprocessing.active_children() == []
-    assert not any(_running(p) for p in pids)
-
-
-def _running(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
-    except FileNotFoundError:
-        return False
+    assert not any(alive(p) for p in pids)
 
 
 def test_a_worker_that_never_starts_times_out():
@@ -131,7 +125,7 @@ def test_a_second_ctrl_c_while_close_waits_kills_the_workers_and_is_raised():
         timer.cancel()
     assert time.monotonic() - t0 < 2.5
     assert multiprocessing.active_children() == []
-    assert not any(_running(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     pool.close()   # twice is fine
 
 
@@ -153,7 +147,7 @@ def test_a_ctrl_c_while_the_workers_start_reaches_only_the_master():
     assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
     workers = json.loads(proc.stdout.split('WORKERS ', 1)[1].splitlines()[0])
     assert workers
-    assert not any(_running(p) for p in workers)
+    assert not any(alive(p) for p in workers)
 
 
 @pytest.mark.parametrize('how', ['hooks', 'finally', 'started_there'])

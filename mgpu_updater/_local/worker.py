@@ -189,7 +189,8 @@ def _defer_sigterm(master_gone: Callable[[], bool]) -> None:
     processes forked from this one do the same (a ``MultiprocessIterator``'s pool, which
     lost the batch a process killed was loading, and waited for it for good), as the
     master's own do where the script handles SIGTERM (they inherit its handler); the
-    master kills them with this worker's process group. Once the master is gone, the signal takes its default action."""
+    master kills them with this worker's process group. Once the master is gone, the
+    signal takes its default action."""
     def on_sigterm(signum: int, frame: Any) -> None:
         if not master_gone():
             return

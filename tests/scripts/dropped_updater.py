@@ -16,14 +16,7 @@ import time
 import mgpu_updater
 
 from _models import classifier, dataset, setup_optimizer
-
-
-def alive(pid):
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
-    except OSError:
-        return False
+from _processes import alive
 
 
 def main(mode):
