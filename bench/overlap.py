@@ -17,6 +17,11 @@ loading inline costs L + C. The goal: a step <= 1.1 x max(L, C) where loading ca
   2-core machine does not have.
 - ``multiprocess``: the ``sleep`` dataset read through a ``MultiprocessIterator`` (2
   processes per replica): the defaults against ``prefetch=0``, which must not be faster.
+- ``python-multiprocess``: the ``python`` dataset and compute, the dataset read through a
+  ``MultiprocessIterator`` of one process per replica: Python-work loading moved out of
+  the replica's process, as the docs advise (the defaults do not fork a loader process).
+  One replica has a core for its process and one for its loader; two replicas need four
+  busy processes.
 - ``host-bound``: the ``python`` dataset and a compute that is Python too (a loop holding
   the GIL, as a model whose host launches a fast GPU's kernels): nothing can overlap, a
   step costs L + C at best, so this row has no goal against max(L, C); what it shows is
@@ -60,8 +65,9 @@ import chainer.functions as F  # noqa: E402
 import chainer.links as L  # noqa: E402
 import numpy as np  # noqa: E402
 
-# /3: the host-bound case; /4: a thread's best (``best_over_max``, python on one replica)
-SCHEMA = 'mgpu_updater.bench.overlap/4'
+# /3: the host-bound case; /4: a thread's best (``best_over_max``, python on one replica);
+# /5: python-multiprocess
+SCHEMA = 'mgpu_updater.bench.overlap/5'
 GOAL = 1.1
 #: the switch interval of the thread that measures "a thread's best" (seconds)
 BEST_INTERVAL = 1e-5
@@ -147,7 +153,7 @@ def _kinds(kind):
     """The dataset's kind and the model's for the case ``kind``."""
     if kind == 'host-bound':
         return 'python', 'host-bound'
-    return ('python', 'python') if kind == 'python' else ('sleep', 'sleep')
+    return ('python', 'python') if kind.startswith('python') else ('sleep', 'sleep')
 
 
 def _model(kind, args, cal):
@@ -172,6 +178,8 @@ def build(kind, n, args, cal, prefetch):
     extra = {}
     if kind == 'multiprocess':
         extra = dict(iterator_class=chainer.iterators.MultiprocessIterator, n_processes=2)
+    elif kind == 'python-multiprocess':
+        extra = dict(iterator_class=chainer.iterators.MultiprocessIterator, n_processes=1)
     its = shard_iterators(dataset, n, b, **extra)
     updater = ParallelAccumulatingUpdater(its if n > 1 else its[0], optimizer,
                                           devices=['@numpy'] * n, prefetch=prefetch,
@@ -307,7 +315,7 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=12)
     p.add_argument('--block', type=int, default=4)
     p.add_argument('--trial-updates', type=int, default=130)
-    p.add_argument('--kinds', default='sleep,python,multiprocess,host-bound')
+    p.add_argument('--kinds', default='sleep,python,multiprocess,python-multiprocess,host-bound')
     p.add_argument('--replicas', default='1,2')
     p.add_argument('--out')
     args = p.parse_args(argv)

@@ -20,9 +20,10 @@ def test_overlap_benchmark_reports_every_case(tmp_path):
         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'overlap.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.overlap/4'
+    assert result['schema'] == 'mgpu_updater.bench.overlap/5'
     cases = [(r['kind'], r['replicas']) for r in result['rows']]
-    assert cases == [(k, n) for k in ('sleep', 'python', 'multiprocess', 'host-bound')
+    assert cases == [(k, n) for k in ('sleep', 'python', 'multiprocess',
+                                            'python-multiprocess', 'host-bound')
                      for n in (1, 2)]
     for row in result['rows']:
         assert all(ms > 0 for ms in row['ms'].values())
