@@ -50,6 +50,30 @@ def test_a_sigterm_to_the_workers_leaves_the_master_to_decide():
     assert not alive(pid)
 
 
+def test_a_sigterm_to_a_worker_as_it_starts_leaves_the_master_to_decide(monkeypatch):
+    """The job's SIGTERM reached a worker just after it was spawned, while it imports: it
+    stays pending until the worker leaves SIGTERM to its master, and the worker trains
+    (it died of it, and the start raised WorkerError)."""
+    from mgpu_updater._local.pool import WorkerPool
+    spawn = WorkerPool._spawn
+    pids = []
+
+    def spawn_then_sigterm(self, rank, target, shm_names):
+        spawn(self, rank, target, shm_names)
+        pids.append(self._procs[rank].pid)
+        os.kill(pids[-1], signal.SIGTERM)
+
+    monkeypatch.setattr(WorkerPool, '_spawn', spawn_then_sigterm)
+    model = classifier(seed=0)
+    updater = _updater(model)
+    try:
+        run_updates(updater, model, 2)
+        assert updater.iteration == 2
+        assert updater.worker_pids() == pids
+    finally:
+        updater.finalize()
+
+
 class _SlowExamples(chainer.dataset.DatasetMixin):
     """Examples that take 20 ms each to load (in a MultiprocessIterator's processes)."""
 

@@ -119,7 +119,10 @@ def _sigint_held(spawning: bool) -> Iterator[None]:
     main module and Chainer again, still in the terminal's process group) stays pending
     until the worker, ignoring SIGINT in a group of its own, drops it (``.worker``)
     instead of dying with a traceback; CPython's resource tracker is spawned the same way
-    (bpo-33613). In the master: the signal may reach another thread, and Python raises it
+    (bpo-33613). SIGTERM is blocked with it: a job's SIGTERM that reaches the new worker
+    in that second stays pending until the worker leaves SIGTERM to its master
+    (``.worker._defer_sigterm``), where it killed the worker; in the master a SIGTERM
+    blocked here acts as it would have once the mask is restored. In the master: the signal may reach another thread, and Python raises it
     in this one at its next instruction, which may be in the middle of ``start()``, with
     the child waiting for what was never written; so Python's handler only notes it here,
     and the one it replaced runs once the process is recorded (in another thread, which
@@ -132,7 +135,7 @@ def _sigint_held(spawning: bool) -> Iterator[None]:
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:

@@ -233,6 +233,8 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
 
     master_gone = _watch_parent(parent_pid, orphaned)
     _defer_sigterm(master_gone)
+    # Spawned with SIGTERM blocked too: one pending since is the master's to act on now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     replica = comm = init = None
     try:
         conn.send(Hello())
