@@ -30,7 +30,7 @@ def _rank():
     return int(multiprocessing.current_process().name.rsplit('-', 1)[1])
 
 
-def first_dies_before_hello(conn, parent_pid, shm_names, default_method, stack_file=None):
+def first_dies_before_hello(conn, parent_pid, shm_names, default_method, stack_file=None, output=None):
     """Replica 1 exits at once, as a worker re-running an unguarded script does; the
     others run the real entry point and wait for their payload."""
     if _rank() == 1:
@@ -38,11 +38,11 @@ def first_dies_before_hello(conn, parent_pid, shm_names, default_method, stack_f
     _worker.main(conn, parent_pid, shm_names, default_method)
 
 
-def never_says_hello(conn, parent_pid, shm_names, default_method, stack_file=None):
+def never_says_hello(conn, parent_pid, shm_names, default_method, stack_file=None, output=None):
     time.sleep(60)
 
 
-def echo_payload(conn, parent_pid, shm_names, default_method, stack_file=None):
+def echo_payload(conn, parent_pid, shm_names, default_method, stack_file=None, output=None):
     """Says hello, takes its payload, answers ready with the payload's size."""
     conn.send(('hello',))
     payload = conn.recv_bytes()
@@ -50,7 +50,7 @@ def echo_payload(conn, parent_pid, shm_names, default_method, stack_file=None):
     conn.recv()   # ('stop',)
 
 
-def busy_in_a_long_window(conn, parent_pid, shm_names, default_method, stack_file=None):
+def busy_in_a_long_window(conn, parent_pid, shm_names, default_method, stack_file=None, output=None):
     """Ready at once, then deaf to the Stop for a minute (a worker in a long window)."""
     conn.send(('hello',))
     conn.recv_bytes()

@@ -40,6 +40,7 @@ import weakref
 from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Set
 
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
+from .output import Relay, started as output_started
 from .stall import StackFiles, StallWatch
 from ..errors import WorkerError
 
@@ -171,6 +172,7 @@ class WorkerPool:
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
+        self._output = Relay()                # what the workers print and log, written here
         self.replaced_ready: Dict[int, Any] = {}   # (:meth:`replace`)
         self.stall = StallWatch(stall_warning, update_timeout, self._stacks,
                                 pid_of=lambda r: self._procs[r].pid,
@@ -189,9 +191,10 @@ class WorkerPool:
               before_ready: Optional[Callable[[], None]] = None) -> Dict[int, Any]:
         """Start one process per payload and wait (bounded) until each says it is ready.
 
-        ``target(conn, master_pid, shm_names, default_start_method, stack_file)`` is the
-        worker's entry point (``stack_file``: where it dumps its stacks, :mod:`.stall`):
-        it says
+        ``target(conn, master_pid, shm_names, default_start_method, stack_file, output)``
+        is the worker's entry point (``stack_file``: where it dumps its stacks,
+        :mod:`.stall`; ``output``: where its stdout, stderr and log records go,
+        :mod:`.output`): it says
         ``Hello()``, receives its payload with ``conn.recv_bytes()``, then says
         ``Ready()``. ``timeout`` bounds the whole start. ``before_ready`` runs after
         the payloads are sent and before the wait for ready: the NCCL communicator's
@@ -216,8 +219,9 @@ class WorkerPool:
     def _spawn(self, rank: int, target: Callable[..., None], shm_names: List[str]) -> None:
         """Start rank's process (see :meth:`start`), without waiting for it."""
         parent, child = self._ctx.Pipe(duplex=True)
+        output = self._output.ends()
         args = (child, os.getpid(), list(shm_names), self._default_method,
-                self._stacks.path(rank))
+                self._stacks.path(rank), tuple(output))   # a tuple: unpickled, no import
         proc = self._ctx.Process(target=target, args=args,
                                  name=f'mgpu-worker-{rank}', daemon=False)
         with _sigint_held(self._start_method == 'spawn'):
@@ -234,6 +238,8 @@ class WorkerPool:
                     'and a socket path may have at most 107 (Python said: '
                     f"{exc}). Set TMPDIR to a shorter directory, or pass "
                     "start_method='spawn'") from exc
+            finally:
+                output_started(output)   # the worker has its copies, or never started
             self._procs[rank] = proc
             self._started[rank] = _start_time(proc.pid)
             self._conns[rank] = parent
@@ -641,6 +647,7 @@ class WorkerPool:
         self._group_killed.clear()
         self._started.clear()
         self._stacks.close()
+        self._output.close()   # after the workers' ends: what they wrote last, out
         if interrupted is not None:
             raise interrupted
 

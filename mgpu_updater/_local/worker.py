@@ -205,7 +205,8 @@ def _kill_own_group() -> None:
 
 
 def main(conn: Any, parent_pid: int, shm_names: List[str],
-         default_start_method: Optional[str] = None, stack_file: Optional[str] = None) -> None:
+         default_start_method: Optional[str] = None, stack_file: Optional[str] = None,
+         output: Any = None) -> None:
     """A worker's life: hello, receive the payload, build, say ready, serve, clean up.
 
     The payload (:class:`WorkerInit`, pickled by ``_payload``) arrives over ``conn`` after
@@ -213,8 +214,14 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     ``default_start_method`` is the master's default (None: the platform's), for the
     processes the user's iterator starts here. ``stack_file``: where this process dumps
     its threads' stacks when the master asks (a stalled update, :mod:`.stall`).
+    ``output``: the pipes its stdout, stderr and log records go to the master by, the
+    fields of a :class:`.output.WorkerOutput`.
     """
     import multiprocessing
+    from . import output as relay
+    if output is not None:
+        output = relay.WorkerOutput(*output)
+    relay.attach(output)
     _lead_process_group()
     multiprocessing.set_start_method(default_start_method, force=True)
     # Should a SIGINT reach us anyway (sent to our group): the master decides, not us.
@@ -246,10 +253,12 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
         if unpickled is None:   # stopped before its payload came: no error
             return
         device, init = unpickled
+        relay.relay_records(output)   # the script's modules imported: their logging set
         replica, comm, layouts, in_place = _build(init, device, lambda: conn.send(Joining()))
         from .._module_globals import differences
         conn.send(Ready(differences(init.module_globals or {})))
     except BaseException:  # noqa: BLE001 - reported to the master
+        relay.flush()   # what it printed, before its traceback
         _send_error(conn)
         _wait_stop(conn)
         _finalize_iterator(init)
@@ -259,6 +268,7 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     try:
         _serve(conn, init, replica, comm, layouts, in_place)
     finally:
+        relay.flush()   # before the waits below, which the master may cut short
         if replica is not None:
             replica.loader.close()
         _finalize_iterator(init)
@@ -415,6 +425,8 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
         except Abandoned:   # the update given up (_give_up_on_message): read the message
             continue
         except BaseException:  # noqa: BLE001 - reported to the master
+            from .output import flush
+            flush()   # what it printed, before its traceback
             _send_error(conn)
             _wait_stop(conn)
             return

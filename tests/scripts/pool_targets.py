@@ -32,7 +32,8 @@ def _recv(conn):
     return _Messages(io.BytesIO(conn.recv_bytes())).load()
 
 
-def target(conn, master_pid, shm_names, default_start_method, stack_file=None):
+def target(conn, master_pid, shm_names, default_start_method, stack_file=None,
+           output=None):
     """The worker's entry point, as ``WorkerPool.start`` calls it."""
     assert 'mgpu_updater' not in sys.modules, 'the trivial worker imported the package'
     os.setpgid(0, 0)   # lead a process group, as mgpu_updater's worker does

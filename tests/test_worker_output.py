@@ -1,0 +1,125 @@
+"""What the workers print and log reaches what the script set up for its own output
+(``mgpu_updater/_local/output.py``), as under StandardUpdater, where the model, dataset
+and converter print and log in the script's process."""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+import pytest
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _models import dataset
+
+SCRIPT = Path(__file__).resolve().parent / 'scripts' / 'worker_output.py'
+ROOT = Path(__file__).resolve().parent.parent
+LOGGER = 'mgpu_worker_output_test'
+
+
+class Talks(chainer.Chain):
+    """Prints to stdout and stderr and logs, with its process id, in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        print(f'out {os.getpid()}')
+        print(f'err {os.getpid()}', file=sys.stderr)
+        logging.getLogger(LOGGER).info('record %d of %d', os.getpid(), len(x))
+        return F.softmax_cross_entropy(self.l(x), t)
+
+
+def _train(updates=2, start_method='spawn'):
+    model = Talks()
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'] * 2,
+                                          start_method=start_method)
+    try:
+        for _ in range(updates):
+            updater.update()
+        return updater.worker_pids()[0]
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('start_method', ['spawn', 'forkserver'])
+def test_a_workers_prints_go_to_the_scripts_stdout_and_stderr_as_it_set_them(start_method):
+    """A script's stdout and stderr replaced (``redirect_stdout``, a tee into a file):
+    the worker's prints land there with the master's (they went to the terminal)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        worker = _train(start_method=start_method)
+    assert out.getvalue().count(f'out {worker}\n') == 2, out.getvalue()
+    assert err.getvalue().count(f'err {worker}\n') == 2, err.getvalue()
+    assert out.getvalue().count(f'out {os.getpid()}\n') == 2
+
+
+class _Kept(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_a_workers_records_go_through_the_masters_handlers_and_levels():
+    """Logging configured in the script's main block, which a worker does not run: the
+    worker's records reach the master's handler at the master's level, with the worker's
+    process in them (they were dropped, below the worker's default WARNING)."""
+    logger = logging.getLogger(LOGGER)
+    kept = _Kept()
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)
+    try:
+        worker = _train()
+    finally:
+        logger.removeHandler(kept)
+        logger.setLevel(logging.NOTSET)
+    mine = [r for r in kept.records if r.process == worker]
+    assert [r.getMessage() for r in mine] == [f'record {worker} of 4'] * 2
+    assert {r.processName for r in mine} == {'mgpu-worker-1'}
+    assert len([r for r in kept.records if r.process == os.getpid()]) == 2
+
+
+def _run_script(tmp_path, *args, flags=()):
+    out = tmp_path / 'out.txt'
+    log = tmp_path / 'train.log'
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
+    env.pop('PYTHONUNBUFFERED', None)
+    with open(out, 'w') as stdout:
+        proc = subprocess.run([sys.executable, *flags, str(SCRIPT), str(log), *args],
+                              stdout=stdout, stderr=subprocess.PIPE, env=env, text=True,
+                              timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    worker = int(text.split('WORKERS')[1].split()[0])
+    return text, log.read_text(), worker
+
+
+def test_a_workers_lines_reach_a_file_before_it_is_killed_at_the_end(tmp_path):
+    """stdout a file (block-buffered), the workers' loaders inside slow reads when the
+    updater stops them, so that they are killed: every line the worker printed is in the
+    file (none was: its buffer died with it), and its records are in the script's log."""
+    text, log, worker = _run_script(tmp_path, '--slow-read', '5')
+    assert text.count(f'forward {worker} write_through=False') == 3, text
+    assert log.count(f'mgpu-worker-1 {worker} record {worker}') == 3, log
+
+
+def test_python_u_reaches_the_workers(tmp_path):
+    """``python -u``: the workers' stdout writes through, as the master's (it did not)."""
+    text, _, worker = _run_script(tmp_path, flags=('-u',))
+    assert text.count(f'forward {worker} write_through=True') == 3, text
