@@ -329,12 +329,15 @@ class UnsentState:
                 else:
                     # a mask or a constant held as a Variable; a forward's result (L.
                     # Classifier's self.y) is a new Variable at every write (_rewritten)
-                    out[path] = _HeldVariable(weakref.ref(obj), _digest(array))
+                    out[path] = _Held(weakref.ref(obj), _digest(array))
                     if as_found is not None:
                         as_found.add(path)
                 continue
             if kind is numpy.ndarray:
-                out[path] = _array_value(obj, budget)
+                # a mask an extension edits, or one the forward makes anew (_rewritten)
+                out[path] = _Held(weakref.ref(obj), _array_value(obj, budget))
+                if as_found is not None:
+                    as_found.add(path)
                 continue
             if isinstance(obj, numpy.generic):
                 out[path] = obj.item()
@@ -607,28 +610,31 @@ def _array_value(array: numpy.ndarray, budget: List[int]) -> Any:
 _MADE_ANEW = (float, complex)   # a new object at every write, whatever its value
 
 
-class _HeldVariable(NamedTuple):
-    """A Variable that is not a parameter, as a watched value: its array's value, and
-    the Variable itself (weakly: a forward's result holds its graph), which a forward
-    that keeps its results (``self.y = h``) makes anew at every call (:func:`_rewritten`;
-    an id would not tell, as CPython gives a new object the address of one just freed)."""
+class _Held(NamedTuple):
+    """A Variable that is not a parameter, or a numpy array, as a watched value: its
+    value, and the object itself (weakly: a forward's result holds its graph), which a
+    forward that keeps what it makes (``self.y = h``, ``self.mask = xp.ones(...)``) makes
+    anew at every call (:func:`_rewritten`; an id would not tell, as CPython gives a new
+    object the address of one just freed)."""
     variable: Any   # weakref.ref
     value: Any
 
 
 def _rewritten(before: Dict[str, Any], after: Dict[str, Any], found: set) -> set:
-    """Paths whose number the window wrote anew, equal or not: a metric a forward keeps as
-    a float (chainer-chemistry's ``Classifier``: ``self.metrics = {'accuracy': ...}``) is
-    a new object at each write, where a value nothing writes stays the same object; one
-    that kept its value through the window watched would be named at its next change (an
-    ``Evaluator`` calls the forward between updates). Only the ``found`` paths, whose
-    values both walks held as they found them (a numpy scalar is read anew each walk)."""
+    """Paths whose value the window wrote anew, equal or not: a metric a forward keeps as
+    a float (chainer-chemistry's ``Classifier``: ``self.metrics = {'accuracy': ...}``), or
+    an array it keeps (pooling indices, a mask of ones the size of the batch) is a new
+    object at each write, where a value nothing writes stays the same object; one that
+    kept its value through the window watched would be named at its next change (an
+    ``Evaluator`` calls the forward between updates, on batches of its own size). Only the
+    ``found`` paths, whose values both walks held as they found them (a numpy scalar is
+    read anew each walk)."""
     return {path for path in found
             if path in before and path in after and _written(before[path], after[path])}
 
 
 def _written(before: Any, after: Any) -> bool:
-    if type(before) is _HeldVariable and type(after) is _HeldVariable:
+    if type(before) is _Held and type(after) is _Held:
         held = before.variable()
         return held is None or held is not after.variable()
     return before is not after
@@ -637,7 +643,7 @@ def _written(before: Any, after: Any) -> bool:
 def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
-    if type(a) is _HeldVariable:
+    if type(a) is _Held:
         return _same(a.value, b.value)
     if type(a) is numpy.ndarray:
         return a.shape == b.shape and a.dtype == b.dtype and bool(
@@ -675,7 +681,7 @@ _UNSET = _Unset()
 
 
 def _short(value: Any) -> str:
-    if type(value) is _HeldVariable:
+    if type(value) is _Held:
         value = value.value
     if type(value) is numpy.ndarray:
         return f'an array {value.shape} {value.dtype}'

@@ -710,6 +710,31 @@ def test_a_variable_the_forward_keeps_is_the_forwards_though_its_value_repeats()
     assert _caught(watch.finish) == ''
 
 
+def test_an_array_the_forward_makes_anew_is_the_forwards_though_its_value_repeats():
+    """A forward that keeps an array it makes (a mask of ones the size of its batch,
+    pooling indices for a decoder), the same in every window: an Evaluator's call between
+    updates, on a batch of another size, is the forward's, not named (it was, as a value
+    the replicas no longer shared). An array nothing in the window wrote is still named."""
+    model = Annealed()
+    model.mask = None
+    model.kept = np.ones(3, np.float32)
+    size = [3]
+
+    def forward():
+        model.mask = None   # the next may take its address
+        model.mask = np.ones((size[0], 1), np.float32)
+    watch = UnsentState({'model': model})
+    assert _update(watch, forward) == _update(watch, forward) == ''
+    assert _update(watch, forward) == ''
+    assert 'model.mask' in watch.forward and 'model.kept' not in watch.forward
+    size[0] = 4
+    forward()   # as an Evaluator's call would
+    model.kept = np.ones(4, np.float32)   # as an extension would
+    named = _caught(watch.finish)
+    assert 'model.kept: an array (3,) float32 -> an array (4,) float32' in named
+    assert 'model.mask' not in named
+
+
 @pytest.mark.parametrize('mask_kind', ['array', 'Variable'])
 def test_a_forwards_large_result_takes_nothing_from_a_masks_look(monkeypatch, mask_kind):
     """The walk copies numpy arrays up to a budget; a Variable's array it compares by a
