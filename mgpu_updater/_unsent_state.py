@@ -306,6 +306,7 @@ class UnsentState:
         stack: List[Tuple[str, Any, int]] = [(name, obj, 0)
                                             for name, obj in reversed(self.roots.items())]
         nodes = 0
+        held: List[str] = []   # paths of the _Held values
         while stack and nodes < MAX_NODES:
             path, obj, depth = stack.pop()
             kind = type(obj)
@@ -330,14 +331,12 @@ class UnsentState:
                     # a mask or a constant held as a Variable; a forward's result (L.
                     # Classifier's self.y) is a new Variable at every write (_rewritten)
                     out[path] = _Held(weakref.ref(obj), _digest(array))
-                    if as_found is not None:
-                        as_found.add(path)
+                    held.append(path)
                 continue
             if kind is numpy.ndarray:
                 # a mask an extension edits, or one the forward makes anew (_rewritten)
                 out[path] = _Held(weakref.ref(obj), _array_value(obj, budget))
-                if as_found is not None:
-                    as_found.add(path)
+                held.append(path)
                 continue
             if isinstance(obj, numpy.generic):
                 out[path] = obj.item()
@@ -377,6 +376,13 @@ class UnsentState:
             except Exception:  # noqa: BLE001 - what cannot be taken apart is not watched
                 continue
             stack.extend(reversed(found))
+        if as_found is not None:
+            # Of the _Held values, those something besides this walk holds: one the walk
+            # made (an array a __getstate__ returns, a generator's state) is gone now,
+            # and would read as written anew by every window (_rewritten)
+            obj = part = None
+            found, stack = [], []
+            as_found.update(path for path in held if out[path].variable() is not None)
         return out, time.perf_counter() - start
 
 

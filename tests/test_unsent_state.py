@@ -735,6 +735,31 @@ def test_an_array_the_forward_makes_anew_is_the_forwards_though_its_value_repeat
     assert 'model.mask' not in named
 
 
+class _ArraysOnPickling:
+    """Holds a list and pickles it as an array, made anew at each reduction."""
+
+    def __init__(self):
+        self.values = [0.0, 0.0]
+
+    def __getstate__(self):
+        return {'values': np.asarray(self.values)}
+
+
+def test_an_array_the_look_itself_makes_is_no_forwards_and_its_change_is_named():
+    """Arrays the walk makes (a generator's state, an array a ``__getstate__`` returns)
+    are new at every look, and yet nothing in the window wrote them: a change between
+    updates is named (it was not: read as the forward's)."""
+    model = Annealed()
+    model.rng = np.random.RandomState(0)
+    model.holder = _ArraysOnPickling()
+    watch = UnsentState({'model': model})
+    assert _update(watch) == _update(watch) == _update(watch) == ''
+    model.rng.seed(123)
+    model.holder.values[1] = 5.0
+    named = _caught(watch.finish)
+    assert "model.rng.state['key']" in named and 'model.holder.values' in named
+
+
 @pytest.mark.parametrize('mask_kind', ['array', 'Variable'])
 def test_a_forwards_large_result_takes_nothing_from_a_masks_look(monkeypatch, mask_kind):
     """The walk copies numpy arrays up to a budget; a Variable's array it compares by a

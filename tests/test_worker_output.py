@@ -95,17 +95,66 @@ def test_a_workers_records_go_through_the_masters_handlers_and_levels():
     assert len([r for r in kept.records if r.process == os.getpid()]) == 2
 
 
-def _run_script(tmp_path, *args, flags=()):
+def test_a_stdout_without_flush_gets_each_line_once(capfd):
+    """A script's stdout an object with only ``write()`` (a logger's adapter): each line
+    of the worker once, there (the missing flush sent it to the terminal as well)."""
+    class Writes:
+        def __init__(self):
+            self.text = ''
+
+        def write(self, text):
+            self.text += text
+
+    capfd.readouterr()
+    saved, sys.stdout = sys.stdout, Writes()
+    try:
+        worker = _train()
+        got = sys.stdout.text
+    finally:
+        sys.stdout = saved
+    assert got.count(f'out {worker}\n') == 2, got
+    assert f'out {worker}' not in capfd.readouterr().out
+
+
+def test_a_record_below_the_masters_level_of_now_is_dropped():
+    """The master raises its level after the workers started: their records below it are
+    dropped, as the master's own are (they went on reaching its handlers)."""
+    logger = logging.getLogger(LOGGER)
+    kept = _Kept()
+    logger.addHandler(kept)
+    logger.setLevel(logging.INFO)
+    model = Talks()
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'] * 2)
+    try:
+        updater.update()
+        logger.setLevel(logging.WARNING)
+        updater.update()
+        updater.update()
+        worker = updater.worker_pids()[0]
+    finally:
+        updater.finalize()
+        logger.removeHandler(kept)
+        logger.setLevel(logging.NOTSET)
+    assert [r.getMessage() for r in kept.records if r.process == worker] == [
+        f'record {worker} of 4']
+
+
+def _run_script(tmp_path, *args, flags=(), encoding=None):
     out = tmp_path / 'out.txt'
     log = tmp_path / 'train.log'
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path))
     env.pop('PYTHONUNBUFFERED', None)
+    if encoding is not None:
+        env['PYTHONIOENCODING'] = encoding
     with open(out, 'w') as stdout:
         proc = subprocess.run([sys.executable, *flags, str(SCRIPT), str(log), *args],
                               stdout=stdout, stderr=subprocess.PIPE, env=env, text=True,
                               timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+    text = out.read_text(encoding=encoding)
     worker = int(text.split('WORKERS')[1].split()[0])
     return text, log.read_text(), worker
 
@@ -123,3 +172,10 @@ def test_python_u_reaches_the_workers(tmp_path):
     """``python -u``: the workers' stdout writes through, as the master's (it did not)."""
     text, _, worker = _run_script(tmp_path, flags=('-u',))
     assert text.count(f'forward {worker} write_through=True') == 3, text
+
+
+def test_a_workers_text_reaches_a_stdout_of_another_encoding(tmp_path):
+    """``PYTHONIOENCODING=latin-1``: the worker's lines arrive in it, a letter outside
+    ASCII included (every line of the worker was lost)."""
+    text, _, worker = _run_script(tmp_path, encoding='latin-1')
+    assert text.count(f'caf\u00e9 {worker}\n') == 3, text

@@ -8,9 +8,10 @@ worker does not run. A worker's file descriptors 1 and 2 are therefore pipes to 
 master (:func:`attach`), and a thread of the master (:class:`Relay`) writes what comes
 through them to the master's ``sys.stdout`` and ``sys.stderr`` as they are at that moment,
 whatever writes there: Python, C code, the processes the worker forks (a
-``MultiprocessIterator``'s). The worker's ``sys.stdout`` is line-buffered (and writes
-through where the master's does, ``python -u``), so a worker killed at shutdown loses no
-whole line, where a block buffer lost everything it held.
+``MultiprocessIterator``'s). The worker's ``sys.stdout`` is buffered as the master's is (by
+line on a terminal, written through under ``python -u``) and flushed whenever the worker
+waits for the master and when it stops, so a worker stopped at shutdown, even killed
+there, loses nothing it printed (a block buffer lost everything it held).
 
 Logging: where the master has handlers and the worker, after importing the script's
 modules, has none (the script configured logging in its main block), the worker takes the
@@ -41,14 +42,19 @@ DRAIN_TIMEOUT = 1.0   # seconds close() waits for output still in the pipes
 
 class WorkerOutput(NamedTuple):
     """The write ends a worker takes as its stdout, its stderr and its records' pipe
-    (picklable for ``spawn`` and ``forkserver``), and how the master writes."""
+    (picklable for ``spawn`` and ``forkserver``), and how it writes."""
     stdout: Connection
     stderr: Connection
     records: Connection
-    write_through: bool                  # the master's stdout writes through (python -u)
+    line_buffering: bool                 # as the master's stdout (a terminal: by line)
+    write_through: bool                  # as the master's stdout (python -u)
     levels: Dict[str, Any]               # logger name ('' root) -> (level, disabled)
     disable: int                         # logging.disable's level in the master
     master_logs: bool                    # the master has a logging handler somewhere
+
+
+#: what a worker's stdout and stderr write in, and the relay reads them as
+ENCODING = 'utf-8'
 
 
 class _Pipe:
@@ -57,12 +63,13 @@ class _Pipe:
     def __init__(self, fd: int, kind: str) -> None:
         self.fd = fd
         self.kind = kind
-        self.decoder = codecs.getincrementaldecoder('utf-8')('replace')
+        self.decoder = codecs.getincrementaldecoder(ENCODING)('replace')
         self.pending = b''   # records: the bytes of a record not whole yet
 
 
 class Relay:
-    """The master's end: one thread for every worker's pipes (started with the first)."""
+    """The master's end: one thread for every worker's pipes (started with the first),
+    which closes them, once stopped or at their ends."""
 
     def __init__(self) -> None:
         self._selector = selectors.DefaultSelector()
@@ -72,6 +79,7 @@ class Relay:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread: Optional[threading.Thread] = None
         self._stop = False
+        self._fds_closed = False   # under _lock: the wake pipe's numbers are no longer ours
 
     def ends(self) -> WorkerOutput:
         """New pipes for a worker about to start: what it takes (the master closes its
@@ -80,6 +88,7 @@ class Relay:
         pipes = []
         for kind in ('stdout', 'stderr', 'records'):
             read, write = os.pipe()
+            _widen(write)
             pipes.append(_Pipe(read, kind))
             writes.append(write)
         with self._lock:
@@ -91,62 +100,69 @@ class Relay:
             self._thread.start()
         self._wake()
         levels, disable, master_logs = _logging_setup()
-        out = getattr(sys.stdout, 'write_through', False) is True
+        real = sys.__stdout__
         return WorkerOutput(*(Connection(fd, readable=False) for fd in writes),
-                            write_through=out, levels=levels, disable=disable,
-                            master_logs=master_logs)
+                            line_buffering=getattr(real, 'line_buffering', False) is True,
+                            write_through=getattr(real, 'write_through', False) is True,
+                            levels=levels, disable=disable, master_logs=master_logs)
 
     def close(self, timeout: float = DRAIN_TIMEOUT) -> None:
         """Write out what the pipes still hold, waiting until every writer closed its end
-        (the workers are gone by now) or ``timeout``; then stop."""
+        (the workers are gone by now), at most ``timeout`` in all; then stop. A thread
+        still inside a write then (the master's stdout blocked) stops after it, and
+        closes the pipes itself."""
         deadline = time.monotonic() + timeout
-        while self._open and self._thread is not None and self._thread.is_alive() \
+        thread = self._thread
+        while self._open and thread is not None and thread.is_alive() \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop = True
         self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if thread is None:
+            self._close_all()
+        else:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _wake(self) -> None:
         with self._lock:
-            for pipe in list(self._open.values()):
-                self._forget(pipe)
-            self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
+            if self._fds_closed:
+                return
             try:
-                os.close(fd)
+                os.write(self._wake_w, b'.')
             except OSError:
                 pass
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b'.')
-        except OSError:
-            pass
-
     def _run(self) -> None:
-        while not self._stop:
-            try:
-                events = self._selector.select()
-            except (OSError, ValueError):   # closed under it
-                return
-            for key, _ in events:
-                if key.fd == self._wake_r:
-                    try:
+        try:
+            while not self._stop:
+                for key, _ in self._selector.select():
+                    if self._stop:
+                        break
+                    if key.fd == self._wake_r:
                         os.read(self._wake_r, _READ)
+                        continue
+                    pipe = key.data
+                    try:
+                        data = os.read(pipe.fd, _READ)
                     except OSError:
-                        pass
-                    continue
-                pipe = key.data
-                try:
-                    data = os.read(pipe.fd, _READ)
-                except OSError:
-                    data = b''
-                if data:
-                    _deliver(pipe, data)
-                else:
-                    _deliver(pipe, b'', final=True)
-                    with self._lock:
-                        self._forget(pipe)
+                        data = b''
+                    _deliver(pipe, data, final=not data)
+                    if not data:
+                        with self._lock:
+                            self._forget(pipe)
+        finally:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        with self._lock:
+            if self._fds_closed:
+                return
+            self._fds_closed = True
+            for pipe in list(self._open.values()):
+                self._forget(pipe)
+            self._selector.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
 
     def _forget(self, pipe: _Pipe) -> None:
         if self._open.pop(pipe.fd, None) is None:
@@ -156,6 +172,20 @@ class Relay:
         except (KeyError, ValueError):
             pass
         os.close(pipe.fd)
+
+
+#: bytes a pipe holds, where the system allows (Linux: up to /proc/sys/fs/pipe-max-size,
+#: 1 MiB by default; else its 64 KiB): a worker's burst of output waits for the relay
+#: (which the master's own Python may keep from the GIL for a while) only beyond it
+PIPE_BYTES = 1 << 20
+
+
+def _widen(fd: int) -> None:
+    try:
+        import fcntl
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
 
 
 def started(output: WorkerOutput) -> None:
@@ -183,22 +213,35 @@ def _deliver(pipe: _Pipe, data: bytes, final: bool = False) -> None:
 
 def _write(kind: str, text: str) -> None:
     """``text`` to the master's ``sys.stdout`` or ``sys.stderr`` as it is now (the
-    interpreter's own where the script set it to None)."""
+    interpreter's own where the script set it to None, or its write fails), once;
+    what its encoding cannot write, replaced."""
     for stream in (getattr(sys, kind), getattr(sys, f'__{kind}__')):
         if stream is None:
             continue
         try:
-            stream.write(text)
-            stream.flush()
-            return
+            try:
+                stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(stream, 'encoding', None) or 'ascii'
+                stream.write(text.encode(encoding, 'replace').decode(encoding))
         except Exception:  # noqa: BLE001 - a closed or failing stream: the next, or none
             continue
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a stream without flush() (a logger's adapter)
+            pass
+        return
 
 
 def _handle_record(body: bytes) -> None:
+    """A worker's record, handled by the master's logger of its name, where that logger
+    takes its level now (the master may have changed levels, or ``logging.disable``d,
+    since the worker took them)."""
     try:
         record = logging.makeLogRecord(pickle.loads(body))
-        logging.getLogger(record.name or None).handle(record)
+        logger = logging.getLogger(record.name or None)
+        if logger.isEnabledFor(record.levelno):
+            logger.handle(record)
     except Exception:  # noqa: BLE001 - one bad record must not end the relay
         pass
 
@@ -230,11 +273,20 @@ def attach(output: Optional[WorkerOutput]) -> None:
         os.dup2(conn.fileno(), fd)
         conn.close()
         if isinstance(stream, io.TextIOWrapper):
-            try:
-                stream.reconfigure(line_buffering=True,
-                                   write_through=output.write_through or name == 'stderr')
-            except Exception:  # noqa: BLE001 - as it was
-                pass
+            # A stream of its own on the pipe (one made for a file at start-up cannot
+            # change its encoding on a pipe: reconfigure() seeks): in the ENCODING the
+            # relay reads; buffered as the master's stdout (stderr by line, as Python's
+            # always is), and flushed whenever the worker waits for the master (flush),
+            # so that a worker stopped or killed between updates has lost nothing
+            through = output.write_through
+            new = io.TextIOWrapper(
+                io.open(fd, 'wb', buffering=0 if through else -1, closefd=False),
+                encoding=ENCODING, errors=stream.errors, newline='\n',
+                line_buffering=output.line_buffering or name == 'stderr',
+                write_through=through)
+            setattr(sys, name, new)
+            if getattr(sys, f'__{name}__') is stream:
+                setattr(sys, f'__{name}__', new)
 
 
 def relay_records(output: Optional[WorkerOutput]) -> None:
@@ -255,7 +307,7 @@ def relay_records(output: Optional[WorkerOutput]) -> None:
 
 
 def flush() -> None:
-    """In a worker that stops: what its streams still hold, out (a partial line)."""
+    """In a worker that waits for the master, or stops: what its streams hold, out."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             try:

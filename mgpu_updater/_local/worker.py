@@ -389,8 +389,10 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
     decoder = Decoder()   # the master's bytes (its Encoder): a Step like the last is not unpickled
     # where each rank of the host has a core of its own, the board's spin (.board.spin_for)
     spin = board.spin if board is not None else 0.0
+    from .output import flush
     while True:
         try:
+            flush()   # what the window printed, out before the wait (.output)
             replica.loader.release()   # a gated loader loads while this one waits
             if spin:
                 _spin_for_message(conn, spin)
@@ -425,7 +427,6 @@ def _answer(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any
         except Abandoned:   # the update given up (_give_up_on_message): read the message
             continue
         except BaseException:  # noqa: BLE001 - reported to the master
-            from .output import flush
             flush()   # what it printed, before its traceback
             _send_error(conn)
             _wait_stop(conn)

@@ -3,8 +3,8 @@
     python worker_output.py LOG_PATH [--slow-read SECONDS]
 
 The main block configures logging (a file at LOG_PATH, INFO), as scripts do, which a
-spawned worker does not run. Each forward prints ``forward <pid>`` and logs ``record
-<pid>``; the worker also prints whether its stdout writes through (``python -u``). With
+spawned worker does not run. Each forward prints ``forward <pid>`` and ``café <pid>``
+(not ASCII), and logs ``record <pid>``; the worker also prints whether its stdout writes through (``python -u``). With
 ``--slow-read``, each example a worker reads after its first 12 takes that long to load,
 so that the workers' loaders are inside a read when the updater stops them (they are
 killed).
@@ -35,6 +35,7 @@ class Printing(chainer.Chain):
 
     def forward(self, x, t):
         print(f'forward {os.getpid()} write_through={sys.stdout.write_through}')
+        print(f'caf\u00e9 {os.getpid()}')
         log.info('record %d', os.getpid())
         return F.softmax_cross_entropy(self.l(x), t)
 
