@@ -142,6 +142,55 @@ def test_a_record_below_the_masters_level_of_now_is_dropped():
         f'record {worker} of 4']
 
 
+class Chatty(chainer.Chain):
+    """Prints 3000 lines in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        for i in range(3000):
+            print(f'line {i} of a long forward in process {os.getpid()} ' + 'x' * 40)
+        return F.softmax_cross_entropy(self.l(x), t)
+
+
+def _does_nothing():
+    pass
+
+
+def test_a_process_the_master_forks_while_workers_print_exits(tmp_path):
+    """The master forks a process after every update (a fork-context pool, a snapshot
+    writer's process) while the workers' output is being written to its stdout, a file:
+    every such process exits (one forked while the relay was inside a write had the
+    file's buffer lock held, and its exit's flush of stdout waited for good: 14 of 150)."""
+    import multiprocessing
+    fork = multiprocessing.get_context('fork')
+    model = Chatty()
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=r), 4) for r in range(2)]
+    children = []
+    with open(tmp_path / 'out.txt', 'w') as out, contextlib.redirect_stdout(out):
+        updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'] * 2)
+        try:
+            for _ in range(100):
+                updater.update()
+                children.append(fork.Process(target=_does_nothing))
+                children[-1].start()
+        finally:
+            updater.finalize()
+        stuck = []
+        for child in children:
+            child.join(5)
+            if child.exitcode is None:
+                stuck.append(child.pid)
+                child.kill()
+                child.join()
+    assert stuck == []
+
+
 def _run_script(tmp_path, *args, flags=(), encoding=None):
     out = tmp_path / 'out.txt'
     log = tmp_path / 'train.log'

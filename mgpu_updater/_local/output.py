@@ -39,6 +39,25 @@ _READ = 65536
 _HEADER = struct.Struct('<I')
 DRAIN_TIMEOUT = 1.0   # seconds close() waits for output still in the pipes
 
+# Held around each write the relay makes in the master (a stream's write and flush, a
+# record's handlers), and by a fork of the master until it is done: a process the master
+# forks (multiprocessing's 'fork', a MultiprocessIterator's pool, a snapshot writer's
+# process) while the relay's thread was inside a write got the stream's buffer lock
+# held, and its exit's flush of stdout waited for it for good.
+_WRITING = threading.Lock()
+
+
+def _before_fork() -> None:
+    _WRITING.acquire()
+
+
+def _after_fork() -> None:
+    _WRITING.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                    after_in_child=_after_fork)
+
 
 class WorkerOutput(NamedTuple):
     """The write ends a worker takes as its stdout, its stderr and its records' pipe
@@ -204,11 +223,13 @@ def _deliver(pipe: _Pipe, data: bytes, final: bool = False) -> None:
                 break
             body = pipe.pending[_HEADER.size:_HEADER.size + size]
             pipe.pending = pipe.pending[_HEADER.size + size:]
-            _handle_record(body)
+            with _WRITING:
+                _handle_record(body)
         return
     text = pipe.decoder.decode(data, final)
     if text:
-        _write(pipe.kind, text)
+        with _WRITING:
+            _write(pipe.kind, text)
 
 
 def _write(kind: str, text: str) -> None:
@@ -272,6 +293,8 @@ def attach(output: Optional[WorkerOutput]) -> None:
                 pass
         os.dup2(conn.fileno(), fd)
         conn.close()
+        if stream is not None:
+            _FLUSHED.append(stream)   # held from import time too (a module's handler)
         if isinstance(stream, io.TextIOWrapper):
             # A stream of its own on the pipe (one made for a file at start-up cannot
             # change its encoding on a pipe: reconfigure() seeks): in the ENCODING the
@@ -306,9 +329,12 @@ def relay_records(output: Optional[WorkerOutput]) -> None:
     logging.getLogger().addHandler(RecordSender(output.records))
 
 
+_FLUSHED: list = []   # in a worker: the streams it started with, which code may hold
+
+
 def flush() -> None:
     """In a worker that waits for the master, or stops: what its streams hold, out."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, *_FLUSHED):
         if stream is not None:
             try:
                 stream.flush()
