@@ -123,7 +123,8 @@ def _sigint_held(spawning: bool) -> Iterator[None]:
     (bpo-33613). SIGTERM is blocked with it: a job's SIGTERM that reaches the new worker
     in that second stays pending until the worker leaves SIGTERM to its master
     (``.worker._defer_sigterm``), where it killed the worker; in the master a SIGTERM
-    blocked here acts as it would have once the mask is restored. In the master: the signal may reach another thread, and Python raises it
+    blocked here acts as it would have once the mask is restored. In the master: the
+    signal may reach another thread, and Python raises it
     in this one at its next instruction, which may be in the middle of ``start()``, with
     the child waiting for what was never written; so Python's handler only notes it here,
     and the one it replaced runs once the process is recorded (in another thread, which
