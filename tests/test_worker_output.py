@@ -228,3 +228,53 @@ def test_a_workers_text_reaches_a_stdout_of_another_encoding(tmp_path):
     ASCII included (every line of the worker was lost)."""
     text, _, worker = _run_script(tmp_path, encoding='latin-1')
     assert text.count(f'caf\u00e9 {worker}\n') == 3, text
+
+
+class _Forks(logging.Handler):
+    """A handler of the master's that forks a process for each record it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.exits = []
+
+    def emit(self, record):
+        import multiprocessing
+        child = multiprocessing.get_context('fork').Process(target=_does_nothing)
+        child.start()
+        child.join(10)
+        self.exits.append(child.exitcode)
+
+
+def test_a_handler_of_the_master_that_forks_gets_the_workers_records():
+    """The master's handler forks as it handles a worker's record, inside the relay's
+    write: the fork goes on (it waited for the relay's own lock, held by its own thread,
+    for good, and so did the master's own next fork: the test hung)."""
+    logger = logging.getLogger(LOGGER)
+    forks = _Forks()
+    logger.addHandler(forks)
+    logger.setLevel(logging.INFO)
+    try:
+        _train()
+    finally:
+        logger.removeHandler(forks)
+        logger.setLevel(logging.NOTSET)
+    assert forks.exits == [0] * 4   # two updates, a record of each replica's window
+
+
+def test_a_relay_whose_thread_cannot_start_leaves_no_pipe_and_closes(monkeypatch):
+    """A limit on threads (a container's pids limit): the relay's thread does not start,
+    the error is the thread's, and no pipe is left open; closing it then raises nothing
+    (it raised 'cannot join thread before it is started', over the real error)."""
+    import threading
+    from mgpu_updater._local.output import Relay
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+    relay = Relay()
+    before = sorted(os.listdir('/proc/self/fd'))
+    monkeypatch.setattr(threading.Thread, 'start', refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        relay.ends()
+    monkeypatch.undo()
+    assert sorted(os.listdir('/proc/self/fd')) == before
+    relay.close()

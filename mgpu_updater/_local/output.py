@@ -23,6 +23,7 @@ configured logging themselves (at import) keeps its own handlers.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import logging
 import os
@@ -33,26 +34,44 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
 
 _READ = 65536
 _HEADER = struct.Struct('<I')
 DRAIN_TIMEOUT = 1.0   # seconds close() waits for output still in the pipes
 
 # Held around each write the relay makes in the master (a stream's write and flush, a
-# record's handlers), and by a fork of the master until it is done: a process the master
-# forks (multiprocessing's 'fork', a MultiprocessIterator's pool, a snapshot writer's
-# process) while the relay's thread was inside a write got the stream's buffer lock
-# held, and its exit's flush of stdout waited for it for good.
+# record's handlers) and a worker's flush of its streams, and by a fork until it is done:
+# a process the master forks (multiprocessing's 'fork', a MultiprocessIterator's pool, a
+# snapshot writer's process) while the relay's thread was inside a write got the stream's
+# buffer lock held, and its exit's flush of stdout waited for it for good. A fork waits
+# at most FORK_WAIT (a write blocked on a stdout nobody reads, a handler that waits), and
+# not at all in the thread that holds it (a handler of the master's that forks).
 _WRITING = threading.Lock()
+FORK_WAIT = 1.0
+_holder = threading.local()
+_fork_took = [False]
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[None]:
+    with _WRITING:
+        _holder.held = True
+        try:
+            yield
+        finally:
+            _holder.held = False
 
 
 def _before_fork() -> None:
-    _WRITING.acquire()
+    _fork_took[0] = (not getattr(_holder, 'held', False)
+                     and _WRITING.acquire(timeout=FORK_WAIT))
 
 
 def _after_fork() -> None:
-    _WRITING.release()
+    if _fork_took[0]:
+        _fork_took[0] = False
+        _WRITING.release()
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
@@ -103,20 +122,27 @@ class Relay:
     def ends(self) -> WorkerOutput:
         """New pipes for a worker about to start: what it takes (the master closes its
         copies of the write ends once the worker has started: :func:`started`)."""
-        writes = []
-        pipes = []
-        for kind in ('stdout', 'stderr', 'records'):
-            read, write = os.pipe()
-            _widen(write)
-            pipes.append(_Pipe(read, kind))
-            writes.append(write)
+        writes: list = []
+        pipes: list = []
+        try:
+            for kind in ('stdout', 'stderr', 'records'):
+                read, write = os.pipe()
+                pipes.append(_Pipe(read, kind))
+                writes.append(write)
+                _widen(write)
+            if self._thread is None:   # (a pids limit: "can't start new thread")
+                thread = threading.Thread(target=self._run, name='mgpu-output',
+                                          daemon=True)
+                thread.start()
+                self._thread = thread
+        except BaseException:
+            for fd in [pipe.fd for pipe in pipes] + writes:
+                os.close(fd)
+            raise
         with self._lock:
             for pipe in pipes:
                 self._open[pipe.fd] = pipe
                 self._selector.register(pipe.fd, selectors.EVENT_READ, pipe)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name='mgpu-output', daemon=True)
-            self._thread.start()
         self._wake()
         levels, disable, master_logs = _logging_setup()
         real = sys.__stdout__
@@ -223,12 +249,12 @@ def _deliver(pipe: _Pipe, data: bytes, final: bool = False) -> None:
                 break
             body = pipe.pending[_HEADER.size:_HEADER.size + size]
             pipe.pending = pipe.pending[_HEADER.size + size:]
-            with _WRITING:
+            with _writing():
                 _handle_record(body)
         return
     text = pipe.decoder.decode(data, final)
     if text:
-        with _WRITING:
+        with _writing():
             _write(pipe.kind, text)
 
 
@@ -333,11 +359,13 @@ _FLUSHED: list = []   # in a worker: the streams it started with, which code may
 
 
 def flush() -> None:
-    """In a worker that waits for the master, or stops: what its streams hold, out."""
+    """In a worker that waits for the master, or stops: what its streams hold, out (a
+    fork meanwhile waits: _WRITING)."""
     for stream in (sys.stdout, sys.stderr, *_FLUSHED):
         if stream is not None:
             try:
-                stream.flush()
+                with _writing():
+                    stream.flush()
             except Exception:  # noqa: BLE001 - the master is gone
                 pass
 
@@ -361,6 +389,7 @@ class RecordSender(logging.Handler):
     def __init__(self, conn: Connection) -> None:
         super().__init__()
         self._fd = conn.fileno()
+        os.set_inheritable(self._fd, False)   # a child it execs would hold the pipe open
         self._conn = conn   # keeps the descriptor open
         self._pid = os.getpid()
 
