@@ -40,7 +40,7 @@ class Talks(chainer.Chain):
         return F.softmax_cross_entropy(self.l(x), t)
 
 
-def _train(updates=2, start_method='spawn'):
+def _train(updates=2, start_method='spawn', after_first=lambda: None):
     model = Talks()
     optimizer = chainer.optimizers.SGD()
     optimizer.setup(model)
@@ -48,8 +48,10 @@ def _train(updates=2, start_method='spawn'):
     updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'] * 2,
                                           start_method=start_method)
     try:
-        for _ in range(updates):
+        for update in range(updates):
             updater.update()
+            if update == 0:
+                after_first()
         return updater.worker_pids()[0]
     finally:
         updater.finalize()
@@ -123,19 +125,9 @@ def test_a_record_below_the_masters_level_of_now_is_dropped():
     kept = _Kept()
     logger.addHandler(kept)
     logger.setLevel(logging.INFO)
-    model = Talks()
-    optimizer = chainer.optimizers.SGD()
-    optimizer.setup(model)
-    its = [chainer.iterators.SerialIterator(dataset(16, seed=r), 4) for r in range(2)]
-    updater = ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'] * 2)
     try:
-        updater.update()
-        logger.setLevel(logging.WARNING)
-        updater.update()
-        updater.update()
-        worker = updater.worker_pids()[0]
+        worker = _train(updates=3, after_first=lambda: logger.setLevel(logging.WARNING))
     finally:
-        updater.finalize()
         logger.removeHandler(kept)
         logger.setLevel(logging.NOTSET)
     assert [r.getMessage() for r in kept.records if r.process == worker] == [
