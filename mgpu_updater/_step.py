@@ -8,8 +8,8 @@ straight through:
 - :class:`ImmediateStep` (default): the update's gradient is reduced into the model and
   stepped on in the same update.
 - :class:`OneLateStep` (``pipelined=True``): the gradient of update t is reduced into one
-  of two sets of buffers (``parity = t % 2``) and stepped on at update t+1, so update t+1's
-  gradient was computed on parameters one step stale. The first update steps on nothing.
+  of two sets of buffers (the *parity*, alternating) and stepped on at update t+1, so update
+  t+1's gradient was computed on parameters one step stale. The first update steps on nothing.
 
 Both hand the updater a :class:`GradientStep` to apply; only the one-late policy holds
 state between updates (the step in flight), which it saves in snapshots, under
@@ -98,7 +98,7 @@ class GradientStep:
 class ImmediateStep:
     """Reduce, then step on that gradient in the same update."""
 
-    def parity(self, iteration: int) -> Optional[int]:
+    def parity(self) -> Optional[int]:
         return None   # one set of gradient buffers
 
     def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
@@ -136,9 +136,13 @@ class OneLateStep:
 
     def __init__(self) -> None:
         self.in_flight: Optional[GradientStep] = None
+        self._reduced_into = 1   # the set the last update's gradient went to (first: 0)
 
-    def parity(self, iteration: int) -> Optional[int]:
-        return iteration % 2
+    def parity(self) -> Optional[int]:
+        """The set of buffers the next update reduces into: the other one than the step
+        in flight's. (Not ``iteration % 2``: a script may set ``updater.iteration``
+        between updates, which then reduced onto the gradient in flight.)"""
+        return 1 - self._reduced_into
 
     def reduce(self, group: Group, own: WindowResult, loss_scale: Optional[float],
                parity: Optional[int], on_step: Callable[[GradientStep], None]
@@ -146,6 +150,7 @@ class OneLateStep:
         """The replicas' results, and this update's gradient (left in its buffers), given
         to ``on_step`` once the results are in."""
         results, handle = group.finish_async(own, parity)
+        self._reduced_into = parity
         fresh = GradientStep(sum(r.count for r in results), total_loss(results), loss_scale,
                              handle)
         on_step(fresh)

@@ -308,7 +308,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: several replicas: the master's comparison of what each forward made once
         #: (_made_once), until every replica's digests came in
         self._made_once: Optional[Compared] = None
-        self._taken_at_start: Optional[Tuple[Any, Any]] = None   # (converter, loss_func)
+        #: (converter, loss_func, optimizer, main iterator) as the replicas took them
+        self._taken_at_start: Optional[Tuple[Any, Any, Any, Any]] = None
         self._t_at_end: Optional[int] = None   # the optimizer's t after the last update
         #: how the reporter current at the last update names the model's links
         #: (:meth:`_named`): it, what each key became, what each link is called there
@@ -324,6 +325,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         #: the main iterator's state at the end of the data (StopIteration), else None
         self._ended: Optional[Dict[str, Any]] = None
         self._worker_iterators = its[1:]
+        self._main_shard = its[0]   # the master's, whose shard goes with the workers'
         self._bound_loss: Optional[_loss_binding.LossBinding] = None
         if len(self._devices) > 1:
             _validate.may_start_processes(len(self._devices))
@@ -395,6 +397,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
+        if self._worker_iterators and self.get_iterator('main') is not self._main_shard:
+            raise RuntimeError(
+                "updater._iterators['main'] was given another iterator than the master's "
+                'shard the updater was built with: each worker process reads its own shard '
+                'of the iterators given then, so the replicas would train on two datasets. '
+                'Build the updater with shard_iterators over the data it is to read')
         _positions.warn_if_marked(self._worker_iterators)
         if len(self._devices) > 1 and self._communicator is None:
             _inherit.warn_thread_hooks(len(self._devices) - 1)
@@ -450,8 +458,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 [f'replica {i} ({label})' for i, label in enumerate(self.device_labels)]
                 if self._communicator is None
                 else [f'rank {r}' for r in range(self.n_devices)])
-        #: what every replica took at the start (the updater's attributes may be set anew)
-        self._taken_at_start = (self.converter, self.loss_func)
+        #: what every replica took at the start (the updater's attributes may be set anew,
+        #: and StandardUpdater's dicts, which third-party code reaches into, given others)
+        self._taken_at_start = (self.converter, self.loss_func, self._optimizer,
+                                self.get_iterator('main'))
         # An updater dropped without finalize() (``del``, garbage collection, the
         # interpreter's exit) still stops its workers and releases its shared memory.
         self._owner = os.getpid()
@@ -470,10 +480,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         left alone)."""
         self.update_core()
         if not self._core_calls:
+            alone = ("in the master alone, on the master's shard, with no worker, "
+                     if len(self._devices) > 1 else '')
             raise RuntimeError(
                 f'{type(self).__name__}.update_core did not call '
-                'ParallelAccumulatingUpdater.update_core: whatever it did ran in the master '
-                "alone, on the master's shard, with no worker, no accumulation and no "
+                f'ParallelAccumulatingUpdater.update_core: whatever it did ran {alone}'
+                "outside this updater's loading (which reads ahead), accumulation and "
                 'reduction. Call super().update_core() for each update it makes (do what '
                 'comes before or after it around that call); for several optimizers, as '
                 'a GAN has, see docs/migration.md')
@@ -550,7 +562,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._restart_log.update = self.iteration + 1
         taken = self._taken_at_start
         if taken is not None and (self.converter is not taken[0]
-                                  or self.loss_func is not taken[1]):
+                                  or self.loss_func is not taken[1]
+                                  or self._optimizers.get('main') is not taken[2]
+                                  or self._iterators.get('main') is not taken[3]):
             raise RuntimeError(self._replaced_message(taken))
         # This runs every update: where the host decides the speed, each call here is time
         # StandardUpdater does not spend (bench/overhead.py), hence plain clocks.
@@ -579,7 +593,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._alone:
             parity = None
         else:
-            parity = self._step.parity(self.iteration)
+            parity = self._step.parity()
             self._group.begin(loss_scale, parity)
         t1 = clock()
         if self._window_threads.threads is None:
@@ -628,15 +642,30 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._report(results, own, times)
         self._t_at_end = optimizer.t
 
-    def _replaced_message(self, taken: Tuple[Any, Any]) -> str:
+    def _replaced_message(self, taken: Tuple[Any, Any, Any, Any]) -> str:
         names = [name for name, now, then in (
             ('converter', self.converter, taken[0]),
             ('loss_func', self.loss_func, taken[1])) if now is not then]
-        return (f"updater.{' and updater.'.join(names)} was set anew after the first "
-                "update: every replica (the master's loader and window, each worker "
-                'process) took the one given at the start and computes with it, and a '
-                'batch may be converted ahead already. Set it before the first update, '
-                'or finalize this updater and build a new one with it')
+        if names:
+            return (f"updater.{' and updater.'.join(names)} was set anew after the first "
+                    "update: every replica (the master's loader and window, each worker "
+                    'process) took the one given at the start and computes with it, and a '
+                    'batch may be converted ahead already. Set it before the first '
+                    'update, or finalize this updater and build a new one with it')
+        if self._optimizers.get('main') is not taken[2]:
+            return ("updater._optimizers['main'] was given another optimizer after the first "
+                    f'update: this updater steps with the one it started with '
+                    f'({type(taken[2]).__name__} at {id(taken[2]):#x}), whose state (its '
+                    "count t, its hooks, each parameter's update rule) the step and the "
+                    'snapshots use. Change its hyperparameters in place '
+                    "(updater.get_optimizer('main').lr = ..., as extensions.ExponentialShift "
+                    'does), or finalize this updater and build a new one with the new '
+                    'optimizer')
+        return ("updater._iterators['main'] was given another iterator after the first "
+                "update: every replica reads its own shard from the iterators given at "
+                "the start (the master's loader reads ahead from its own, each worker "
+                'from a copy of its shard in its process). To train on other data, '
+                'finalize this updater and build a new one with shard_iterators over it')
 
     def _update_direct(self, optimizer: chainer.Optimizer,
                        loss_scale: Optional[float]) -> None:
@@ -997,7 +1026,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._finalized = True
         # Every iterator the master holds where its replica was (what StandardUpdater's
         # would be): a snapshot taken now, or another updater built on them, reads them.
-        main = self.get_iterator('main')
+        # (The one the replica read, where another was put in updater._iterators since.)
+        main = self.get_iterator('main') if self._taken_at_start is None \
+            else self._taken_at_start[3]
         if used is not None and not _same_state(capture_state(main), used):
             # numpy's global generator drew for others since (the model): left as it is
             _checkpoint.restore_state(

@@ -171,6 +171,80 @@ def test_the_updaters_converter_or_loss_func_set_anew_raises_at_the_next_update(
         updater.finalize()
 
 
+@pytest.mark.parametrize('n', [1, 2])
+@pytest.mark.parametrize('entry', ['optimizer', 'iterator'])
+def test_another_optimizer_or_iterator_in_standard_updaters_dicts_raises_at_the_next_update(
+        n, entry):
+    """Third-party code swaps Adam for SGD through ``updater._optimizers['main']``, or
+    the data through ``updater._iterators['main']``, which StandardUpdater reads at every
+    update. Here the old optimizer went on stepping (its t, its hooks) and the old
+    iterator on loading: refused instead, saying what to do."""
+    model = classifier()
+    its, updater = _updater(model, n)
+    try:
+        run_updates(updater, model, 1)
+        if entry == 'optimizer':
+            updater._optimizers['main'] = setup_optimizer('sgd', model)
+        else:
+            updater._iterators['main'] = shard_iterators(dataset(8 * B, seed=2), 1, B)[0]
+        before = params(model)
+        with pytest.raises(RuntimeError, match=(
+                r"^updater\._" + entry + r"s\['main'\] was given another " + entry
+                + ' after the first update')):
+            run_updates(updater, model, 1)
+        for name, value in params(model).items():
+            np.testing.assert_array_equal(value, before[name])   # no step taken
+    finally:
+        updater.finalize()
+
+
+def test_a_main_iterator_replaced_before_the_first_update_is_read_by_one_replica_only():
+    """With one replica the master's iterator is all of it, read as StandardUpdater reads
+    it; with two, the workers' shards go with the one the updater was built with, so
+    another is refused before any process starts."""
+    model = classifier()
+    _, updater = _updater(model, 1)
+    other = shard_iterators(dataset(8 * B, seed=2), 1, B, seed=None, shuffle=False)[0]
+    try:
+        updater._iterators['main'] = other
+        run_updates(updater, model, 1)
+        assert other.current_position == B
+    finally:
+        updater.finalize()
+    _, updater = _updater(model, 2)
+    updater._iterators['main'] = shard_iterators(dataset(8 * B, seed=2), 1, B)[0]
+    try:
+        with pytest.raises(RuntimeError, match=r"^updater\._iterators\['main'\] was given "
+                                               r"another iterator than the master's shard"):
+            run_updates(updater, model, 1)
+        assert updater.worker_pids() == []
+    finally:
+        updater.finalize()
+
+
+@pytest.mark.parametrize('to', [50, 0, 51])
+def test_iteration_set_between_pipelined_updates_leaves_the_training_alone(to):
+    """``updater.iteration`` is a counter under StandardUpdater. Pipelined, the gradient
+    buffers went by its parity: set to a number of the other parity, the next update
+    reduced onto the gradient still in flight (weights 0.07 off, silently)."""
+    ends = []
+    for change in (False, True):
+        model = classifier()
+        _, updater = _updater(model, 2, pipelined=True)
+        try:
+            run_updates(updater, model, 3)
+            if change:
+                updater.iteration = to
+            run_updates(updater, model, 3)
+            assert updater.iteration == (to if change else 3) + 3
+            assert updater.get_optimizer('main').t == 5
+        finally:
+            updater.finalize()
+        ends.append(params(model))
+    for name, value in ends[0].items():
+        np.testing.assert_array_equal(ends[1][name], value)
+
+
 def test_a_persistent_the_forward_grows_at_a_later_update_raises_naming_it():
     """A memory bank the forward grows at its third call: the slot that carries it
     between the replicas keeps its first shape. The error names it and its shapes, where
