@@ -17,10 +17,12 @@ never the reverse.
 """
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,8 +65,25 @@ SCENARIOS.update(RESTART_ERRORS)
 
 
 def run_once(scenario, extra=(), timeout=90.0):
-    """One harness run; returns its report (``problems`` empty on success)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    """One harness run; returns its report (``problems`` empty on success). The run has a
+    temporary directory of its own (``TMPDIR``), which must be empty at its end, but for
+    the folder of Python's fork server where a master SIGKILLed under ``forkserver`` had
+    one (Python removes it at the master's exit, which a SIGKILL skips)."""
+    tmp = tempfile.mkdtemp(prefix='mgpu-fault-')
+    try:
+        report = _run_in(tmp, scenario, extra, timeout)
+        left = sorted(name for name in os.listdir(tmp) if not (
+            name.startswith('pymp-') and scenario == 'master_sigkill' and 'forkserver' in extra))
+        if left:
+            report.setdefault('problems', []).append(
+                f'left in the temporary directory: {left}')
+        return report
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in(tmp, scenario, extra, timeout):
+    env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
     proc = subprocess.Popen([sys.executable, str(HARNESS), scenario, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
