@@ -40,7 +40,7 @@ import marshal
 import pickle
 import sys
 import types
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import chainer
 import cloudpickle
@@ -176,9 +176,17 @@ def dumps(obj: Any, replace: Optional[Dict[int, Any]] = None) -> bytes:
     Every object whose ``id`` is a key of ``replace`` is pickled as that key's value
     (the same object wherever it is referenced).
     """
+    return dumps_each([(obj, replace)])
+
+
+def dumps_each(parts: List[Tuple[Any, Optional[Dict[int, Any]]]]) -> bytes:
+    """Each ``(obj, replace)`` pickled as :func:`dumps` pickles it, one after the other in
+    one bytes object (read back by as many ``pickle.load`` calls), written into one buffer:
+    joining the pickles made would hold a model's payload twice at once."""
     buffer = io.BytesIO()
-    _Pickler(buffer, replace).dump(obj)
-    return buffer.getvalue()
+    for obj, replace in parts:
+        _Pickler(buffer, replace).dump(obj)
+    return buffer.getvalue()   # the buffer's own bytes, not a copy (CPython's BytesIO)
 
 
 def reduction(obj: Any) -> Optional[Tuple[Any, ...]]:

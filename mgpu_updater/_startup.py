@@ -170,6 +170,9 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
     replica_model.to_device('@numpy')
     for param in replica_model.params():
         param.update_rule = None
+        # no gradient travels: a worker's window clears them before its first backward
+        # (the master's, NaN from Chainer's initialisation, doubled the payload)
+        param.grad = None
     config = _inherit.master_config()
     process = _inherit.process_settings()
     module_globals = _module_globals.fingerprints(

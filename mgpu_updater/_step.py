@@ -150,9 +150,10 @@ class OneLateStep:
         """The replicas' results, and this update's gradient (left in its buffers), given
         to ``on_step`` once the results are in."""
         results, handle = group.finish_async(own, parity)
-        self._reduced_into = parity
         fresh = GradientStep(sum(r.count for r in results), total_loss(results), loss_scale,
                              handle)
+        if fresh.count:   # (none: the end of the data, stepped on never; in flight stays)
+            self._reduced_into = parity
         on_step(fresh)
         return results, fresh
 

@@ -478,6 +478,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         ``StandardUpdater`` would, while the workers wait; raised after the first update
         that did not (one that skips an update now and then, having called it before, is
         left alone)."""
+        self._core_iteration = None   # (update_core's pipelined check: within this call)
         self.update_core()
         if not self._core_calls:
             alone = ("in the master alone, on the master's shard, with no worker, "
@@ -510,6 +511,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'pipelined=False')
         if self._ended is not None:
             self._new_pass_if_reset()
+        taken = self._taken_at_start
+        if taken is not None and self._replica is not None and (
+                self.converter is not taken[0] or self.loss_func is not taken[1]
+                or self._optimizers.get('main') is not taken[2]
+                or self._iterators.get('main') is not taken[3]):
+            # before anything ran: the updater goes on once the script puts them back
+            raise RuntimeError(self._replaced_message(taken))
         try:
             self._update()
             # no reading ahead while the code between updates runs (an Evaluator over the
@@ -560,12 +568,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'the new model')
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
-        taken = self._taken_at_start
-        if taken is not None and (self.converter is not taken[0]
-                                  or self.loss_func is not taken[1]
-                                  or self._optimizers.get('main') is not taken[2]
-                                  or self._iterators.get('main') is not taken[3]):
-            raise RuntimeError(self._replaced_message(taken))
         # This runs every update: where the host decides the speed, each call here is time
         # StandardUpdater does not spend (bench/overhead.py), hence plain clocks.
         clock = time.perf_counter
@@ -982,6 +984,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             else None
 
     # ------------------------------------------------------------------ shutdown
+    def _main_read(self) -> Any:
+        """The main iterator the master's replica reads: the one it started with, where
+        the script has put another into ``updater._iterators`` since."""
+        taken = self._taken_at_start
+        return self.get_iterator('main') if taken is None else taken[3]
+
     def _teardown(self, abort: bool, by_interrupt: bool = False) -> None:
         dropped = getattr(self, '_release_when_dropped', None)
         if dropped is not None:
@@ -1027,8 +1035,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # Every iterator the master holds where its replica was (what StandardUpdater's
         # would be): a snapshot taken now, or another updater built on them, reads them.
         # (The one the replica read, where another was put in updater._iterators since.)
-        main = self.get_iterator('main') if self._taken_at_start is None \
-            else self._taken_at_start[3]
+        main = self._main_read()
         if used is not None and not _same_state(capture_state(main), used):
             # numpy's global generator drew for others since (the model): left as it is
             _checkpoint.restore_state(
@@ -1063,7 +1070,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         try:
             self._teardown(abort=False)
         finally:
-            for it in [self.get_iterator('main')] + self._worker_iterators:
+            for it in [self._main_read()] + self._worker_iterators:
                 try:
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way

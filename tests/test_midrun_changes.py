@@ -188,12 +188,21 @@ def test_another_optimizer_or_iterator_in_standard_updaters_dicts_raises_at_the_
         else:
             updater._iterators['main'] = shard_iterators(dataset(8 * B, seed=2), 1, B)[0]
         before = params(model)
-        with pytest.raises(RuntimeError, match=(
-                r"^updater\._" + entry + r"s\['main'\] was given another " + entry
-                + ' after the first update')):
-            run_updates(updater, model, 1)
+        for _ in range(2):   # each time, the replicas untouched
+            with pytest.raises(RuntimeError, match=(
+                    r"^updater\._" + entry + r"s\['main'\] was given another " + entry
+                    + ' after the first update')):
+                run_updates(updater, model, 1)
         for name, value in params(model).items():
             np.testing.assert_array_equal(value, before[name])   # no step taken
+        # put back, the run goes on as it would have
+        if entry == 'optimizer':
+            updater._optimizers['main'] = updater._taken_at_start[2]
+        else:
+            updater._iterators['main'] = its[0]
+        run_updates(updater, model, 1)
+        assert updater.iteration == 2 and updater.get_optimizer('main').t == 2
+        assert its[0].current_position == 2 * B
     finally:
         updater.finalize()
 
@@ -222,7 +231,7 @@ def test_a_main_iterator_replaced_before_the_first_update_is_read_by_one_replica
         updater.finalize()
 
 
-@pytest.mark.parametrize('to', [50, 0, 51])
+@pytest.mark.parametrize('to', [50, 0, 51, 2])
 def test_iteration_set_between_pipelined_updates_leaves_the_training_alone(to):
     """``updater.iteration`` is a counter under StandardUpdater. Pipelined, the gradient
     buffers went by its parity: set to a number of the other parity, the next update
@@ -238,6 +247,32 @@ def test_iteration_set_between_pipelined_updates_leaves_the_training_alone(to):
             run_updates(updater, model, 3)
             assert updater.iteration == (to if change else 3) + 3
             assert updater.get_optimizer('main').t == 5
+        finally:
+            updater.finalize()
+        ends.append(params(model))
+    for name, value in ends[0].items():
+        np.testing.assert_array_equal(ends[1][name], value)
+
+
+def test_the_end_of_the_data_met_again_leaves_the_pipelined_step_in_flight():
+    """``update()`` called again at the end of the data (``repeat=False``) raises
+    StopIteration again and changes nothing, as under StandardUpdater: the gradient in
+    flight, stepped on in the next pass, stays (an empty update reduced onto it)."""
+    ends = []
+    for stops in (1, 3):
+        model = classifier()
+        its = shard_iterators(dataset(6 * B, seed=1), 2, B, seed=None, shuffle=False,
+                              repeat=False)
+        updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                              devices=['@numpy'] * 2, pipelined=True)
+        try:
+            run_updates(updater, model, 3)
+            for _ in range(stops):
+                with pytest.raises(StopIteration):
+                    run_updates(updater, model, 1)
+            updater.get_iterator('main').reset()
+            run_updates(updater, model, 2)
+            assert updater.get_optimizer('main').t == 4
         finally:
             updater.finalize()
         ends.append(params(model))

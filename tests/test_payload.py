@@ -360,3 +360,33 @@ def _sgd(model):
     optimizer = chainer.optimizers.SGD(0.1)
     optimizer.setup(model)
     return optimizer
+
+
+def test_a_workers_payload_carries_no_gradient(monkeypatch):
+    """Chainer fills a new parameter's gradient with NaN, and the workers' copy of the
+    model carried it: a payload twice the parameters' bytes, pickled, held and sent once
+    per worker. A worker's window clears the gradients before its first backward."""
+    from mgpu_updater._local import group
+    sizes = []
+    pickled = group._pickled
+
+    def recording(*args, **kwargs):
+        out = pickled(*args, **kwargs)
+        sizes.extend(len(data) for data in out.values())
+        return out
+    monkeypatch.setattr(group, '_pickled', recording)
+    model = L.Classifier(L.Linear(5, 3))
+    with model.predictor.init_scope():
+        model.predictor.big = chainer.Parameter(chainer.initializers.Zero(), (1 << 20,))
+    assert model.predictor.big.grad is not None   # (NaN, as Chainer initialises it)
+    data = dataset(16, seed=0)
+    optimizer = chainer.optimizers.SGD()
+    optimizer.setup(model)
+    from mgpu_updater import shard_iterators
+    updater = ParallelAccumulatingUpdater(shard_iterators(data, 2, 4), optimizer,
+                                          devices=['@numpy'] * 2)
+    try:
+        run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    assert sizes and max(sizes) < 1.25 * (4 << 20), sizes

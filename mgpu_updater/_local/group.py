@@ -653,9 +653,10 @@ class Payload:
             kwargs['chunking'] = kwargs['chunking']._replace(size=chunk_size)
         setup = ProcessSetup(kwargs['device'], **{name: kwargs.pop(name) for name in
                                                   ProcessSetup._fields[1:] if name in kwargs})
-        return _payload.dumps(setup) + _payload.dumps(
-            WorkerInit(comm_handle=handle, board=board, announce_packs=announce_packs,
-                       resume=resume, **kwargs), replace)
+        return _payload.dumps_each([
+            (setup, None),
+            (WorkerInit(comm_handle=handle, board=board, announce_packs=announce_packs,
+                        resume=resume, **kwargs), replace)])
 
 
 def _pickled(payloads: Dict[int, 'Payload'], handle: Any, board: Optional[str],
