@@ -514,8 +514,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         taken = self._taken_at_start
         if taken is not None and self._replica is not None and (
                 self.converter is not taken[0] or self.loss_func is not taken[1]
-                or self._optimizers.get('main') is not taken[2]
-                or self._iterators.get('main') is not taken[3]):
+                or self.get_optimizer('main') is not taken[2]
+                or self.get_iterator('main') is not taken[3]):
             # before anything ran: the updater goes on once the script puts them back
             raise RuntimeError(self._replaced_message(taken))
         try:
@@ -654,7 +654,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                     'process) took the one given at the start and computes with it, and a '
                     'batch may be converted ahead already. Set it before the first '
                     'update, or finalize this updater and build a new one with it')
-        if self._optimizers.get('main') is not taken[2]:
+        if self.get_optimizer('main') is not taken[2]:
             return ("updater._optimizers['main'] was given another optimizer after the first "
                     f'update: this updater steps with the one it started with '
                     f'({type(taken[2]).__name__} at {id(taken[2]):#x}), whose state (its '
