@@ -168,10 +168,13 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
     if differs is not None:
         raise RuntimeError(differs)
     replica_model.to_device('@numpy')
+    # No gradient travels (the master's, NaN from Chainer's initialisation, doubled the
+    # payload): a worker gives NaN ones to the parameters that had one, as Chainer
+    # initialises them, for a forward that reads them before the first backward.
+    nan_grads = tuple(name for name, param in replica_model.namedparams()
+                      if param.grad is not None)
     for param in replica_model.params():
         param.update_rule = None
-        # no gradient travels: a worker's window clears them before its first backward
-        # (the master's, NaN from Chainer's initialisation, doubled the payload)
         param.grad = None
     config = _inherit.master_config()
     process = _inherit.process_settings()
@@ -194,7 +197,8 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
             seed=seeds[rank - 1],
             blas_threads=s.blas_threads, reuse_host_memory=s.reuse_host_memory,
             cores=s.core_shares[rank] if s.core_shares else None,
-            keep_resume=s.restarts is not None, comm_name=backend), s.model)
+            keep_resume=s.restarts is not None, comm_name=backend, nan_grads=nan_grads),
+            s.model)
     layouts = ModelLayouts(s.model, double_buffered=s.pipelined)
     return LocalGroup(s.model, layouts, backend, s.devices[0], s.device_labels, payloads,
                       s.start_method, s.start_timeout, s.stall_warning, s.update_timeout,

@@ -397,12 +397,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
-        if self._worker_iterators and self.get_iterator('main') is not self._main_shard:
-            raise RuntimeError(
-                "updater._iterators['main'] was given another iterator than the master's "
-                'shard the updater was built with: each worker process reads its own shard '
-                'of the iterators given then, so the replicas would train on two datasets. '
-                'Build the updater with shard_iterators over the data it is to read')
         _positions.warn_if_marked(self._worker_iterators)
         if len(self._devices) > 1 and self._communicator is None:
             _inherit.warn_thread_hooks(len(self._devices) - 1)
@@ -511,13 +505,24 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 'pipelined=False')
         if self._ended is not None:
             self._new_pass_if_reset()
-        taken = self._taken_at_start
-        if taken is not None and self._replica is not None and (
-                self.converter is not taken[0] or self.loss_func is not taken[1]
-                or self.get_optimizer('main') is not taken[2]
-                or self.get_iterator('main') is not taken[3]):
-            # before anything ran: the updater goes on once the script puts them back
-            raise RuntimeError(self._replaced_message(taken))
+        # What the script replaced since the replicas took it is refused here, before the
+        # update starts: nothing is torn down (no step in flight dropped), and the run goes
+        # on once the script puts it back.
+        if self._replica is None:   # (they take what is there now at the start)
+            if self._worker_iterators and self.get_iterator('main') is not self._main_shard:
+                raise RuntimeError(
+                    "updater._iterators['main'] was given another iterator than the "
+                    "master's shard the updater was built with: each worker process reads "
+                    'its own shard of the iterators given then, so the replicas would train '
+                    'on two datasets. Build the updater with shard_iterators over the data '
+                    'it is to read')
+        else:
+            taken = self._taken_at_start
+            if (self.converter is not taken[0] or self.loss_func is not taken[1]
+                    or self.get_optimizer('main') is not taken[2]
+                    or self.get_iterator('main') is not taken[3]
+                    or self._optimizer.target is not self._target):
+                raise RuntimeError(self._replaced_message(taken))
         try:
             self._update()
             # no reading ahead while the code between updates runs (an Evaluator over the
@@ -556,16 +561,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._replica is None:
             self._start()
         self._loader.resume()
-        if self._optimizer.target is not self._target:
-            raise RuntimeError(
-                f'the optimizer now updates another model '
-                f'({type(self._optimizer.target).__name__} at '
-                f'{id(self._optimizer.target):#x}, set up after the first update) than '
-                f'the one this updater started with ({type(self._target).__name__} at '
-                f'{id(self._target):#x}): every replica computes with a copy of that one, '
-                'so the step would apply to the new model gradients it never computed. '
-                'finalize() this updater and build a new one with the optimizer set up on '
-                'the new model')
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
         # This runs every update: where the host decides the speed, each call here is time
@@ -645,6 +640,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._t_at_end = optimizer.t
 
     def _replaced_message(self, taken: Tuple[Any, Any, Any, Any]) -> str:
+        if self._optimizer.target is not self._target:
+            return (f'the optimizer now updates another model '
+                    f'({type(self._optimizer.target).__name__} at '
+                    f'{id(self._optimizer.target):#x}, set up after the first update) than '
+                    f'the one this updater started with ({type(self._target).__name__} at '
+                    f'{id(self._target):#x}): every replica computes with a copy of that '
+                    'one, so the step would apply to the new model gradients it never '
+                    'computed. finalize() this updater and build a new one with the '
+                    'optimizer set up on the new model')
         names = [name for name, now, then in (
             ('converter', self.converter, taken[0]),
             ('loss_func', self.loss_func, taken[1])) if now is not then]
@@ -1070,7 +1074,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         try:
             self._teardown(abort=False)
         finally:
-            for it in [self._main_read()] + self._worker_iterators:
+            # (as StandardUpdater's: also one the script put in updater._iterators since)
+            main = [self._main_read()] + [self.get_iterator('main')]
+            for it in main[:1 + (main[1] is not main[0])] + self._worker_iterators:
                 try:
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way

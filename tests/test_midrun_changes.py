@@ -254,6 +254,32 @@ def test_iteration_set_between_pipelined_updates_leaves_the_training_alone(to):
         np.testing.assert_array_equal(ends[1][name], value)
 
 
+def test_another_main_iterator_refused_at_a_restart_keeps_the_pipelined_step_in_flight():
+    """After finalize() the step in flight is kept for the restart; a main iterator
+    replaced meanwhile is refused before anything is torn down, so once put back the
+    run is the one without the refusal (the step was dropped: one step short)."""
+    ends = []
+    for refuse in (False, True):
+        model = classifier()
+        its, updater = _updater(model, 2, pipelined=True)
+        try:
+            run_updates(updater, model, 3)
+            updater.finalize()
+            if refuse:
+                updater._iterators['main'] = shard_iterators(dataset(8 * B, seed=2), 1, B)[0]
+                with pytest.raises(RuntimeError, match=r"^updater\._iterators\['main'\] was "
+                                                       r"given another iterator than"):
+                    run_updates(updater, model, 1)
+                updater._iterators['main'] = its[0]
+            run_updates(updater, model, 3)
+            assert updater.get_optimizer('main').t == 5
+        finally:
+            updater.finalize()
+        ends.append(params(model))
+    for name, value in ends[0].items():
+        np.testing.assert_array_equal(ends[1][name], value)
+
+
 def test_the_end_of_the_data_met_again_leaves_the_pipelined_step_in_flight():
     """``update()`` called again at the end of the data (``repeat=False``) raises
     StopIteration again and changes nothing, as under StandardUpdater: the gradient in

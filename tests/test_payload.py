@@ -390,3 +390,35 @@ def test_a_workers_payload_carries_no_gradient(monkeypatch):
     finally:
         updater.finalize()
     assert sizes and max(sizes) < 1.25 * (4 << 20), sizes
+
+
+class _ReadsGradients(chainer.Chain):
+    """Reports whether the gradient its first layer holds when its forward runs is
+    Chainer's NaN one (before the first backward), as a forward may read it."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 8)
+            self.l2 = L.Linear(8, 3)
+
+    def forward(self, x, t):
+        grad = self.l1.W.grad
+        chainer.report({'grad_nan': float(np.isnan(grad).all())}, self)
+        return F.softmax_cross_entropy(self.l2(F.tanh(self.l1(x))), t)
+
+
+def test_a_forward_that_reads_gradients_before_the_first_backward_sees_nan_on_every_replica():
+    """The payload carries no gradient; a worker gives its parameters Chainer's NaN ones,
+    as the master's are (a worker's forward got None, and raised in its first window)."""
+    from mgpu_updater import shard_iterators
+    model = _ReadsGradients()
+    optimizer = chainer.optimizers.SGD(0.1)
+    optimizer.setup(model)
+    updater = ParallelAccumulatingUpdater(shard_iterators(dataset(32, seed=0), 2, 4),
+                                          optimizer, loss_func=model, devices=['@numpy'] * 2)
+    try:
+        seen = [float(o['main/grad_nan']) for o in run_updates(updater, model, 3)]
+    finally:
+        updater.finalize()
+    assert seen == [1.0, 0.0, 0.0]   # the mean over the replicas: each saw NaN, then not

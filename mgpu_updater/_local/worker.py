@@ -64,6 +64,7 @@ class WorkerInit(NamedTuple):
     keep_resume: bool = False            # keep and send its resume points (.resume)
     resume: Any = None                   # a replacement's .resume.ResumePoint, or None
     signature: Any = None                # the master's _replica.copy_signature of the model
+    nan_grads: tuple = ()                # parameters given NaN gradients (not pickled)
 
 
 class ProcessSetup(NamedTuple):
@@ -288,6 +289,20 @@ def _finalize_iterator(init: Optional['WorkerInit']) -> None:
         pass
 
 
+def _nan_grads(model: Any, names: tuple) -> None:
+    """Give the parameters ``names`` (those with a gradient in the master's model) the
+    NaN gradient Chainer initialises a parameter with: the payload carries none, and a
+    forward may read one before the window's first backward clears it."""
+    if not names:
+        return
+    params = dict(model.namedparams())
+    for name in names:
+        param = params.get(name)
+        array = None if param is None else param.array
+        if array is not None and array.dtype.kind == 'f':
+            param.grad = param.xp.full_like(array, float('nan'))
+
+
 def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda: None) -> Any:
     """The replica, communicator, layouts and in-place helpers of ``init``, on ``device``
     (set up by :func:`_set_up`)."""
@@ -308,6 +323,7 @@ def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda
         if differs is not None:
             raise RuntimeError(differs)
     model.to_device(device)
+    _nan_grads(model, init.nan_grads)
     loss_func = init.loss_func   # a closure over the model holds init.model (one pickle)
     if init.bind_loss_to_model is not None:
         loss_func = _loss_binding.resolve(init.bind_loss_to_model, model)
