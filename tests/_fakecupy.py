@@ -337,6 +337,8 @@ def make(nccl_available: bool = True) -> types.SimpleNamespace:
             """NCCL's rendezvous (a connected world: :func:`connect_ranks`)."""
 
         def _call(self, *call: Any) -> None:
+            if self.async_error:   # NCCL returns the error it holds to the next call
+                raise NcclError(6)
             self.calls.append(call)
             log.append(('nccl',) + call)
 

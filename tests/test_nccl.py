@@ -247,6 +247,33 @@ def test_wait_aborts_when_a_peer_dies(fake):
     assert_abandoned(comm)
 
 
+def test_a_collective_enqueued_after_a_peer_died_names_the_peer(fake):
+    """NCCL returns an asynchronous error it holds (a dead peer's closed sockets) to the
+    next collective: the peer's death, seen a moment later, is what is raised (the local
+    group turns it into a WorkerError), not the bare NCCL error."""
+    class PeerDied(Exception):
+        pass
+
+    seen = []
+
+    def check_peer_alive():
+        seen.append(1)
+        if len(seen) >= 3:   # the death is seen a little after NCCL's error
+            raise PeerDied('worker 1 exited with code -9')
+
+    comm = NcclCommunicator(0, 1, 0, SPEC, UID)
+    comm.reduce('grad/<f4')
+    comm.wait()
+    comm.check_peer_alive = check_peer_alive
+    fake.comms[0].async_error = 'NCCL_ERROR_REMOTE_ERROR: peer vanished'
+    with pytest.raises(PeerDied, match='worker 1'):
+        comm.bcast('grad/<f4')
+    comm.check_peer_alive = lambda: None   # no peer died: NCCL's own error
+    with pytest.raises(RuntimeError, match=r'NCCL bcast .*failed on rank 0.*REMOTE_ERROR'):
+        comm.bcast('grad/<f4')
+    comm.abort()
+
+
 def assert_abandoned(comm):
     """NCCL's communicator aborted, the buffers kept, and no collective (a lazy init would
     join the dead world again) until a rebuild or a rejoin."""

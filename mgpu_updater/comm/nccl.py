@@ -390,6 +390,9 @@ class NcclCommunicator(Communicator):
             if self._finalized or self._abandoned:
                 raise RuntimeError(f'{what} on rank {self.rank}: the communicator was '
                                    f'aborted or finalized meanwhile ({e})') from e
+            # NCCL hands an asynchronous error it holds (a dead peer's closed sockets) to
+            # the next collective enqueued: a dead peer is named as in a wait
+            self._name_a_dead_peer()
             raise RuntimeError(
                 f'{what} failed on rank {self.rank} (device {self.device_id}): {e}') from e
         self._done.record(self._stream)
@@ -453,11 +456,17 @@ class NcclCommunicator(Communicator):
         try:
             self._check_async_error()
         except RuntimeError:
-            deadline = time.monotonic() + _PEER_GRACE
-            while self.check_peer_alive is not None and time.monotonic() < deadline:
-                self.check_peer_alive()
-                time.sleep(0.05)
+            self._name_a_dead_peer()
             raise
+
+    def _name_a_dead_peer(self) -> None:
+        """After an NCCL error: ``check_peer_alive``, which raises naming a dead peer,
+        for up to :data:`_PEER_GRACE` seconds, since the peer's death may be seen a
+        moment after NCCL saw its sockets close; returns where no peer died."""
+        deadline = time.monotonic() + _PEER_GRACE
+        while self.check_peer_alive is not None and time.monotonic() < deadline:
+            self.check_peer_alive()
+            time.sleep(0.05)
 
     def _check_async_error(self) -> None:
         comm = self._comm
