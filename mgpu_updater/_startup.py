@@ -172,7 +172,7 @@ def _local_group(s: Settings, lazy: bool) -> LocalGroup:
     # payload): a worker gives NaN ones to the parameters that had one, as Chainer
     # initialises them, for a forward that reads them before the first backward.
     nan_grads = tuple(name for name, param in replica_model.namedparams()
-                      if param.grad is not None)
+                      if param.array is not None and param.grad is not None)
     for param in replica_model.params():
         param.update_rule = None
         param.grad = None
