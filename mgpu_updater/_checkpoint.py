@@ -93,6 +93,19 @@ def restore_state(iterator: Any, state: Dict[str, numpy.ndarray],
     load_state(iterator, NpzDeserializer(state), generator)
 
 
+def same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two states :func:`capture_state` gave back are equal."""
+    return a.keys() == b.keys() and all(numpy.array_equal(a[k], b[k]) for k in a)
+
+
+def set_back(iterator: Any, state: Dict[str, numpy.ndarray]) -> None:
+    """Put ``iterator`` back where ``state`` (:func:`capture_state`'s) had it, where a
+    loader read on since: numpy's global generator, where it shuffles with it, is left as
+    it is (the model and the script drew from it since)."""
+    if not same_state(capture_state(iterator), state):
+        restore_state(iterator, state, generator=not shuffles_with_numpys_global(iterator))
+
+
 def shuffles_with_numpys_global(iterator: Any) -> bool:
     """Whether ``iterator``'s order sampler draws from numpy's global generator, which
     the model and the script draw from too (Chainer's default ``ShuffleOrderSampler()``)."""

@@ -287,7 +287,14 @@ class Prefetcher(Loader):
         self._settings = thread_settings()
         self._reading = True   # the thread converts the first batch first
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:   # a Ctrl-C inside start(), the thread running or not:
+            self._stop.set()    # it stops as after close() (nobody holds this loader)
+            self.release()
+            if self._thread.ident is not None:
+                self._thread.join(_STOP_WAIT)
+            raise
         #: the loading thread's native id (for binding it to cores, _threads)
         self.thread_id = self._thread.native_id
 
@@ -475,7 +482,9 @@ class Prefetcher(Loader):
             self._free.put(None)
         if kind == 'error':
             self._exhausted = True
-            raise payload
+            with self._lock:   # the thread stopped: the iterator is where the error left it
+                self._pending.clear()   # (past a batch its dataset or converter failed on,
+            raise payload               # as StandardUpdater's update leaves it)
         with self._lock:
             self._pending.popleft()
         if kind == 'end':

@@ -23,6 +23,7 @@ import chainer
 from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
                                prepare_spectral_norms, set_persistent)
+from ._checkpoint import capture_state, set_back
 from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -83,9 +84,16 @@ def start(s: Settings) -> Started:
     master_device = s.devices[0]
     depth, gated, trial = loader_plan(s)
     own_index = 0 if s.communicator is None else s.communicator.rank
-    loader = make_loader(s.iterator, s.converter, master_device, depth, gated, trial=trial,
-                         load_here=reads_in_caller_safely(s.iterator),
-                         keep_examples=splits(chunking(s, own_index)))
+    # A start that fails or is interrupted (Ctrl-C while the workers start) leaves the
+    # main iterator where it was: the next start (an update called again) reads from there.
+    before = capture_state(s.iterator)
+    try:
+        loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
+                             trial=trial, load_here=reads_in_caller_safely(s.iterator),
+                             keep_examples=splits(chunking(s, own_index)))
+    except BaseException:
+        set_back(s.iterator, before)
+        raise
     lazy = False
     try:
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
@@ -120,7 +128,9 @@ def start(s: Settings) -> Started:
                           before_read=group.settle,
                           initialised_before=s.pipelined)
     except BaseException:
+        used = loader.state()
         loader.close()
+        set_back(s.iterator, used)
         raise
     return Started(loader, replica, group, nominal)
 

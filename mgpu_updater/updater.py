@@ -15,8 +15,8 @@ from chainer.dataset import convert
 from chainer.training.updaters import StandardUpdater
 
 from . import _chainer_private as chainer_private
-from . import (_checkpoint, _host_memory, _inherit, _late_check, _loss_binding, _positions,
-               _startup, _step, _threads, _validate)
+from . import (_checkpoint, _host_memory, _inherit, _late_check, _limits, _loss_binding,
+               _positions, _startup, _step, _threads, _validate)
 from ._checkpoint import capture_state
 from ._flat_buffers import KeptPersistents, ModelIndex, unique_params
 from ._groups import ClosedGroup, Group, SoloGroup
@@ -408,21 +408,28 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self.bind_cores, len(self._devices), on_cpu=on_cpu)
         reuse = _host_memory.decide(self.reuse_host_memory)
         _host_memory.reuse_freed_memory(reuse)
-        started = _startup.start(_startup.Settings(
-            model=self.get_optimizer('main').target, loss_func=self.loss_func,
-            bound_loss=self._bound_loss, converter=self.converter,
-            iterator=self.get_iterator('main'), worker_iterators=self._worker_iterators,
-            devices=self._devices, device_labels=self.device_labels,
-            communicator=self._communicator, prefetch=self.prefetch,
-            accumulate_steps=self.accumulate_steps, pipelined=self.pipelined,
-            start_method=self.start_method, start_timeout=self.start_timeout,
-            nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
-            replica_reduction=self.replica_reduction, micro_batch_size=self.micro_batch_size,
-            micro_batch_sizes=list(self._chunk_limits), blas_threads=threads,
-            reuse_host_memory=reuse, read_values=self._loss_first,
-            stall_warning=self.stall_warning, update_timeout=self.update_timeout,
-            core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
-            optimizer=self.get_optimizer('main'), detached=self._detached))
+        try:
+            started = _startup.start(_startup.Settings(
+                model=self.get_optimizer('main').target, loss_func=self.loss_func,
+                bound_loss=self._bound_loss, converter=self.converter,
+                iterator=self.get_iterator('main'), worker_iterators=self._worker_iterators,
+                devices=self._devices, device_labels=self.device_labels,
+                communicator=self._communicator, prefetch=self.prefetch,
+                accumulate_steps=self.accumulate_steps, pipelined=self.pipelined,
+                start_method=self.start_method, start_timeout=self.start_timeout,
+                nominal_samples=self._nominal_samples, loss_reduction=self.loss_reduction,
+                replica_reduction=self.replica_reduction,
+                micro_batch_size=self.micro_batch_size,
+                micro_batch_sizes=list(self._chunk_limits), blas_threads=threads,
+                reuse_host_memory=reuse, read_values=self._loss_first,
+                stall_warning=self.stall_warning, update_timeout=self.update_timeout,
+                core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
+                optimizer=self.get_optimizer('main'), detached=self._detached))
+        except BaseException as exc:
+            better = _limits.explained(exc)   # a limit of the host: named, with its fix
+            if better is None:
+                raise
+            raise better from exc
         self._loader, self._replica, self._group, self._nominal_samples = started
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main
@@ -538,7 +545,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 self._ended = capture_state(self.get_iterator('main'))
             raise
         except BaseException as exc:
-            self._teardown(abort=True, by_interrupt=isinstance(exc, KeyboardInterrupt))
+            try:
+                self._teardown(abort=True, by_interrupt=isinstance(exc, KeyboardInterrupt))
+            except Exception as late:  # noqa: BLE001 - the update's error is the one raised
+                # (copying the parameters off shared memory runs out of the memory the
+                # update ran out of): said with it, not in its place
+                exc.add_note(f'Then, while the replicas were stopped: '
+                             f'{type(late).__name__}: {late}')
             raise
 
     def _new_pass_if_reset(self) -> None:
@@ -548,7 +561,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         iterators are copies in their processes: each is brought back here as it ended,
         reset, and sent again with the replicas' restart (as a snapshot's load does)."""
         main = self.get_iterator('main')
-        if _same_state(capture_state(main), self._ended):
+        if _checkpoint.same_state(capture_state(main), self._ended):
             return   # still at its end: StopIteration again
         self._ended = None
         self._teardown(abort=False)   # the workers' iterators as they ended, kept
@@ -1040,10 +1053,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         # would be): a snapshot taken now, or another updater built on them, reads them.
         # (The one the replica read, where another was put in updater._iterators since.)
         main = self._main_read()
-        if used is not None and not _same_state(capture_state(main), used):
-            # numpy's global generator drew for others since (the model): left as it is
-            _checkpoint.restore_state(
-                main, used, generator=not _checkpoint.shuffles_with_numpys_global(main))
+        if used is not None:
+            _checkpoint.set_back(main, used)
         if states is not None:
             _checkpoint.keep_positions(main, self._worker_iterators, states)
             _positions.put_back(self._worker_iterators)
@@ -1099,11 +1110,6 @@ _TIME_KEYS = {key: UPDATER_KEYS + '/time/' + key
               for key in ('data', 'compute', 'comm', 'update')}
 #: seconds finalize() waits for the workers' iterator positions before it stops them
 _STATES_AT_END_TIMEOUT = 5.0
-
-
-def _same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    """Whether two states :func:`capture_state` gave back are equal."""
-    return a.keys() == b.keys() and all(numpy.array_equal(a[k], b[k]) for k in a)
 
 
 def _release(owner: int, group: Group, loader: Optional[Loader],

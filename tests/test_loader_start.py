@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import chainer
 from chainer.iterators import MultiprocessIterator, SerialIterator
@@ -129,3 +130,103 @@ class _Deserializer(chainer.serializer.Deserializer):
 
     def __call__(self, key, value):
         return self.target[self.path + key.lstrip('/')]
+
+
+def _alive_loaders():
+    return [t for t in threading.enumerate() if t.name == 'mgpu-prefetch' and t.is_alive()]
+
+
+@pytest.mark.parametrize('prefetch', [2, 'auto'])
+def test_a_start_interrupted_leaves_the_main_iterator_where_it_was(prefetch, monkeypatch):
+    """Ctrl-C while the workers start (seconds of spawning), then an update again, as a
+    notebook's ``trainer.run()`` again: the loader had read ahead of the master's first
+    batch, which was never trained (prefetch=2: three batches lost)."""
+    from mgpu_updater._local import group
+    model = classifier()
+    its = [SerialIterator(dataset(16, seed=r), 2, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, prefetch=prefetch)
+    pickled = group._pickled
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(group, '_pickled', interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            updater.update()
+        assert its[0].current_position == 0 and its[0].epoch == 0
+        monkeypatch.setattr(group, '_pickled', pickled)
+        updater.update()
+    finally:
+        updater.finalize()
+    assert its[0].current_position == 2   # (as of the last batch used, after finalize)
+
+
+def test_a_ctrl_c_as_the_loader_thread_starts_leaves_no_thread(monkeypatch):
+    """The thread ran on, holding the main iterator and reading it beside the next
+    loader (batches skipped), for the life of the process: nobody held its loader."""
+    model = classifier()
+    it = SerialIterator(dataset(32, seed=1), 2, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2)
+    start = threading.Thread.start
+    armed = [True]
+
+    def interrupted_start(self):
+        start(self)
+        if armed[0] and self.name == 'mgpu-prefetch':
+            armed[0] = False
+            raise KeyboardInterrupt   # a SIGINT in start()'s wait for the thread
+    monkeypatch.setattr(threading.Thread, 'start', interrupted_start)
+    before = _alive_loaders()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            updater.update()
+        assert [t for t in _alive_loaders() if t not in before] == []
+        assert it.current_position == 0
+        updater.update()
+    finally:
+        updater.finalize()
+    assert it.current_position == 2
+
+
+class _FailsAt(chainer.dataset.DatasetMixin):
+    def __init__(self, base, at):
+        self.base, self.at = base, at
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        if i == self.at:
+            raise ValueError(f'sample {i} is corrupt')
+        return self.base[i]
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_an_update_again_after_a_dataset_error_goes_on_past_the_batch_as_standard_updater(
+        prefetch):
+    """SerialIterator moves before it reads the dataset: StandardUpdater's next update
+    trains the batch after the one that failed. Loading ahead, the loader's state put the
+    iterator back before it, so every retry raised the same error."""
+    data = _FailsAt(dataset(32, seed=1), at=9)
+    positions = []
+    for make in ('standard', 'ours'):
+        model = classifier()
+        it = SerialIterator(data, 2, shuffle=False)
+        if make == 'standard':
+            updater = chainer.training.updaters.StandardUpdater(
+                it, setup_optimizer('sgd', model), loss_func=model)
+        else:
+            updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                                  devices=['@numpy'], prefetch=prefetch)
+        try:
+            for _ in range(4):
+                updater.update()
+            with pytest.raises(ValueError, match='sample 9 is corrupt'):
+                updater.update()
+            updater.update()
+        finally:
+            updater.finalize()
+        positions.append(it.current_position)   # (as of the last batch used)
+    assert positions[1] == positions[0] == 12
