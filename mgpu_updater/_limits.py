@@ -42,11 +42,13 @@ def _cwd_gone() -> bool:
     return False
 
 
-def explained(exc: BaseException) -> Optional[BaseException]:
+def explained(exc: BaseException, workers: int = 1) -> Optional[BaseException]:
     """An error of ``exc``'s type that says which limit of this host ``exc`` came from,
-    or None where it came from none (then ``exc`` stands as it is)."""
+    or None where it came from none (then ``exc`` stands as it is). ``workers``: how many
+    worker processes the start makes (none: the loader's thread is all it starts)."""
     start = 'the replicas could not start: '
     code = getattr(exc, 'errno', None)
+    fewer = 'use fewer replicas' if workers else 'pass prefetch=0 (no loading thread)'
     if isinstance(exc, OSError) and code in (errno.EMFILE, errno.ENFILE):
         files = _soft('RLIMIT_NOFILE')
         return OSError(code, (
@@ -54,8 +56,8 @@ def explained(exc: BaseException) -> Optional[BaseException]:
             'fifteen file descriptors of the master (the pipes of its messages and its '
             'output, shared memory, its process handles; a MultiprocessIterator more), and '
             f'this process may have {files if files is not None else "few"} (ulimit -n). '
-            'Raise the limit (ulimit -n 4096 in the shell that starts the script), or use '
-            'fewer replicas'))
+            'Raise the limit (ulimit -n 4096 in the shell that starts the script), or '
+            f'{fewer}'), exc.filename)
     if (isinstance(exc, BlockingIOError) and code == errno.EAGAIN) or (
             type(exc) is RuntimeError and "can't start new thread" in str(exc)):
         tasks = _soft('RLIMIT_NPROC')
@@ -63,7 +65,7 @@ def explained(exc: BaseException) -> Optional[BaseException]:
                 'process with a few threads of its own, and a MultiprocessIterator makes '
                 'more; the limit on the processes and threads of this user '
                 f'({"ulimit -u " + str(tasks) if tasks is not None else "ulimit -u"}) or a '
-                "container's pids limit is reached. Raise it, or use fewer replicas")
+                f"container's pids limit is reached. Raise it, or {fewer}")
         return (BlockingIOError(code, text) if isinstance(exc, BlockingIOError)
                 else RuntimeError(text))
     memory = _soft('RLIMIT_AS')
@@ -74,17 +76,18 @@ def explained(exc: BaseException) -> Optional[BaseException]:
                 'of the model more while it pickles each worker its own, and every process '
                 'maps the shared memory of the replicas (docs/memory.md): about twice '
                 "StandardUpdater's address space. Raise the limit (ulimit -v unlimited), "
-                'or use fewer replicas')
-        return OSError(code, text) if isinstance(exc, OSError) else MemoryError(text)
+                f'or {fewer}')
+        return (OSError(code, text, exc.filename) if isinstance(exc, OSError)
+                else MemoryError(text))
     if isinstance(exc, OSError) and code == errno.EFBIG:
         size = _soft('RLIMIT_FSIZE')
         return OSError(code, (
             f'{start}a file-size limit ({exc.strerror}: ulimit -f, '
             f'{"%d bytes" % size if size is not None else "set"}) caps the shared-memory '
             'segments in /dev/shm that the replicas meet in too, which hold as many bytes '
-            'as the parameters. Raise it (ulimit -f unlimited)'))
-    if isinstance(exc, FileNotFoundError) and _cwd_gone():
-        return FileNotFoundError(code, (
+            'as the parameters. Raise it (ulimit -f unlimited)'), exc.filename)
+    if isinstance(exc, FileNotFoundError) and exc.filename is None and _cwd_gone():
+        return FileNotFoundError(code or errno.ENOENT, (
             f'{start}the current directory was removed, and worker processes start in it '
             "(multiprocessing's spawn). Change to a directory that exists before the "
             'first update (os.chdir)'))

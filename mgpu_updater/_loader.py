@@ -52,6 +52,7 @@ from ._functions import cell_is_set, global_names
 from ._cuda import Staged   # imports no CuPy
 from ._gil_handoff import handoff_for
 from ._inherit import apply_thread_settings, thread_settings
+from ._interrupts import ctrl_c_held
 
 _STOP_WAIT = 5.0   # seconds finalize waits for the thread to notice
 AUTO_DEPTH = 2     # the micro-batches loaded ahead under prefetch='auto'
@@ -227,7 +228,7 @@ class Prefetcher(Loader):
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
                  gated: bool = False, load_here: bool = True, trial: Any = None,
-                 keep_examples: bool = False) -> None:
+                 keep_examples: bool = False, made: Optional[List[Loader]] = None) -> None:
         super().__init__(iterator, converter, device, keep_examples)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
@@ -287,16 +288,21 @@ class Prefetcher(Loader):
         self._settings = thread_settings()
         self._reading = True   # the thread converts the first batch first
         self._thread = threading.Thread(target=self._run, name='mgpu-prefetch', daemon=True)
-        try:
-            self._thread.start()
-        except BaseException:   # a Ctrl-C inside start(), the thread running or not:
-            self._stop.set()    # it stops as after close() (nobody holds this loader)
-            self.release()
-            if self._thread.ident is not None:
-                self._thread.join(_STOP_WAIT)
-            raise
-        #: the loading thread's native id (for binding it to cores, _threads)
-        self.thread_id = self._thread.native_id
+        # The thread started and this loader in ``made`` (the caller's, who closes it), or
+        # neither: a Ctrl-C in between left the thread reading the iterator for good.
+        with ctrl_c_held():
+            try:
+                self._thread.start()
+            except BaseException:   # the thread running or not: it stops as after close()
+                self._stop.set()
+                self.release()
+                if self._thread.ident is not None:
+                    self._thread.join(_STOP_WAIT)
+                raise
+            #: the loading thread's native id (for binding it to cores, _threads)
+            self.thread_id = self._thread.native_id
+            if made is not None:
+                made.append(self)
 
     def _run(self) -> None:
         stager = None
@@ -828,9 +834,13 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
                 gated: bool = False, load_here: bool = True, trial: bool = False,
-                keep_examples: bool = False) -> Loader:
+                keep_examples: bool = False, made: Optional[List[Loader]] = None) -> Loader:
+    """The loader of ``depth`` (0: inline); one with a thread of its own is put in
+    ``made`` as soon as that thread runs, for the caller to close should it be
+    interrupted before it holds the loader."""
     if depth <= 0:
         return Loader(iterator, converter, device, keep_examples)
     from ._load_trial import LoadTrial
     return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here,
-                      trial=LoadTrial() if trial else None, keep_examples=keep_examples)
+                      trial=LoadTrial() if trial else None, keep_examples=keep_examples,
+                      made=made)

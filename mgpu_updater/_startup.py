@@ -87,15 +87,14 @@ def start(s: Settings) -> Started:
     # A start that fails or is interrupted (Ctrl-C while the workers start) leaves the
     # main iterator where it was: the next start (an update called again) reads from there.
     before = capture_state(s.iterator)
+    made: List[Loader] = []   # a loader with a thread, as soon as it runs
+    loader: Optional[Loader] = None
+    group: Optional[Group] = None
+    lazy = False
     try:
         loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
                              trial=trial, load_here=reads_in_caller_safely(s.iterator),
-                             keep_examples=splits(chunking(s, own_index)))
-    except BaseException:
-        set_back(s.iterator, before)
-        raise
-    lazy = False
-    try:
+                             keep_examples=splits(chunking(s, own_index)), made=made)
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
@@ -107,7 +106,7 @@ def start(s: Settings) -> Started:
             # the pass, which draws it in the forward's order where it calls the link)
             prepare_spectral_norms(s.model)
         nominal = s.nominal_samples
-        group: Group = SoloGroup(s.model)
+        group = SoloGroup(s.model)
         if s.communicator is not None:
             from ._multihost import MpiGroup   # imports mpi4py
             group = MpiGroup(s.communicator, s.model, nominal, settings={
@@ -127,12 +126,17 @@ def start(s: Settings) -> Started:
                           one_of_many=len(s.devices) > 1 or s.communicator is not None,
                           before_read=group.settle,
                           initialised_before=s.pipelined)
+        return Started(loader, replica, group, nominal)
     except BaseException:
-        used = loader.state()
-        loader.close()
-        set_back(s.iterator, used)
+        for thread_loader in made:
+            before = thread_loader.state()   # as of the batches it handed out
+            thread_loader.close()
+        if loader is not None and not made:
+            loader.close()
+        set_back(s.iterator, before)
+        if group is not None:   # its workers started: stopped, their memory released
+            group.close(abort=True)
         raise
-    return Started(loader, replica, group, nominal)
 
 
 def scaling(s: Settings, iterator: Any, nominal_samples: float) -> Scaling:

@@ -426,7 +426,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 core_shares=shares, restarts=self._restart_log, nonfinite=self.nonfinite,
                 optimizer=self.get_optimizer('main'), detached=self._detached))
         except BaseException as exc:
-            better = _limits.explained(exc)   # a limit of the host: named, with its fix
+            # a limit of the host: named, with its fix
+            better = _limits.explained(exc, workers=len(self._worker_iterators))
             if better is None:
                 raise
             raise better from exc

@@ -9,6 +9,7 @@ master and in every worker; no later read may start the pool again.
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -22,6 +23,7 @@ from mgpu_updater._checkpoint import load_state
 from mgpu_updater._loader import make_loader
 
 from _models import classifier, dataset, params, setup_optimizer
+from _processes import children
 
 
 class RecordingIterator(SerialIterator):
@@ -132,6 +134,19 @@ class _Deserializer(chainer.serializer.Deserializer):
         return self.target[self.path + key.lstrip('/')]
 
 
+def _workers():
+    """This process's children but multiprocessing's resource tracker."""
+    out = []
+    for pid in children(os.getpid()):
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if b'resource_tracker' not in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def _alive_loaders():
     return [t for t in threading.enumerate() if t.name == 'mgpu-prefetch' and t.is_alive()]
 
@@ -230,3 +245,33 @@ def test_an_update_again_after_a_dataset_error_goes_on_past_the_batch_as_standar
             updater.finalize()
         positions.append(it.current_position)   # (as of the last batch used)
     assert positions[1] == positions[0] == 12
+
+
+@pytest.mark.parametrize('devices', [1, 2])
+def test_a_ctrl_c_as_the_start_returns_leaves_no_thread_and_no_batch_read(devices,
+                                                                          monkeypatch):
+    """The start's last step, outside what it cleaned up after: the loader thread ran on
+    (three batches skipped), and with workers these ran on too."""
+    from mgpu_updater import _startup
+    model = classifier()
+    its = [SerialIterator(dataset(16, seed=r), 2, shuffle=False) for r in range(devices)]
+    updater = ParallelAccumulatingUpdater(its if devices > 1 else its[0],
+                                          setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * devices, prefetch=2)
+    started = _startup.Started
+
+    def interrupted(*args):
+        monkeypatch.setattr(_startup, 'Started', started)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_startup, 'Started', interrupted)
+    before = _alive_loaders()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            updater.update()
+        assert [t for t in _alive_loaders() if t not in before] == []
+        assert its[0].current_position == 0
+        assert _workers() == []   # the workers it started are stopped
+        updater.update()
+    finally:
+        updater.finalize()
+    assert its[0].current_position == 2

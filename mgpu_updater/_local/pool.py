@@ -42,6 +42,7 @@ from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Se
 from .protocol import Encoder, Failed, Hello, Ready, Step, Stop
 from .output import Relay, started as output_started
 from .stall import StackFiles, StallWatch
+from .._interrupts import ctrl_c_held
 from ..errors import WorkerError
 
 ASK_TIMEOUT = 3.0        # seconds a worker gets to exit after Stop()
@@ -133,22 +134,12 @@ def _sigint_held(spawning: bool) -> Iterator[None]:
     if not spawning:
         yield
         return
-    caught: List[Any] = []
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
-        if caught:
-            if callable(previous):
-                previous(signal.SIGINT, caught[0])   # Python's own raises KeyboardInterrupt
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
+    with ctrl_c_held():
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class WorkerPool:
