@@ -130,20 +130,27 @@ class TiedEmbedding(chainer.Chain):
         return F.linear(h, self.embed.W)
 
 
-class StopsAt(chainer.dataset.DatasetMixin):
-    """A dataset whose example ``at`` raises StopIteration (a bug in user code: an
-    iterator over it that repeats must not take that as the end of its data)."""
+class RaisesAt(chainer.dataset.DatasetMixin):
+    """A dataset whose example ``at`` raises ``error`` (a corrupt sample)."""
 
-    def __init__(self, base, at):
-        self.base, self.at = base, at
+    def __init__(self, base, at, error):
+        self.base, self.at, self.error = base, at, error
 
     def __len__(self):
         return len(self.base)
 
     def get_example(self, i):
         if i == self.at:
-            raise StopIteration('planted')
+            raise self.error
         return self.base[i]
+
+
+class StopsAt(RaisesAt):
+    """A dataset whose example ``at`` raises StopIteration (a bug in user code: an
+    iterator over it that repeats must not take that as the end of its data)."""
+
+    def __init__(self, base, at):
+        super().__init__(base, at, StopIteration('planted'))
 
 
 class GrowsInForward(chainer.Chain):

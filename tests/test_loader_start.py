@@ -22,7 +22,7 @@ from mgpu_updater import ParallelAccumulatingUpdater
 from mgpu_updater._checkpoint import load_state
 from mgpu_updater._loader import make_loader
 
-from _models import classifier, dataset, params, setup_optimizer
+from _models import RaisesAt, classifier, dataset, params, setup_optimizer
 from _processes import children
 
 
@@ -205,26 +205,13 @@ def test_a_ctrl_c_as_the_loader_thread_starts_leaves_no_thread(monkeypatch):
     assert it.current_position == 2
 
 
-class _FailsAt(chainer.dataset.DatasetMixin):
-    def __init__(self, base, at):
-        self.base, self.at = base, at
-
-    def __len__(self):
-        return len(self.base)
-
-    def get_example(self, i):
-        if i == self.at:
-            raise ValueError(f'sample {i} is corrupt')
-        return self.base[i]
-
-
 @pytest.mark.parametrize('prefetch', [0, 2])
 def test_an_update_again_after_a_dataset_error_goes_on_past_the_batch_as_standard_updater(
         prefetch):
     """SerialIterator moves before it reads the dataset: StandardUpdater's next update
     trains the batch after the one that failed. Loading ahead, the loader's state put the
     iterator back before it, so every retry raised the same error."""
-    data = _FailsAt(dataset(32, seed=1), at=9)
+    data = RaisesAt(dataset(32, seed=1), 9, ValueError('sample 9 is corrupt'))
     positions = []
     for make in ('standard', 'ours'):
         model = classifier()

@@ -41,6 +41,11 @@ def _updater(model, n, **kwargs):
                                             devices=['@numpy'] * n, **kwargs)
 
 
+def _assert_same_weights(one, other):
+    for name, value in one.items():
+        np.testing.assert_array_equal(other[name], value)
+
+
 def _replace_weight(model):
     with model.predictor.l1.init_scope():
         model.predictor.l1.W = chainer.Parameter(np.full((16, 5), 0.05, np.float32))
@@ -250,8 +255,7 @@ def test_iteration_set_between_pipelined_updates_leaves_the_training_alone(to):
         finally:
             updater.finalize()
         ends.append(params(model))
-    for name, value in ends[0].items():
-        np.testing.assert_array_equal(ends[1][name], value)
+    _assert_same_weights(*ends)
 
 
 def test_another_main_iterator_refused_at_a_restart_keeps_the_pipelined_step_in_flight():
@@ -276,8 +280,7 @@ def test_another_main_iterator_refused_at_a_restart_keeps_the_pipelined_step_in_
         finally:
             updater.finalize()
         ends.append(params(model))
-    for name, value in ends[0].items():
-        np.testing.assert_array_equal(ends[1][name], value)
+    _assert_same_weights(*ends)
 
 
 def test_the_end_of_the_data_met_again_leaves_the_pipelined_step_in_flight():
@@ -302,8 +305,7 @@ def test_the_end_of_the_data_met_again_leaves_the_pipelined_step_in_flight():
         finally:
             updater.finalize()
         ends.append(params(model))
-    for name, value in ends[0].items():
-        np.testing.assert_array_equal(ends[1][name], value)
+    _assert_same_weights(*ends)
 
 
 def test_a_persistent_the_forward_grows_at_a_later_update_raises_naming_it():
