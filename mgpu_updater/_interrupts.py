@@ -21,6 +21,9 @@ def ctrl_c_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if signal.getsignal(signal.SIGINT) is None:   # not set from Python: not restorable
+        yield
+        return
     caught: List[Any] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
     try:

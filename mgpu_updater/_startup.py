@@ -128,14 +128,20 @@ def start(s: Settings) -> Started:
                           initialised_before=s.pipelined)
         return Started(loader, replica, group, nominal)
     except BaseException:
-        for thread_loader in made:
-            before = thread_loader.state()   # as of the batches it handed out
-            thread_loader.close()
-        if loader is not None and not made:
-            loader.close()
-        set_back(s.iterator, before)
-        if group is not None:   # its workers started: stopped, their memory released
-            group.close(abort=True)
+        # each step whatever the one before raised (a second Ctrl-C in a loader's bounded
+        # wait for its thread skipped the set-back and the workers' stop)
+        try:
+            try:
+                for thread_loader in made:
+                    before = thread_loader.state()   # as of the batches it handed out
+                    thread_loader.close()
+                if loader is not None and not made:
+                    loader.close()
+            finally:
+                set_back(s.iterator, before)
+        finally:
+            if group is not None:   # its workers started: stopped, their memory released
+                group.close(abort=True)
         raise
 
 

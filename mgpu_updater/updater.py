@@ -1045,11 +1045,12 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             binding = getattr(self, '_binding', None)
             if binding is not None:
                 binding.restore()
-            if self._loader is not None:
-                self._loader.close()
-            self._loader = None
-            self._replica = None
+            # forgotten first: a second Ctrl-C in the loader's bounded wait for its
+            # thread left it recorded, closed, and every later update raised
+            loader, self._loader, self._replica = self._loader, None, None
             self._finalized = True
+            if loader is not None:
+                loader.close()
         # Every iterator the master holds where its replica was (what StandardUpdater's
         # would be): a snapshot taken now, or another updater built on them, reads them.
         # (The one the replica read, where another was put in updater._iterators since.)

@@ -262,3 +262,63 @@ def test_a_ctrl_c_as_the_start_returns_leaves_no_thread_and_no_batch_read(device
     finally:
         updater.finalize()
     assert its[0].current_position == 2
+
+
+def test_a_second_ctrl_c_in_the_starts_cleanup_still_sets_back_and_stops(monkeypatch):
+    """The cleanup of a start that failed waits up to seconds for the loader's thread; a
+    second Ctrl-C there skipped setting the iterator back and stopping the workers."""
+    from mgpu_updater import _loader, _startup
+    model = classifier()
+    its = [SerialIterator(dataset(16, seed=r), 2, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, prefetch=2)
+    started, close = _startup.Started, _loader.Prefetcher.close
+
+    def interrupted(*args):
+        monkeypatch.setattr(_startup, 'Started', started)
+        raise KeyboardInterrupt
+
+    def close_interrupted(self):
+        close(self)
+        raise KeyboardInterrupt   # the second Ctrl-C, in the bounded wait
+    monkeypatch.setattr(_startup, 'Started', interrupted)
+    monkeypatch.setattr(_loader.Prefetcher, 'close', close_interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            updater.update()
+        assert its[0].current_position == 0
+        assert _workers() == []
+        monkeypatch.setattr(_loader.Prefetcher, 'close', close)
+        updater.update()
+    finally:
+        updater.finalize()
+    assert its[0].current_position == 2
+
+
+def test_a_second_ctrl_c_as_the_loader_closes_after_a_failed_update_leaves_it_usable(
+        monkeypatch):
+    """The teardown after a failed update: a second Ctrl-C in the loader's wait left the
+    closed loader recorded, and every later update raised 'this loader was closed'."""
+    from mgpu_updater import _loader
+    model = classifier()
+    it = SerialIterator(dataset(32, seed=1), 2, shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2)
+    close = _loader.Prefetcher.close
+
+    def close_interrupted(self):
+        close(self)
+        raise KeyboardInterrupt
+    try:
+        updater.update()
+        monkeypatch.setattr(_loader.Prefetcher, 'close', close_interrupted)
+        monkeypatch.setattr(model, 'forward', lambda *a: (_ for _ in ()).throw(
+            KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            updater.update()
+        monkeypatch.undo()
+        updater.update()
+        assert updater.iteration == 2
+    finally:
+        monkeypatch.undo()
+        updater.finalize()

@@ -594,16 +594,18 @@ class WorkerPool:
         fine."""
         if self._closed:
             return
-        self._closed = True
-        _live.discard(self)
-        for rank, conn in self._conns.items():
-            try:
-                conn.send(Stop())
-            except Exception:  # noqa: BLE001 - dead already; reaped below
-                pass
         ranks = self.ranks
         interrupted: Optional[BaseException] = None
         try:
+            # marked closed inside: a Ctrl-C before the waits below (which kill on one)
+            # left the workers running with nothing to stop them, and the exit waited
+            self._closed = True
+            _live.discard(self)
+            for rank, conn in self._conns.items():
+                try:
+                    conn.send(Stop())
+                except Exception:  # noqa: BLE001 - dead already; reaped below
+                    pass
             for step, wait in (('ask', ASK_TIMEOUT), ('kill', KILL_TIMEOUT)):
                 if step != 'ask':
                     for r in ranks:
