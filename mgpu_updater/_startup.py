@@ -86,7 +86,8 @@ def start(s: Settings) -> Started:
     own_index = 0 if s.communicator is None else s.communicator.rank
     # A start that fails or is interrupted (Ctrl-C while the workers start) leaves the
     # main iterator where it was: the next start (an update called again) reads from there.
-    before = capture_state(s.iterator)
+    # (Only a loader with a thread reads at once, and captures states anyway.)
+    before = capture_state(s.iterator) if depth > 0 else None
     made: List[Loader] = []   # a loader with a thread, as soon as it runs
     loader: Optional[Loader] = None
     group: Optional[Group] = None
@@ -138,7 +139,8 @@ def start(s: Settings) -> Started:
                 if loader is not None and not made:
                     loader.close()
             finally:
-                set_back(s.iterator, before)
+                if before is not None:
+                    set_back(s.iterator, before)
         finally:
             if group is not None:   # its workers started: stopped, their memory released
                 group.close(abort=True)
