@@ -1088,8 +1088,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._teardown(abort=False)
         finally:
             # (as StandardUpdater's: also one the script put in updater._iterators since)
-            main = [self._main_read()] + [self.get_iterator('main')]
-            for it in main[:1 + (main[1] is not main[0])] + self._worker_iterators:
+            read, now = self._main_read(), self.get_iterator('main')
+            for it in [read] + ([now] if now is not read else []) + self._worker_iterators:
                 try:
                     it.finalize()
                 except Exception:  # noqa: BLE001 - finalize must not fail half-way
