@@ -129,3 +129,47 @@ def test_an_update_that_failed_is_raised_though_stopping_the_replicas_failed_too
     finally:
         monkeypatch.undo()
         updater.finalize()
+
+
+class _NoDescriptorLeft:
+    """Every file descriptor this process may have taken (the soft ``ulimit -n`` lowered
+    to a few above those open, the rest filled with /dev/null), for a block."""
+
+    def __enter__(self):
+        import resource
+        self._resource = resource
+        self._limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+        top = max(int(fd) for fd in os.listdir('/proc/self/fd'))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (top + 4, self._limits[1]))
+        self._fillers = []
+        try:
+            while True:
+                self._fillers.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE, exc
+        return self
+
+    def __exit__(self, *exc_info):
+        for fd in self._fillers:
+            os.close(fd)
+        self._resource.setrlimit(self._resource.RLIMIT_NOFILE, self._limits)
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/fd'), reason='no /proc/self/fd to count')
+def test_the_stack_folder_goes_though_no_file_descriptor_is_left(tmp_path, monkeypatch):
+    """A start that failed for want of descriptors (``ulimit -n``) left its stall watch's
+    folder in the temporary directory: removing it needs a descriptor to list it, and a
+    pool whose output relay could not be made never closed it."""
+    from mgpu_updater._local.pool import WorkerPool
+    from mgpu_updater._local.stall import StackFiles
+    monkeypatch.setattr('tempfile.tempdir', str(tmp_path))
+    stacks = StackFiles()
+    for rank in (1, 2):
+        with open(stacks.path(rank), 'w') as f:
+            f.write('a stack\n')
+    with _NoDescriptorLeft():
+        stacks.close()
+        with pytest.raises(OSError) as info:
+            WorkerPool(['@numpy'] * 2, 'fork')
+    assert info.value.errno == errno.EMFILE, info.value
+    assert os.listdir(tmp_path) == []

@@ -113,7 +113,11 @@ class Relay:
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._open: Dict[int, _Pipe] = {}
-        self._wake_r, self._wake_w = os.pipe()
+        try:
+            self._wake_r, self._wake_w = os.pipe()
+        except BaseException:   # (no file descriptor left: ulimit -n)
+            self._selector.close()
+            raise
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._thread: Optional[threading.Thread] = None
         self._stop = False

@@ -164,7 +164,11 @@ class WorkerPool:
         self._encoder = Encoder()             # the messages sent, as bytes
         self._closed = False
         self._stacks = StackFiles()
-        self._output = Relay()                # what the workers print and log, written here
+        try:
+            self._output = Relay()            # what the workers print and log, written here
+        except BaseException:   # (no file descriptor left: ulimit -n)
+            self._stacks.close()
+            raise
         self.replaced_ready: Dict[int, Any] = {}   # (:meth:`replace`)
         self.stall = StallWatch(stall_warning, update_timeout, self._stacks,
                                 pid_of=lambda r: self._procs[r].pid,

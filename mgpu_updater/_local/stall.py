@@ -30,7 +30,7 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Any, Callable, Collection, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional, Set
 
 from ..errors import StallWarning, WorkerError
 from .._warning import warn
@@ -47,8 +47,10 @@ class StackFiles:
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix='mgpu-stacks-')
+        self._ranks: Set[int] = set()   # whose path was handed out
 
     def path(self, rank: int) -> str:
+        self._ranks.add(rank)
         return os.path.join(self.folder, f'replica{rank}.txt')
 
     def dump(self, rank: int, pid: int) -> str:
@@ -80,7 +82,20 @@ class StackFiles:
                         f'process state {state!r})')
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        """Remove the folder. The files are unlinked by name first: a start that failed
+        for want of file descriptors (``ulimit -n``) gets here with none free, and
+        ``shutil.rmtree`` needs one to list the folder (it left the folder behind)."""
+        for rank in self._ranks:
+            try:
+                os.unlink(os.path.join(self.folder, f'replica{rank}.txt'))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.folder)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _size(path: str) -> int:
