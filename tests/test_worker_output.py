@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -41,6 +42,13 @@ class Talks(chainer.Chain):
         return F.softmax_cross_entropy(self.l(x), t)
 
 
+def _lines(text, line):
+    """How often ``line`` was written, ended by its newline or not: the master's own print
+    (two writes: the text, then its end) and the relay's write of a worker's text may
+    come one between the other's two, as two threads' prints do."""
+    return len(re.findall(re.escape(line) + r'(?!\d)', text))
+
+
 def _train(updates=2, start_method='spawn', after_first=lambda: None):
     model = Talks()
     optimizer = chainer.optimizers.SGD()
@@ -65,9 +73,9 @@ def test_a_workers_prints_go_to_the_scripts_stdout_and_stderr_as_it_set_them(sta
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         worker = _train(start_method=start_method)
-    assert out.getvalue().count(f'out {worker}\n') == 2, out.getvalue()
-    assert err.getvalue().count(f'err {worker}\n') == 2, err.getvalue()
-    assert out.getvalue().count(f'out {os.getpid()}\n') == 2
+    assert _lines(out.getvalue(), f'out {worker}') == 2, out.getvalue()
+    assert _lines(err.getvalue(), f'err {worker}') == 2, err.getvalue()
+    assert _lines(out.getvalue(), f'out {os.getpid()}') == 2
 
 
 class _Kept(logging.Handler):
@@ -115,7 +123,7 @@ def test_a_stdout_without_flush_gets_each_line_once(capfd):
         got = sys.stdout.text
     finally:
         sys.stdout = saved
-    assert got.count(f'out {worker}\n') == 2, got
+    assert _lines(got, f'out {worker}') == 2, got
     assert f'out {worker}' not in capfd.readouterr().out
 
 
@@ -229,7 +237,7 @@ def test_a_workers_text_reaches_a_stdout_of_another_encoding(tmp_path):
     """``PYTHONIOENCODING=latin-1``: the worker's lines arrive in it, a letter outside
     ASCII included (every line of the worker was lost)."""
     text, _, worker = _run_script(tmp_path, encoding='latin-1')
-    assert text.count(f'caf\u00e9 {worker}\n') == 3, text
+    assert _lines(text, f'caf\u00e9 {worker}') == 3, text
 
 
 class _Forks(logging.Handler):
@@ -280,3 +288,53 @@ def test_a_relay_whose_thread_cannot_start_leaves_no_pipe_and_closes(monkeypatch
     monkeypatch.undo()
     assert sorted(os.listdir('/proc/self/fd')) == before
     relay.close()
+
+
+def test_the_relay_writes_a_workers_text_by_whole_lines(monkeypatch):
+    """A print that comes through the pipe in two pieces (its text, then its end, as under
+    ``python -u``): written out as one line, so that another worker's line (or the
+    master's) cannot come between them ('out 12out 13' and two empty lines). Text without
+    a line's end still goes out, once nothing more comes, and at the relay's close."""
+    from mgpu_updater._local import output
+
+    class Writes:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+    got = Writes()
+    monkeypatch.setattr(sys, 'stdout', got)
+    relay = output.Relay()
+    try:
+        ends = [relay.ends(), relay.ends()]
+        fds = [end.stdout.fileno() for end in ends]
+        os.write(fds[0], b'out 12')
+        time.sleep(0.01)
+        os.write(fds[1], b'out 13\n')
+        time.sleep(0.01)
+        os.write(fds[0], b'\ncaf\xc3')   # a letter cut between two writes, and held
+        time.sleep(0.01)
+        os.write(fds[0], b'\xa9 12\n')
+        os.write(fds[1], b'3 of 4\r')
+        deadline = time.monotonic() + 10
+        while len(got.writes) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(got.writes[:2]) == ['out 12\n', 'out 13\n'], got.writes
+        assert got.writes[2:4] in (['caf\u00e9 12\n', '3 of 4\r'],
+                                   ['3 of 4\r', 'caf\u00e9 12\n']), got.writes
+        os.write(fds[0], b'a prompt: ')
+        deadline = time.monotonic() + 10
+        while len(got.writes) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got.writes[4:] == ['a prompt: '], got.writes
+        os.write(fds[1], b'the last, unended')
+    finally:
+        for end in ends:
+            output.started(end)   # the writers' ends closed: the relay reads them to EOF
+        for end in ends:
+            for conn in (end.stdout, end.stderr, end.records):
+                conn.close()
+        relay.close()
+    assert got.writes[5:] == ['the last, unended'], got.writes

@@ -39,6 +39,12 @@ from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
 _READ = 65536
 _HEADER = struct.Struct('<I')
 DRAIN_TIMEOUT = 1.0   # seconds close() waits for output still in the pipes
+# A worker's text is written out by whole lines, so that two workers' lines (or a worker's
+# line and the master's) do not cut into each other where a print comes through the pipe
+# in two reads (its text, then its end: ``python -u``, PYTHONUNBUFFERED); text without a
+# line's end (a prompt, a progress bar's ``\r`` line) goes out once nothing more came for
+# PARTIAL_WAIT seconds.
+PARTIAL_WAIT = 0.05
 
 # Held around each write the relay makes in the master (a stream's write and flush, a
 # record's handlers) and a worker's flush of its streams, and by a fork until it is done:
@@ -103,6 +109,7 @@ class _Pipe:
         self.kind = kind
         self.decoder = codecs.getincrementaldecoder(ENCODING)('replace')
         self.pending = b''   # records: the bytes of a record not whole yet
+        self.partial = ''    # stdout, stderr: text after the last line's end, held back
 
 
 class Relay:
@@ -184,7 +191,12 @@ class Relay:
     def _run(self) -> None:
         try:
             while not self._stop:
-                for key, _ in self._selector.select():
+                held = [p for p in list(self._open.values()) if p.partial]
+                events = self._selector.select(PARTIAL_WAIT if held else None)
+                if not events:   # nothing more came: what is held back goes out
+                    for pipe in held:
+                        _write_held(pipe)
+                for key, _ in events:
                     if self._stop:
                         break
                     if key.fd == self._wake_r:
@@ -200,6 +212,8 @@ class Relay:
                         with self._lock:
                             self._forget(pipe)
         finally:
+            for pipe in list(self._open.values()):   # stopped: what is held back goes out
+                _write_held(pipe)
             self._close_all()
 
     def _close_all(self) -> None:
@@ -256,7 +270,16 @@ def _deliver(pipe: _Pipe, data: bytes, final: bool = False) -> None:
             with _writing():
                 _handle_record(body)
         return
-    text = pipe.decoder.decode(data, final)
+    text = pipe.partial + pipe.decoder.decode(data, final)
+    end = len(text) if final else max(text.rfind('\n'), text.rfind('\r')) + 1
+    text, pipe.partial = text[:end], text[end:]
+    if text:
+        with _writing():
+            _write(pipe.kind, text)
+
+
+def _write_held(pipe: _Pipe) -> None:
+    text, pipe.partial = pipe.partial, ''
     if text:
         with _writing():
             _write(pipe.kind, text)
