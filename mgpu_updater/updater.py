@@ -560,8 +560,11 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         next pass of a loop that calls ``update()`` itself) starts a new pass on every
         replica, as ``reset()`` of ``StandardUpdater``'s one iterator does. The workers'
         iterators are copies in their processes: each is brought back here as it ended,
-        reset, and sent again with the replicas' restart (as a snapshot's load does)."""
-        main = self.get_iterator('main')
+        reset, and sent again with the replicas' restart (as a snapshot's load does).
+        While the replicas run, the iterator looked at is the one the master reads: another
+        put into ``updater._iterators`` (refused next) started a new pass on the workers,
+        and with the original put back, not reset, the workers trained on alone."""
+        main = self._main_read() if self._replica is not None else self.get_iterator('main')
         if _checkpoint.same_state(capture_state(main), self._ended):
             return   # still at its end: StopIteration again
         self._ended = None

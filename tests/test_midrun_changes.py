@@ -283,6 +283,39 @@ def test_another_main_iterator_refused_at_a_restart_keeps_the_pipelined_step_in_
     _assert_same_weights(*ends)
 
 
+def test_another_main_iterator_refused_at_the_end_of_the_data_starts_no_new_pass():
+    """At the end of the data (``repeat=False``) another iterator put into
+    ``updater._iterators['main']`` is refused; it started a new pass on the workers
+    first, so with the original put back, not reset, the updates went on with the
+    workers' shards alone (StandardUpdater raises StopIteration again)."""
+    model = classifier()
+    its = shard_iterators(dataset(6 * B, seed=1), 2, B, seed=None, shuffle=False,
+                          repeat=False)
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    try:
+        run_updates(updater, model, 3)
+        with pytest.raises(StopIteration):
+            run_updates(updater, model, 1)
+        updater._iterators['main'] = shard_iterators(dataset(6 * B, seed=2), 1, B)[0]
+        with pytest.raises(RuntimeError, match=r"^updater\._iterators\['main'\] was "
+                                               r"given another iterator"):
+            run_updates(updater, model, 1)
+        updater._iterators['main'] = its[0]
+        before = params(model)
+        for _ in range(2):
+            with pytest.raises(StopIteration):
+                run_updates(updater, model, 1)
+        assert updater.iteration == 3 and updater.get_optimizer('main').t == 3
+        for name, value in params(model).items():
+            np.testing.assert_array_equal(value, before[name])
+        its[0].reset()   # the next pass, on every replica
+        run_updates(updater, model, 3)
+        assert updater.get_optimizer('main').t == 6
+    finally:
+        updater.finalize()
+
+
 def test_the_end_of_the_data_met_again_leaves_the_pipelined_step_in_flight():
     """``update()`` called again at the end of the data (``repeat=False``) raises
     StopIteration again and changes nothing, as under StandardUpdater: the gradient in
