@@ -10,7 +10,9 @@ on the master only. So the master sends them:
 - its configuration as the thread that starts training sees it (``chainer.config``: the
   global entries and that thread's own, which ``chainer.set_debug`` and ``chainer.config.x
   = v`` set), every entry but those listed in ``_NOT_SENT``, applied to the worker's
-  ``chainer.global_config`` before it unpickles its copies (``_local.worker.ProcessSetup``);
+  ``chainer.global_config`` before it unpickles its copies (``_local.worker.ProcessSetup``)
+  and again after, in place of the worker's main thread's own entries of those names
+  (what the script's module-level code set again there);
 - one seed per worker, drawn from the master's own ``numpy.random`` global state, so the
   script's seed decides them and the master's stream advances the same way every run;
   each worker seeds ``numpy.random``, Python's ``random`` and, on a GPU, ``cupy.random``;
@@ -69,8 +71,11 @@ def master_config() -> Dict[str, Any]:
             cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - any pickling failure: not sent
             warn(f'chainer.config.{name} = {value!r} cannot be sent to the worker '
-                 f'processes ({type(exc).__name__}: {exc}); they keep Chainer\'s '
-                 'value for it. Set it to a picklable value to have it apply there',
+                 f'processes ({type(exc).__name__}: {exc}); each keeps what it has '
+                 "for it: Chainer's default, what the script's modules set at their "
+                 'import, or, for an entry of the script\'s own, none (reading it then '
+                 'raises AttributeError). Set it to a picklable value to have it apply '
+                 'there',
                  stacklevel=3)
             continue
         entries[name] = value
@@ -151,10 +156,19 @@ def config_values() -> Dict[str, Any]:
 
 
 def apply_config(entries: Dict[str, Any]) -> None:
-    """Set the master's entries on this (worker) process's ``chainer.global_config``."""
+    """Set the master's entries on this (worker) process's ``chainer.global_config``, and
+    drop the calling thread's own entries of those names: the script's module-level code,
+    run again in the worker (its ``__main__`` and what it imports), sets them there
+    (``chainer.config.x = 1.0``, ``chainer.set_debug(True)`` as defaults that ``main()``
+    then changes), and they hid the master's values from the worker's training. Called
+    before the worker unpickles its copies and again after (which imports the script's
+    modules)."""
+    own = thread_config_entries()
     for name, value in entries.items():
         setattr(chainer.global_config, name,
                 chainer.mixed16 if isinstance(value, _Mixed16) else value)
+        if name in own:
+            delattr(chainer.config, name)
 
 
 def draw_seeds(count: int) -> List[int]:

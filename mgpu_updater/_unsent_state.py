@@ -38,6 +38,7 @@ at most :data:`COST_SHARE` of the time between checks; the other updates read a 
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import enum
 import itertools
@@ -46,6 +47,7 @@ import os
 import sys
 import threading
 import time
+import types
 import weakref
 import zlib
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
@@ -72,6 +74,7 @@ VARIABLE_BYTES = 64 << 20
 
 _PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
 _CONTAINERS = frozenset((list, tuple, dict, set, frozenset))
+_NAMESPACES = frozenset((argparse.Namespace, types.SimpleNamespace))   # equal by their items
 MAX_ITEMS = 1000      # a container with more items counts by its length only
 
 
@@ -247,8 +250,19 @@ class UnsentState:
         """Chainer's configuration entries, against what the workers took at their start:
         one changed since is warned about, once (an extension that sets
         ``chainer.config.train`` or an entry a forward reads)."""
+        message = self._config_message(when)
+        if message is not None:
+            warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+    def config_note(self) -> Optional[str]:
+        """For an update that failed: Chainer's configuration entries changed since the
+        workers' start and not yet named (the warning that would have said so comes at a
+        look, and not while an exception is on its way), or None."""
+        return self._config_message('during training')
+
+    def _config_message(self, when: str) -> Optional[str]:
         if threading.get_ident() != self._config_thread:
-            return   # (a finalize() from another thread: its configuration is its own)
+            return None   # (a finalize() from another thread: its configuration is its own)
         now = config_values()
         sent = self._config
         changed = [(name, sent.get(name, _UNSET), now.get(name, _UNSET))
@@ -256,18 +270,17 @@ class UnsentState:
                    if not _same(sent.get(name, _UNSET), now.get(name, _UNSET))
                    and 'chainer.config.' + name not in self.named]
         if not changed:
-            return
+            return None
         self.named.extend('chainer.config.' + name for name, _, _ in changed)   # once
         listed = '; '.join(f'{name}: {_short(old)} -> {_short(new)}'
                            for name, old, new in changed[:5])
         more = f' (and {len(changed) - 5} more)' if len(changed) > 5 else ''
-        warn(
+        return (
             f'chainer.config changed {when}: {listed}{more}. The worker processes took the '
             "master's configuration once, at their start, and compute with it as it was "
             'then. Set the configuration before the first update, or finalize this '
             'updater and build a new one after the change (a value an extension sets '
-            'for itself with chainer.using_config is back before the next update: fine)',
-            RuntimeWarning, stacklevel=stacklevel)
+            'for itself with chainer.using_config is back before the next update: fine)')
 
     def _changed(self, before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
         """path -> (before, after) of the values that differ (both there, not named)."""
@@ -663,11 +676,15 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _copied(values: Dict[str, Any]) -> Dict[str, Any]:
-    """Configuration values, a small container among them copied: one changed in place
-    (``chainer.config.curriculum['scale'] = 3``) is then told apart."""
+    """Configuration values, a small container, numpy array or namespace among them
+    copied: one changed in place (``chainer.config.curriculum['scale'] = 3``,
+    ``chainer.config.class_weight[:] = 3``, ``chainer.config.args.scale = 3`` with the
+    script's ``argparse`` namespace) is then told apart."""
     out = {}
     for name, value in values.items():
-        if type(value) in _CONTAINERS and len(value) <= MAX_ITEMS:
+        if (type(value) in _CONTAINERS and len(value) <= MAX_ITEMS
+                or type(value) is numpy.ndarray and value.size <= MAX_ITEMS
+                or type(value) in _NAMESPACES and len(vars(value)) <= MAX_ITEMS):
             try:
                 value = copy.deepcopy(value)
             except Exception:  # noqa: BLE001 - kept as it is: compared by equality

@@ -546,6 +546,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 self._ended = capture_state(self.get_iterator('main'))
             raise
         except BaseException as exc:
+            if self._unsent is not None:   # (chainer.set_debug(True) by an extension)
+                note = self._unsent.config_note()
+                if note is not None:
+                    exc.add_note(note)
             try:
                 self._teardown(abort=True, by_interrupt=isinstance(exc, KeyboardInterrupt))
             except Exception as late:  # noqa: BLE001 - the update's error is the one raised

@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 import types
-import warnings
 
 import numpy
 import pytest

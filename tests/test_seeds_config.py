@@ -158,6 +158,58 @@ def test_workers_compute_under_the_masters_configuration(restore_config):
         assert float(obs['main/type_check']) == 0.0
 
 
+_SETS_CONFIG_ON_IMPORT = '''
+import chainer
+import chainer.functions as F
+import chainer.links as L
+chainer.config.mgpu_test_flag = 1.0   # defaults, which the script's main() changes
+chainer.set_debug(True)
+
+
+class Net(chainer.Chain):
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(5, 3)
+
+    def forward(self, x, t):
+        chainer.report({'flag': float(chainer.config.mgpu_test_flag),
+                        'debug': float(chainer.is_debug())}, self)
+        return F.softmax_cross_entropy(self.l1(x), t)
+'''
+
+
+def test_config_a_module_sets_at_import_gives_way_to_the_masters_in_workers(
+        tmp_path, monkeypatch, restore_config):
+    """A module sets configuration defaults at import, which the script's main() then
+    changes: a worker imports the module again, into its own thread's entries, which hid
+    the master's values (a scale of 1.0 where the master trained with 0.25, silently)."""
+    import importlib
+    import sys
+    (tmp_path / 'sets_config_mod.py').write_text(_SETS_CONFIG_ON_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))   # the spawned workers take sys.path
+    module = importlib.import_module('sets_config_mod')
+    try:
+        chainer.config.mgpu_test_flag = 0.25
+        chainer.set_debug(False)
+        model = module.Net()
+        data = dataset(8, seed=1)
+        its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False)
+               for r in range(2)]
+        updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                              devices=DEVICES)
+        try:
+            observations = run_updates(updater, model, 2)
+        finally:
+            updater.finalize()
+        # the mean over both replicas: the master's values only if the worker's are too
+        for obs in observations:
+            assert float(obs['main/flag']) == 0.25
+            assert float(obs['main/debug']) == 0.0
+    finally:
+        sys.modules.pop('sets_config_mod', None)
+
+
 def test_a_config_value_that_cannot_travel_is_left_out_with_a_warning(restore_config):
     import threading
     chainer.global_config.mgpu_test_lock = threading.Lock()

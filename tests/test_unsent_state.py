@@ -9,9 +9,11 @@ is not named.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
+import types
 import warnings
 
 import numpy as np
@@ -566,6 +568,64 @@ def test_a_config_value_changed_in_place_is_named_and_another_threads_look_is_no
     finally:
         delattr(chainer.global_config, 'mgpu_test_curriculum')
         delattr(chainer.config._local, 'mgpu_test_mine')
+
+
+def _set_weight(weights):
+    weights[1] = 3.0
+
+
+def _set_scale(args):
+    args.scale = 3.0
+
+
+@pytest.mark.parametrize('value, change, said', [
+    (np.ones(3, np.float32), _set_weight, 'an array (3,) float32 -> an array (3,) float32'),
+    (argparse.Namespace(scale=1.0), _set_scale,
+     'Namespace(scale=1.0) -> Namespace(scale=3.0)'),
+    (types.SimpleNamespace(scale=1.0), _set_scale,
+     'namespace(scale=1.0) -> namespace(scale=3.0)'),
+])
+def test_an_array_or_namespace_in_config_changed_in_place_is_named(value, change, said):
+    """Class weights kept in chainer.config as an array, or the script's argparse
+    namespace, that an extension changes in place: the watch compared the live object
+    with itself and saw no change, while the workers kept the old values."""
+    model = Annealed()
+    try:
+        chainer.global_config.mgpu_test_kept = value
+        watch = UnsentState({'model': model})
+        _update(watch)
+        watch._next = 0.0
+        assert _update(watch) == '' and _update(watch) == ''
+        change(value)
+        watch._next = 0.0
+        assert f'mgpu_test_kept: {said}. The worker' in _update(watch) + _update(watch)
+    finally:
+        delattr(chainer.global_config, 'mgpu_test_kept')
+
+
+def test_a_config_change_not_yet_named_is_noted_on_an_update_that_fails():
+    """An extension turns on chainer.set_debug(True) to find a NaN, and the next update
+    fails: the warning that the workers kept the old value comes at a look, never with
+    an exception on its way, so the failure (a worker's NaN, not named by debug mode)
+    came without it."""
+    from _models import RaisesAt, classifier
+    model = classifier()
+    its = [chainer.iterators.SerialIterator(
+        RaisesAt(dataset(8, seed=r), 2, ValueError('a bad sample')), 2, shuffle=False)
+        for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    try:
+        updater.update()
+        chainer.set_debug(True)
+        with pytest.raises(ValueError, match='a bad sample') as info:
+            updater.update()
+    finally:
+        chainer.set_debug(False)
+        updater.finalize()
+    assert any(note.startswith('chainer.config changed during training: debug: False -> '
+                               'True. The worker processes took')
+               for note in getattr(info.value, '__notes__', [])), info.value
 
 
 class _Plain:

@@ -94,7 +94,9 @@ def unpickle_payload(payload: bytes,
 
 
 def _set_up(setup: ProcessSetup) -> Any:
-    """Apply ``setup`` to this process; the worker's device, in use."""
+    """Apply ``setup`` to this process; the worker's device, in use, and the master's
+    configuration entries (applied again once the payload's unpickling has imported the
+    script's modules)."""
     import chainer
     from .. import _inherit
     _inherit.apply_config(setup.config or {})
@@ -104,7 +106,7 @@ def _set_up(setup: ProcessSetup) -> Any:
     device.use()
     if setup.seed is not None:
         _inherit.seed_device(setup.seed, device)
-    return device
+    return device, setup.config or {}
 
 
 def _parent_handles(parent_pid: int) -> List[Any]:
@@ -247,13 +249,15 @@ def main(conn: Any, parent_pid: int, shm_names: List[str],
     try:
         conn.send(Hello())
         payload = conn.recv_bytes()
-        from .. import _compat
+        from .. import _compat, _inherit
         _compat.apply()
         unpickled = unpickle_payload(payload, _set_up)
         del payload
         if unpickled is None:   # stopped before its payload came: no error
             return
-        device, init = unpickled
+        (device, config), init = unpickled
+        # what the script's modules set at their import, just now, gives way to the master's
+        _inherit.apply_config(config)
         relay.relay_records(output)   # the script's modules imported: their logging set
         replica, comm, layouts, in_place = _build(init, device, lambda: conn.send(Joining()))
         from .._module_globals import differences
