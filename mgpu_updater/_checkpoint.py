@@ -129,8 +129,48 @@ def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
         return {key: numpy.asarray(value)
                 for key, value in multithread_iterator_state(iterator).items()}
     target: Dict[str, numpy.ndarray] = {}
-    iterator.serialize(_Copying(target))
+    inner = _wrapped_read_ahead(iterator)
+    for it in inner:   # while this one saves: read as for a bare one, no side effect
+        it.serialize = _StateWriter(it)
+    try:
+        iterator.serialize(_Copying(target))
+    finally:
+        for it in inner:
+            del it.serialize
     return target
+
+
+_READ_AHEAD = (chainer.iterators.MultiprocessIterator, chainer.iterators.MultithreadIterator)
+
+
+def _wrapped_read_ahead(iterator: Any) -> List[Any]:
+    """The ``MultiprocessIterator`` and ``MultithreadIterator`` objects an iterator of the
+    user's own holds as attributes (a wrapper that adds to each batch and saves the inner
+    one in its ``serialize``). Their ``serialize`` discards what they loaded ahead, and
+    ``MultiprocessIterator``'s draws the order anew: called through the wrapper at each
+    batch the loader reads ahead, it trained on other samples than StandardUpdater, and
+    on other samples in each run."""
+    found = []
+    for value in list(getattr(iterator, '__dict__', {}).values()):
+        if isinstance(value, _READ_AHEAD) and 'serialize' not in vars(value):
+            found.append(value)
+    return found
+
+
+class _StateWriter:
+    """Stands for a ``MultiprocessIterator``'s or ``MultithreadIterator``'s ``serialize``
+    while an iterator that wraps it is captured: writes the keys it would write."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+
+    def __call__(self, serializer: Any) -> None:
+        it = self.iterator
+        state = (multiprocess_iterator_state(it)
+                 if isinstance(it, chainer.iterators.MultiprocessIterator)
+                 else multithread_iterator_state(it))
+        for key, value in state.items():
+            serializer(key, value)
 
 
 def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:

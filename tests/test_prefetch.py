@@ -238,6 +238,59 @@ def test_capturing_a_multithread_iterators_state_leaves_its_batches_and_reads_al
     assert runs[1][1] <= 13 * 3
 
 
+class _Wraps(chainer.dataset.Iterator):
+    """An iterator of the user's own around one of Chainer's, which it saves in its own
+    ``serialize`` (composition, not a subclass)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __next__(self):
+        return self.inner.next()
+
+    epoch = property(lambda self: self.inner.epoch)
+    epoch_detail = property(lambda self: self.inner.epoch_detail)
+    previous_epoch_detail = property(lambda self: self.inner.previous_epoch_detail)
+    is_new_epoch = property(lambda self: self.inner.is_new_epoch)
+    batch_size = property(lambda self: self.inner.batch_size)
+
+    def serialize(self, serializer):
+        self.inner.serialize(serializer['inner'])
+
+    def finalize(self):
+        self.inner.finalize()
+
+
+@pytest.mark.parametrize('kind', ['multiprocess', 'multithread'])
+def test_capturing_an_iterator_that_wraps_one_reading_ahead_leaves_its_batches_alone(kind):
+    """The loader captures the wrapper's state before each batch it loads ahead, and the
+    wrapper's serialize called the inner one's, which discards what it loaded ahead and
+    (MultiprocessIterator) drew the order anew: the run read other samples than the
+    iterator left alone, and other samples in each run."""
+    data = dataset(10, seed=2)
+    runs = []
+    for capture in (False, True):
+        sampler = chainer.iterators.ShuffleOrderSampler(np.random.RandomState(5))
+        inner = (chainer.iterators.MultiprocessIterator(data, 3, n_processes=1,
+                                                        order_sampler=sampler)
+                 if kind == 'multiprocess' else
+                 chainer.iterators.MultithreadIterator(data, 3, n_threads=2,
+                                                       order_sampler=sampler))
+        it = _Wraps(inner)
+        seen = []
+        try:
+            for _ in range(12):   # into the fourth epoch
+                if capture:
+                    state = capture_state(it)
+                    assert int(state['inner/current_position']) == it.inner.current_position
+                seen.append(sorted(float(x[0]) for x, _ in it.next()))
+        finally:
+            it.finalize()
+        assert 'serialize' not in vars(inner)   # its own method again
+        runs.append(seen)
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize('prefetch', [2, 'auto'])
 def test_one_device_with_a_multithread_iterator_is_standard_updater(prefetch):
     model, reference_model = classifier(seed=4), classifier(seed=4)
