@@ -113,10 +113,31 @@ def shuffles_with_numpys_global(iterator: Any) -> bool:
 
 
 def capture_state(iterator: Any) -> Dict[str, numpy.ndarray]:
-    """The iterator's serialized state as a flat dict of numpy arrays."""
-    target: Dict[str, numpy.ndarray] = _capture_iterator(iterator)
+    """The iterator's serialized state as a flat dict of numpy arrays. Where its
+    ``serialize`` fails, an error of the same type that says why the updater calls it
+    (StandardUpdater calls it for a snapshot only), raised from the original."""
+    try:
+        target: Dict[str, numpy.ndarray] = _capture_iterator(iterator)
+    except Exception as exc:  # noqa: BLE001 - said again, with the reason, from it
+        raise _not_captured(iterator, exc) from exc
     serialize_order_rng(iterator, _Copying(target))
     return target
+
+
+def _not_captured(iterator: Any, exc: Exception) -> Exception:
+    message = (
+        f'{type(iterator).__name__}.serialize() failed while the updater read the '
+        f"iterator's position ({type(exc).__name__}: {exc}). The updater reads it, "
+        'through serialize into a dictionary as a snapshot does, before each batch it '
+        'loads ahead of the update (prefetch), at the end of the data and where worker '
+        'processes stop, so that the iterator and a snapshot hold the position of the '
+        'last batch used (StandardUpdater calls it for a snapshot only). Make serialize() '
+        'save what it holds as numbers or arrays (or nothing), or pass prefetch=0')
+    try:
+        better = type(exc)(message)
+    except Exception:  # noqa: BLE001 - a type that takes other arguments
+        return RuntimeError(message)
+    return better if str(better) == message else RuntimeError(message)
 
 
 def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:

@@ -1,6 +1,7 @@
 """Building one iterator per device from one dataset; each worker gets only its shard."""
 from __future__ import annotations
 
+import copy
 import inspect
 import numbers
 from typing import Any, List, Optional
@@ -105,6 +106,10 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     ``SerialIterator``, ``MultithreadIterator`` and ``MultiprocessIterator`` take one), so
     runs are reproducible; a class that takes no ``order_sampler`` gets ``shuffle``.
 
+    An ``order_sampler`` passed here goes to the first shard, and a copy of it, in the
+    state given, to each other shard (so the shards' iterators draw alike whether they run
+    in one process or in several); pass ``seed`` instead for shards that shuffle apart.
+
     Example: ``shard_iterators(train, 2, 32, iterator_class=MultiprocessIterator,
     n_processes=2)``.
 
@@ -150,6 +155,11 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
     for i in range(n):
         sub = Shard(dataset, int(bounds[i]), int(bounds[i + 1]), order=order)
         kwargs = dict(iterator_kwargs)
+        if i > 0 and kwargs.get('order_sampler') is not None:
+            # one of the user's, for every shard: each its own copy, as each worker
+            # process has (one object drew for every shard in turn in one process, and
+            # the worker's copy drew from where it was: other orders than that process's)
+            kwargs['order_sampler'] = copy.deepcopy(kwargs['order_sampler'])
         if shuffle and seed is not None and _takes_order_sampler(iterator_class):
             kwargs.setdefault('order_sampler', chainer.iterators.ShuffleOrderSampler(
                 numpy.random.RandomState((seed + 1 + i) % 2 ** 32)))

@@ -74,7 +74,10 @@ class Batch(NamedTuple):
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
-    return EpochInfo(iterator.epoch, iterator.epoch_detail,
+    """The iterator's epoch as of now. An iterator of the user's own may lack ``epoch``
+    or ``epoch_detail``, which StandardUpdater reads only where asked (a trigger in
+    epochs): None here, and the updater's property reads the iterator then."""
+    return EpochInfo(getattr(iterator, 'epoch', None), getattr(iterator, 'epoch_detail', None),
                      getattr(iterator, 'previous_epoch_detail', None), iterator.is_new_epoch)
 
 
@@ -167,15 +170,18 @@ class Loader:
                 raise RepeatingIteratorStopped(it) from exc
             self._exhausted = True
             return None
-        epoch = it if live_epoch else EpochInfo(
-            it.epoch, it.epoch_detail, getattr(it, 'previous_epoch_detail', None),
-            it.is_new_epoch)
+        epoch = it if live_epoch else epoch_info(it)
         return Batch(self._counts.count(batch, self.iterator),
                      call_converter(self.converter, batch, self.converter_device), epoch,
                      batch if self.keep_examples else None)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
+
+    def read_ahead_state(self) -> Optional[Dict[str, numpy.ndarray]]:
+        """The iterator's state as of the last batch handed out, where the loader has
+        read further (None: it has not, the iterator is there), taken when it read."""
+        return None
 
     #: how this loader loads: 'none' (in the caller, prefetch=0), 'ahead' (a thread, as
     #: far as its depth), 'inline' (a gated thread: in the caller), or 'trial'
@@ -505,6 +511,10 @@ class Prefetcher(Loader):
             if self._pending:
                 return self._pending[0]
             return capture_state(self.iterator)
+
+    def read_ahead_state(self) -> Optional[Dict[str, numpy.ndarray]]:
+        with self._lock:
+            return self._pending[0] if self._pending else None
 
     def close(self) -> None:
         if self._closed:

@@ -368,11 +368,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     @property
     def epoch(self) -> int:
-        return self._epoch_view.epoch
+        epoch = self._epoch_view.epoch
+        # (an iterator of the user's own without one: read as StandardUpdater reads it)
+        return self.get_iterator('main').epoch if epoch is None else epoch
 
     @property
     def epoch_detail(self) -> float:
-        return self._epoch_view.epoch_detail
+        detail = self._epoch_view.epoch_detail
+        return self.get_iterator('main').epoch_detail if detail is None else detail
 
     @property
     def previous_epoch_detail(self) -> Optional[float]:
@@ -1001,7 +1004,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if flags is not None and flags != (main.is_new_epoch,
                                            getattr(main, 'previous_epoch_detail', None)):
             # the update's, over its micro-batches: the iterator holds its last one's
-            self._epoch = EpochInfo(main.epoch, main.epoch_detail, flags[1], flags[0])
+            self._epoch = EpochInfo(getattr(main, 'epoch', None),
+                                    getattr(main, 'epoch_detail', None), flags[1], flags[0])
         # taken at the end of the data: a reset of the main iterator next starts a new pass
         # on every replica, as after an end met here
         self._ended = capture_state(main) if (
@@ -1042,8 +1046,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if self._positions_lost is not None:
                 _positions.lost(self._worker_iterators,
                                 f'the updater that read it stopped: {self._positions_lost}')
-        # the main iterator as of the last batch used: one loading ahead read further
-        used = self._loader.state() if self._loader is not None else None
+        # the main iterator as of the last batch used, where the loader read further
+        # (taken as it read: the iterator's serialize is not called here, so that
+        # nothing keeps the replicas from stopping)
+        used = self._loader.read_ahead_state() if self._loader is not None else None
         try:
             group.close(abort=abort)
             if not isinstance(group, ClosedGroup):

@@ -148,3 +148,20 @@ def test_a_datasets_own_error_in_its_length_is_its_own():
             return i
     with pytest.raises(TypeError, match='^the dataset could not count its files$'):
         shard_iterators(Broken(), 2, 4)
+
+
+def test_an_order_sampler_given_is_each_shards_own_copy():
+    """One sampler object for every shard drew for each shard in turn in one process
+    (StandardUpdater over these iterators), while a worker process's shard drew from its
+    own pickled copy: each shard then read other samples than in that process, from the
+    second epoch on. Each shard now has its own copy, in the state given."""
+    sampler = chainer.iterators.ShuffleOrderSampler(np.random.RandomState(3))
+    its = shard_iterators(dataset(16, seed=1), 2, 4, order_sampler=sampler)
+    assert its[0].order_sampler is sampler and its[1].order_sampler is not sampler
+    in_a_worker = pickle.loads(pickle.dumps(its[1]))   # what the worker process gets
+
+    def seen(it):
+        return [float(x[0]) for x, _ in it.next()]
+
+    together = [(seen(its[0]), seen(its[1])) for _ in range(6)]   # three epochs
+    assert [second for _, second in together] == [seen(in_a_worker) for _ in range(6)]
