@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import numbers
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy
 
@@ -367,12 +367,22 @@ def worker_payload(model: chainer.Link, loss_func: Any, converter: Any,
     picklable('converter', converter, 'Open files, locks or sockets inside the call, not '
               'in the variables or attributes the converter holds.')
     for i, it in enumerate(worker_iterators, start=1):
-        picklable(f'iterators[{i}]', it, 'Its dataset must be picklable (e.g. arrays or a '
-                  'TupleDataset), not a generator or an open file; open files lazily in '
-                  'get_example (or __getitem__), and leave the handle out of the pickle (a '
-                  '__getstate__ that drops it): the master reads its first batches before '
-                  'the workers start, and a dataset object its shard shares has opened it '
-                  'by then.')
+        picklable(f'iterators[{i}]', it, _iterator_hint)
+
+
+def _iterator_hint(path: str) -> str:
+    """The advice where an iterator holds what does not pickle, at ``path``: in its
+    dataset, or in the iterator itself (one of the user's own, over a generator)."""
+    if '.dataset' in path or '._dataset' in path:
+        return ('Its dataset must be picklable (e.g. arrays or a TupleDataset), not a '
+                'generator or an open file; open files lazily in get_example (or '
+                '__getitem__), and leave the handle out of the pickle (a __getstate__ that '
+                'drops it): the master reads its first batches before the workers start, '
+                'and a dataset object its shard shares has opened it by then.')
+    return ('An iterator that holds it cannot go to a worker process as it is: make it '
+            'where it is used (at the first next()) and leave it out of the pickle (a '
+            '__getstate__ that drops it), or read the data through a dataset (Chainer\'s '
+            'iterators over a picklable dataset), or train on one device.')
 
 
 def opened_since(worker_iterators: Dict[int, Any]) -> None:
@@ -389,22 +399,23 @@ def opened_since(worker_iterators: Dict[int, Any]) -> None:
                   'where it is used); or give each replica a dataset object of its own.')
 
 
-def picklable(name: str, value: Any, resource_hint: str) -> None:
+def picklable(name: str, value: Any, resource_hint: Union[str, Callable[[str], str]]) -> None:
     """Refuse what cannot travel to a worker process, naming the type that does not pickle
     and the path to it from ``value``. ``resource_hint`` is the advice where that is an
-    open file, a lock, a socket, a thread or a generator."""
+    open file, a lock, a socket, a thread or a generator (or gives it from the path)."""
     try:
         _payload.check(value)
     except Exception as exc:  # noqa: BLE001 - pickle raises many types
         root = name[4:] if name.startswith('the ') else name
         culprit = _pickle_path.find(value, root)
+        hint = resource_hint(culprit.path) if callable(resource_hint) else resource_hint
         where = culprit.path if culprit.path != root else f'{root} itself'
         found = ('the culprit is' if culprit.complete else
                  'the search stopped, the culprit lies within')
         raise TypeError(f'{name} ({type(value).__name__}) cannot be sent to a worker '
                         f'process: {type(exc).__name__}: {exc}; {found} {where} '
                         f'({_pickle_path.describe(culprit.obj)}). '
-                        f'{_unpicklable_hint(culprit, resource_hint, exc)}') from exc
+                        f'{_unpicklable_hint(culprit, hint, exc)}') from exc
 
 
 def _unpicklable_hint(culprit: Any, resource_hint: str, exc: BaseException) -> str:

@@ -495,6 +495,32 @@ def test_generator_dataset():
     assert 'open files lazily in get_example (or __getitem__)' in message
 
 
+class _OverAGenerator(chainer.dataset.Iterator):
+    """An iterator of the user's own that draws its batches from a generator it holds."""
+
+    def __init__(self):
+        self._gen = (dataset(4, seed=i)[:2] for i in range(100))
+        self.epoch, self.is_new_epoch = 0, False
+
+    def __next__(self):
+        return next(self._gen)
+
+
+def test_an_iterator_over_a_generator_of_its_own():
+    """The advice spoke of the dataset, which this iterator does not have."""
+    its = [iterators(1)[0], _OverAGenerator()]
+    message = rejected(
+        TypeError, r"^iterators\[1\] \(_OverAGenerator\) cannot be sent to a worker "
+                   r"process: TypeError: cannot pickle 'generator' object; the culprit is "
+                   r'iterators\[1\]\._gen \(<generator object', iterators=its)
+    assert message.endswith('An iterator that holds it cannot go to a worker process as it '
+                            'is: make it where it is used (at the first next()) and leave it '
+                            'out of the pickle (a __getstate__ that drops it), or read the '
+                            "data through a dataset (Chainer's iterators over a picklable "
+                            'dataset), or train on one device.')
+    assert 'dataset must be picklable' not in message
+
+
 def test_closure_over_an_open_file(tmp_path):
     """A loss_func or converter that captures an open file: the captured name is shown."""
     with open(tmp_path / 'log.txt', 'w') as log:
