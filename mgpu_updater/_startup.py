@@ -320,8 +320,11 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
                 func(arrays)
     except Exception as exc:
         exc.add_note(f'(raised in the forward pass that initialises the lazy parameters '
-                     f'before the replicas are copied: test mode, no backprop, on {what}; '
-                     'give the links their sizes, L.Linear(784, n), '
+                     f'before the replicas are copied: test mode, no backprop, on {what}. '
+                     'An error of the batch, the converter or the model itself comes '
+                     "from the first update's forward without this pass; where the "
+                     'pass itself is at fault (a forward that needs train mode or '
+                     'backprop), give the links their sizes, L.Linear(784, n), '
                      'L.BatchNormalization(n), to skip it)')
         raise
     put_back(state)   # first: a reset_state may touch a persistent too
