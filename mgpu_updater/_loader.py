@@ -71,6 +71,41 @@ class Batch(NamedTuple):
     epoch: Any           # the iterator's bookkeeping right after this batch: an
     #                      EpochInfo, or the iterator itself (Loader.get's live_epoch)
     examples: Any = None   # what the iterator returned, where Loader.keep_examples
+    reports: Optional[Dict[str, Any]] = None   # what its loading reported (_LoadReports)
+
+
+class _LoadReports:
+    """What the iterator, its dataset and the converter report (``chainer.report``) while
+    a batch loads, kept with the batch: the replica reports it with that micro-batch's
+    values, weighted by its samples (:meth:`mgpu_updater._replica.Replica.run_window`).
+    Under ``StandardUpdater`` they load inside the Trainer's reporter scope; here they load
+    in a thread of their own (nothing current: the reports were dropped) or between two
+    micro-batches (into the last one's values, already read: dropped too). One reporter
+    per loading thread, naming the model and its links as the replica's does
+    (``observe``), so that ``chainer.report(values, model)`` names its keys alike."""
+
+    def __init__(self, observe: Optional[Callable[[Any], None]]) -> None:
+        self._observe = observe
+        self._local = threading.local()
+
+    def begin(self) -> Tuple[Any, Dict[str, Any], Any]:
+        reporter = getattr(self._local, 'reporter', None)
+        if reporter is None:
+            reporter = self._local.reporter = chainer.Reporter()
+            if self._observe is not None:
+                self._observe(reporter)
+        observation: Dict[str, Any] = {}
+        outer = reporter.observation
+        reporter.__enter__()
+        reporter.observation = observation
+        return reporter, observation, outer
+
+    @staticmethod
+    def end(token: Tuple[Any, Dict[str, Any], Any]) -> Optional[Dict[str, Any]]:
+        reporter, observation, outer = token
+        reporter.__exit__(None, None, None)
+        reporter.observation = outer
+        return observation or None
 
 
 def epoch_info(iterator: Any) -> EpochInfo:
@@ -102,10 +137,12 @@ class Loader:
     """Synchronous loader (``prefetch=0``): loads in the caller's thread."""
 
     def __init__(self, iterator: Any, converter: Callable, device: Any,
-                 keep_examples: bool = False) -> None:
+                 keep_examples: bool = False,
+                 observe: Optional[Callable[[Any], None]] = None) -> None:
         self.iterator = iterator
         self.converter = converter
         self.device = device
+        self._reports = _LoadReports(observe)
         #: what the converter is given as its device: the replica's, as StandardUpdater
         #: gives it, except that Chainer's own concat_examples on the CPU gets None, for
         #: which it returns the same arrays without a transfer per array (four calls each)
@@ -119,27 +156,38 @@ class Loader:
         #: how its batches count their samples (a tuple of lists: examples or columns)
         self._counts = TupleOfLists()
 
-    def _read(self) -> Optional[Tuple[Any, EpochInfo]]:
-        """The iterator's next batch as it gave it, with its epoch bookkeeping after it;
-        ``None`` once it is exhausted. An iterator that repeats never ends: a
-        ``StopIteration`` out of one (raised inside its dataset, a converter of its own)
-        is :class:`RepeatingIteratorStopped`, not the end of the data."""
+    def _read(self) -> Optional[Tuple[Any, EpochInfo, Optional[Dict[str, Any]]]]:
+        """The iterator's next batch as it gave it, with its epoch bookkeeping after it
+        and what the read reported; ``None`` once it is exhausted. An iterator that
+        repeats never ends: a ``StopIteration`` out of one (raised inside its dataset, a
+        converter of its own) is :class:`RepeatingIteratorStopped`, not the end of the
+        data."""
+        token = self._reports.begin()
         try:
             batch = self.iterator.next()
         except StopIteration as exc:
             if getattr(self.iterator, 'repeat', False):
                 raise RepeatingIteratorStopped(self.iterator) from exc
             return None
-        return batch, epoch_info(self.iterator)
+        finally:
+            reports = self._reports.end(token)
+        return batch, epoch_info(self.iterator), reports
 
-    def _convert(self, read: Tuple[Any, EpochInfo], stager: Any = None) -> Batch:
-        batch, epoch = read
-        if stager is None:
-            arrays = call_converter(self.converter, batch, self.converter_device)
-        else:   # GPU: convert on the host, copy from pinned memory on a side stream
-            arrays = stager.stage(call_converter(self.converter, batch, None))
+    def _convert(self, read: Tuple[Any, EpochInfo, Optional[Dict[str, Any]]],
+                 stager: Any = None) -> Batch:
+        batch, epoch, reports = read
+        token = self._reports.begin()
+        try:
+            if stager is None:
+                arrays = call_converter(self.converter, batch, self.converter_device)
+            else:   # GPU: convert on the host, copy from pinned memory on a side stream
+                arrays = stager.stage(call_converter(self.converter, batch, None))
+        finally:
+            converted = self._reports.end(token)
+        if converted:
+            reports = {**reports, **converted} if reports else converted
         return Batch(self._counts.count(batch, self.iterator), arrays, epoch,
-                     batch if self.keep_examples else None)
+                     batch if self.keep_examples else None, reports)
 
     def convert_aside(self, examples: Any) -> Any:
         """The converter's output for ``examples``, as a batch of them is converted (here,
@@ -147,7 +195,11 @@ class Loader:
         converter (:func:`_aside`): its generators (held directly, deeper, or in a
         function's closure) and a counter it rebinds stay as they were, and the data it
         holds (a vocabulary, a table) is not copied."""
-        return call_converter(_aside(self.converter), examples, self.converter_device)
+        token = self._reports.begin()   # what it reports: not this update's
+        try:
+            return call_converter(_aside(self.converter), examples, self.converter_device)
+        finally:
+            self._reports.end(token)
 
     def get(self, live_epoch: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
@@ -163,17 +215,21 @@ class Loader:
         if self._exhausted:
             return None
         it = self.iterator
+        token = self._reports.begin()
         try:
-            batch = it.next()
-        except StopIteration as exc:
-            if getattr(it, 'repeat', False):
-                raise RepeatingIteratorStopped(it) from exc
-            self._exhausted = True
-            return None
-        epoch = it if live_epoch else epoch_info(it)
-        return Batch(self._counts.count(batch, self.iterator),
-                     call_converter(self.converter, batch, self.converter_device), epoch,
-                     batch if self.keep_examples else None)
+            try:
+                batch = it.next()
+            except StopIteration as exc:
+                if getattr(it, 'repeat', False):
+                    raise RepeatingIteratorStopped(it) from exc
+                self._exhausted = True
+                return None
+            epoch = it if live_epoch else epoch_info(it)
+            arrays = call_converter(self.converter, batch, self.converter_device)
+        finally:
+            reports = self._reports.end(token)
+        return Batch(self._counts.count(batch, self.iterator), arrays, epoch,
+                     batch if self.keep_examples else None, reports)
 
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
@@ -234,8 +290,9 @@ class Prefetcher(Loader):
 
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
                  gated: bool = False, load_here: bool = True, trial: Any = None,
-                 keep_examples: bool = False, made: Optional[List[Loader]] = None) -> None:
-        super().__init__(iterator, converter, device, keep_examples)
+                 keep_examples: bool = False, made: Optional[List[Loader]] = None,
+                 observe: Optional[Callable[[Any], None]] = None) -> None:
+        super().__init__(iterator, converter, device, keep_examples, observe)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
         self.load_here = load_here
@@ -283,7 +340,7 @@ class Prefetcher(Loader):
         self._waiting = {'thread': False, 'master': False}
         self._stop = threading.Event()
         self._pending.append(capture_state(iterator))
-        self._first_read: Optional[Tuple[Any, EpochInfo]] = None
+        self._first_read: Optional[Tuple[Any, EpochInfo, Optional[Dict[str, Any]]]] = None
         self._first_error: Optional[BaseException] = None
         try:
             self._first_read = self._read()
@@ -844,13 +901,15 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
 
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
                 gated: bool = False, load_here: bool = True, trial: bool = False,
-                keep_examples: bool = False, made: Optional[List[Loader]] = None) -> Loader:
+                keep_examples: bool = False, made: Optional[List[Loader]] = None,
+                observe: Optional[Callable[[Any], None]] = None) -> Loader:
     """The loader of ``depth`` (0: inline); one with a thread of its own is put in
     ``made`` as soon as that thread runs, for the caller to close should it be
-    interrupted before it holds the loader."""
+    interrupted before it holds the loader. ``observe`` names the observers of the
+    reporter that takes what loading reports (the replica's model: :class:`_LoadReports`)."""
     if depth <= 0:
-        return Loader(iterator, converter, device, keep_examples)
+        return Loader(iterator, converter, device, keep_examples, observe)
     from ._load_trial import LoadTrial
     return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here,
                       trial=LoadTrial() if trial else None, keep_examples=keep_examples,
-                      made=made)
+                      made=made, observe=observe)

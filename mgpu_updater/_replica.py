@@ -434,6 +434,7 @@ class Replica:
         if self._set_by_backward and (accumulate_steps > 1 or splits(chunking)):
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
+        self.loaded_reports: Optional[Dict[str, Any]] = None   # (direct_window)
         observers(self.reporter, model)
         #: several replicas: what the forward made once, looked at over its first windows
         self._made_once: Optional[Seen] = None
@@ -539,6 +540,12 @@ class Replica:
                 size = batch.size
                 if size > largest:
                     largest = size
+                if batch.reports:   # the iterator's, the dataset's, the converter's
+                    for key, value in batch.reports.items():
+                        if isinstance(value, chainer.Variable):
+                            value = value.array
+                        terms.append((key, value, size))
+                        weights[key] = weights.get(key, 0.0) + size
                 if chunk is None or chunk >= size:
                     pieces: Any = ((size, batch.arrays),)
                 else:
@@ -668,8 +675,12 @@ class Replica:
             raise RuntimeError(f'{self.name}: {exc}') from exc
         loaded = clock()
         if batch is None:
+            self.loaded_reports = None
             self.model.cleargrads()   # no micro-batch: no gradient
             return 0, 0.0, None, loaded - start, 0.0
+        #: what loading it reported (the iterator, the dataset, the converter), for the
+        #: caller to report with the model's values
+        self.loaded_reports = batch.reports
         arrays = batch.arrays
         func = self.loss_func
         if isinstance(arrays, tuple):

@@ -16,6 +16,7 @@ The order matters and is kept here in one place:
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import chainer
@@ -95,7 +96,8 @@ def start(s: Settings) -> Started:
     try:
         loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
                              trial=trial, load_here=reads_in_caller_safely(s.iterator),
-                             keep_examples=splits(chunking(s, own_index)), made=made)
+                             keep_examples=splits(chunking(s, own_index)), made=made,
+                             observe=functools.partial(observers, model=s.model))
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does

@@ -724,7 +724,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.last_times = times
         self.last_replica_times = [{'data': data, 'compute': compute}]
         self.loading_modes = [self._replica.loader.mode]
-        self._publish({}, times)
+        loaded = self._replica.loaded_reports
+        self._publish(dict(loaded) if loaded else {}, times)
 
     def _on_step(self, fresh: '_step.GradientStep') -> None:
         """This update's gradient is in the model: step on what is due now."""

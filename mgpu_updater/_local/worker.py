@@ -358,11 +358,14 @@ def _build(init: 'WorkerInit', device: Any, joining: Callable[[], None] = lambda
 
 def _make_loader(init: 'WorkerInit', device: Any) -> Any:
     """The replica's loader over ``init.iterator``, as its payload says."""
+    import functools
     from .._chunks import splits
     from .._loader import make_loader
+    from .._replica import observers
     return make_loader(init.iterator, init.converter, device, init.prefetch,
                        init.prefetch_gated, trial=init.prefetch_trial,
-                       keep_examples=splits(init.chunking))
+                       keep_examples=splits(init.chunking),
+                       observe=functools.partial(observers, model=init.model))
 
 
 def _serve(conn: Any, init: 'WorkerInit', replica: Any, comm: Any, layouts: Any,

@@ -1,0 +1,111 @@
+"""What the iterator, its dataset and the converter report while a batch loads.
+
+Under ``StandardUpdater`` they load inside the Trainer's reporter scope, so a converter
+that reports its batch's length (``chainer.report({'tokens': n})``) logs it. Here a batch
+loaded ahead loads in a thread with no reporter, a worker's in another process, and with
+``accumulate_steps`` > 1 an inline load ran between two micro-batches, reporting into the
+last one's values after they were read: the key was missing from the log, silently, in
+every configuration but one device with one micro-batch loaded inline.
+"""
+from __future__ import annotations
+
+import chainer
+import numpy as np
+import pytest
+from chainer.training.updaters import StandardUpdater
+
+from mgpu_updater import ParallelAccumulatingUpdater
+
+from _models import classifier, dataset, run_updates, setup_optimizer
+
+
+class _Counted(chainer.dataset.DatasetMixin):
+    """Reports each read; the converter below reports each batch's length, and through
+    the model as observer, the batch's first label."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def get_example(self, i):
+        chainer.report({'reads': 1.0})
+        return self.base[i]
+
+
+def _converter_reporting_to(model):
+    def convert(batch, device=None):
+        chainer.report({'tokens': float(len(batch))})
+        chainer.report({'first_label': float(batch[0][1])}, model)
+        return chainer.dataset.concat_examples(batch, device)
+    return convert
+
+
+def _iterators(n, batch):
+    return [chainer.iterators.SerialIterator(_Counted(dataset(24, seed=r)), batch,
+                                             shuffle=False) for r in range(n)]
+
+
+def _reported(updater, model):
+    trainer_like = chainer.Reporter()
+    trainer_like.add_observer('main', model)
+    out = []
+    for _ in range(3):
+        observation = {}
+        with trainer_like.scope(observation):
+            updater.update()
+        out.append({k: float(chainer.as_array(v)) for k, v in observation.items()
+                    if k in ('reads', 'tokens', 'main/first_label')})
+    return out
+
+
+@pytest.mark.parametrize('n, k, prefetch', [
+    (1, 1, 0), (1, 1, 2), (1, 2, 0), (1, 2, 'auto'), (2, 1, 2), (2, 2, 0)])
+def test_what_loading_reports_is_reported_with_the_update(n, k, prefetch):
+    model = classifier()
+    updater = ParallelAccumulatingUpdater(
+        _iterators(n, 4), setup_optimizer('sgd', model), devices=['@numpy'] * n,
+        accumulate_steps=k, prefetch=prefetch, converter=_converter_reporting_to(model))
+    try:
+        got = _reported(updater, model)
+    finally:
+        updater.finalize()
+    # each micro-batch of 4 reports 4, each read 1: their sample-weighted means
+    labels = [[int(t) for _, t in dataset(24, seed=r)] for r in range(n)]
+    for update, values in enumerate(got):
+        first = [labels[r][(update * k + i) * 4] for r in range(n) for i in range(k)]
+        assert values == {'reads': 1.0, 'tokens': 4.0,
+                          'main/first_label': pytest.approx(float(np.mean(first)))}, update
+
+
+def test_one_device_reports_as_standard_updater():
+    """One device, one micro-batch of the global batch: the same values, named alike."""
+    logs = []
+    for ours in (False, True):
+        model = classifier()
+        its = _iterators(1, 8)
+        optimizer = setup_optimizer('sgd', model)
+        converter = _converter_reporting_to(model)
+        updater = (ParallelAccumulatingUpdater(its, optimizer, devices=['@numpy'],
+                                               prefetch=2, converter=converter)
+                   if ours else StandardUpdater(its[0], optimizer, converter=converter))
+        try:
+            logs.append(_reported(updater, model))
+        finally:
+            updater.finalize()
+    assert logs[1] == logs[0] and logs[0][0]['tokens'] == 8.0
+
+
+def test_a_report_while_loading_a_check_of_the_cut_is_not_the_updates():
+    """micro_batch_size cuts a batch: the converter runs once more on a piece, aside, to
+    check the cut; what it reports there is not the update's."""
+    model = classifier()
+    updater = ParallelAccumulatingUpdater(
+        _iterators(1, 8), setup_optimizer('sgd', model), devices=['@numpy'],
+        micro_batch_size=4, prefetch=0, converter=_converter_reporting_to(model))
+    try:
+        got = run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+    assert [float(obs['tokens']) for obs in got] == [8.0, 8.0]
