@@ -338,3 +338,35 @@ def test_the_relay_writes_a_workers_text_by_whole_lines(monkeypatch):
                 conn.close()
         relay.close()
     assert got.writes[5:] == ['the last, unended'], got.writes
+
+
+def test_text_without_a_line_end_is_held_back_briefly_whatever_else_comes(monkeypatch):
+    """Progress dots a worker prints without a line's end, and nothing else: they went
+    out only once no pipe had anything for 50 ms, so a worker printing a dot every 10 ms
+    (or another worker printing lines) held them back until the end."""
+    from mgpu_updater._local import output
+
+    class Writes:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append((time.monotonic(), text))
+
+    got = Writes()
+    monkeypatch.setattr(sys, 'stdout', got)
+    relay = output.Relay()
+    end = relay.ends()
+    try:
+        start = time.monotonic()
+        sent = 0
+        while time.monotonic() - start < 1.5:
+            os.write(end.stdout.fileno(), b'.')
+            sent += 1
+            time.sleep(0.01)
+        first = next((t for t, text in got.writes if '.' in text), None)
+    finally:
+        output.started(end)
+        relay.close()
+    assert first is not None and first - start < 1.0, (first, start)
+    assert ''.join(text for _, text in got.writes) == '.' * sent   # each once, at the end too

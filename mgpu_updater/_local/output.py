@@ -42,8 +42,8 @@ DRAIN_TIMEOUT = 1.0   # seconds close() waits for output still in the pipes
 # A worker's text is written out by whole lines, so that two workers' lines (or a worker's
 # line and the master's) do not cut into each other where a print comes through the pipe
 # in two reads (its text, then its end: ``python -u``, PYTHONUNBUFFERED); text without a
-# line's end (a prompt, a progress bar's ``\r`` line) goes out once nothing more came for
-# PARTIAL_WAIT seconds.
+# line's end (a prompt, progress dots, a ``\r`` line) is held back PARTIAL_WAIT seconds
+# at most from its first character, then goes out as it is.
 PARTIAL_WAIT = 0.05
 
 # Held around each write the relay makes in the master (a stream's write and flush, a
@@ -110,6 +110,7 @@ class _Pipe:
         self.decoder = codecs.getincrementaldecoder(ENCODING)('replace')
         self.pending = b''   # records: the bytes of a record not whole yet
         self.partial = ''    # stdout, stderr: text after the last line's end, held back
+        self.held_since = 0.0   # ... since then (time.monotonic)
 
 
 class Relay:
@@ -192,10 +193,16 @@ class Relay:
         try:
             while not self._stop:
                 held = [p for p in list(self._open.values()) if p.partial]
-                events = self._selector.select(PARTIAL_WAIT if held else None)
-                if not events:   # nothing more came: what is held back goes out
+                wait = None
+                if held:   # what is held back goes out at its time, whatever else comes
+                    now = time.monotonic()
                     for pipe in held:
-                        _write_held(pipe)
+                        if now - pipe.held_since >= PARTIAL_WAIT:
+                            _write_held(pipe)
+                    left = [p.held_since for p in held if p.partial]
+                    if left:
+                        wait = max(0.0, min(left) + PARTIAL_WAIT - now)
+                events = self._selector.select(wait)
                 for key, _ in events:
                     if self._stop:
                         break
@@ -270,9 +277,12 @@ def _deliver(pipe: _Pipe, data: bytes, final: bool = False) -> None:
             with _writing():
                 _handle_record(body)
         return
-    text = pipe.partial + pipe.decoder.decode(data, final)
+    held = pipe.partial
+    text = held + pipe.decoder.decode(data, final)
     end = len(text) if final else max(text.rfind('\n'), text.rfind('\r')) + 1
     text, pipe.partial = text[:end], text[end:]
+    if pipe.partial and (not held or end):   # held from now (a line's end went out)
+        pipe.held_since = time.monotonic()
     if text:
         with _writing():
             _write(pipe.kind, text)
