@@ -9,7 +9,8 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List
 
 import numpy
 
@@ -80,7 +81,8 @@ def load_state(iterator: Any, serializer: Any, generator: bool = True) -> None:
     Chainer deserializer."""
     if not (isinstance(iterator, chainer.iterators.MultiprocessIterator)
             and load_unshuffled_multiprocess_iterator(iterator, serializer)):
-        iterator.serialize(serializer)
+        with _standing_in(iterator, _StateReader):
+            iterator.serialize(serializer)
     if generator:
         serialize_order_rng(iterator, serializer)
 
@@ -150,32 +152,51 @@ def _capture_iterator(iterator: Any) -> Dict[str, numpy.ndarray]:
         return {key: numpy.asarray(value)
                 for key, value in multithread_iterator_state(iterator).items()}
     target: Dict[str, numpy.ndarray] = {}
-    inner = _wrapped_read_ahead(iterator)
-    for it in inner:   # while this one saves: read as for a bare one, no side effect
-        it.serialize = _StateWriter(it)
-    try:
+    with _standing_in(iterator, _StateWriter):   # read as for a bare one, no side effect
         iterator.serialize(_Copying(target))
-    finally:
-        for it in inner:
-            del it.serialize
     return target
 
 
 _READ_AHEAD = (chainer.iterators.MultiprocessIterator, chainer.iterators.MultithreadIterator)
+_WRAPPED_DEPTH = 3   # iterators within iterators looked into, at most
+_WRAPPED_ITEMS = 16  # items of a list, tuple or dict of them looked at, at most
 
 
-def _wrapped_read_ahead(iterator: Any) -> List[Any]:
+def _wrapped_read_ahead(iterator: Any, depth: int = _WRAPPED_DEPTH) -> List[Any]:
     """The ``MultiprocessIterator`` and ``MultithreadIterator`` objects an iterator of the
-    user's own holds as attributes (a wrapper that adds to each batch and saves the inner
-    one in its ``serialize``). Their ``serialize`` discards what they loaded ahead, and
-    ``MultiprocessIterator``'s draws the order anew: called through the wrapper at each
-    batch the loader reads ahead, it trained on other samples than StandardUpdater, and
-    on other samples in each run."""
-    found = []
+    user's own holds (a wrapper that adds to each batch and saves the inner one in its
+    ``serialize``; an attribute, or an item of a list, tuple or dict attribute; through
+    other iterators of the user's, a few deep). Their ``serialize`` discards what they
+    loaded ahead, and ``MultiprocessIterator``'s draws the order anew: called through the
+    wrapper at each batch the loader reads ahead, it trained on other samples than
+    StandardUpdater, and on other samples in each run."""
+    found: List[Any] = []
     for value in list(getattr(iterator, '__dict__', {}).values()):
-        if isinstance(value, _READ_AHEAD) and 'serialize' not in vars(value):
-            found.append(value)
+        items = (list(value.values()) if isinstance(value, dict) else
+                 value if isinstance(value, (list, tuple)) else [value])
+        for item in items[:_WRAPPED_ITEMS]:
+            if isinstance(item, _READ_AHEAD):
+                if 'serialize' not in vars(item) and all(item is not f for f in found):
+                    found.append(item)
+            elif depth > 1 and isinstance(item, chainer.dataset.Iterator):
+                found.extend(it for it in _wrapped_read_ahead(item, depth - 1)
+                             if all(it is not f for f in found))
     return found
+
+
+@contextlib.contextmanager
+def _standing_in(iterator: Any, kind: Any) -> Iterator[None]:
+    """While an iterator of the user's own saves or loads: each ``MultiprocessIterator``
+    or ``MultithreadIterator`` it wraps (:func:`_wrapped_read_ahead`) saves or loads
+    through ``kind`` (an instance attribute ``serialize``, removed after)."""
+    inner = [] if isinstance(iterator, _READ_AHEAD) else _wrapped_read_ahead(iterator)
+    for it in inner:
+        it.serialize = kind(it)
+    try:
+        yield
+    finally:
+        for it in inner:
+            vars(it).pop('serialize', None)
 
 
 class _StateWriter:
@@ -192,6 +213,22 @@ class _StateWriter:
                  else multithread_iterator_state(it))
         for key, value in state.items():
             serializer(key, value)
+
+
+class _StateReader:
+    """Stands for a ``MultiprocessIterator``'s ``serialize`` while an iterator that wraps
+    it is loaded: one that does not shuffle is loaded as its own ``serialize`` fails to
+    (:func:`load_unshuffled_multiprocess_iterator`); otherwise its own loads."""
+
+    def __init__(self, iterator: Any) -> None:
+        self.iterator = iterator
+
+    def __call__(self, deserializer: Any) -> None:
+        it = self.iterator
+        if not (isinstance(it, chainer.iterators.MultiprocessIterator)
+                and isinstance(deserializer, chainer.serializer.Deserializer)
+                and load_unshuffled_multiprocess_iterator(it, deserializer)):
+            type(it).serialize(it, deserializer)
 
 
 def write_state(serializer: Any, state: Dict[str, numpy.ndarray]) -> None:

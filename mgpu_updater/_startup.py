@@ -32,6 +32,7 @@ from ._loader import Loader, make_loader, plan, reads_in_caller_safely
 from ._local.group import LocalGroup, payload_factory
 from ._replica import (Replica, Scaling, copy_difference, copy_signature, kept_between_calls,
                        observers, put_back)
+from ._warning import warn
 
 
 class Settings(NamedTuple):
@@ -89,6 +90,19 @@ def start(s: Settings) -> Started:
     # main iterator where it was: the next start (an update called again) reads from there.
     # (Only a loader with a thread reads at once, and captures states anyway.)
     before = capture_state(s.iterator) if depth > 0 else None
+    if before == {}:
+        # its serialize saves nothing: what a loader reads ahead cannot be put back where
+        # the updater stops, and the iterator, used again, skips those batches
+        if s.prefetch == 'auto':
+            depth, before = 0, None   # loaded inline (loading_modes: 'none')
+        else:
+            warn(f'{type(s.iterator).__name__}.serialize() saves nothing, so the batches '
+                 f'that prefetch={s.prefetch} loads ahead cannot be put back where the '
+                 'updater stops (finalize()): the iterator, used again (trainer.run() '
+                 'again, another updater), skips them. Give serialize the position (as '
+                 "SerialIterator's saves current_position, epoch, is_new_epoch and "
+                 "order), or pass prefetch=0 (or 'auto', which then loads inline)",
+                 RuntimeWarning, stacklevel=6)
     made: List[Loader] = []   # a loader with a thread, as soon as it runs
     loader: Optional[Loader] = None
     group: Optional[Group] = None

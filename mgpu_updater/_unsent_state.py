@@ -669,6 +669,12 @@ def _same(a: Any, b: Any) -> bool:
             numpy.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
     if type(a) is float and math.isnan(a) and math.isnan(b):
         return True
+    if type(a) is list or type(a) is tuple:   # item by item: arrays among them
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if type(a) in _NAMESPACES:
+        return _same(vars(a), vars(b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an odd __eq__: count it as the same
@@ -682,15 +688,42 @@ def _copied(values: Dict[str, Any]) -> Dict[str, Any]:
     script's ``argparse`` namespace) is then told apart."""
     out = {}
     for name, value in values.items():
-        if (type(value) in _CONTAINERS and len(value) <= MAX_ITEMS
-                or type(value) is numpy.ndarray and value.size <= MAX_ITEMS
-                or type(value) in _NAMESPACES and len(vars(value)) <= MAX_ITEMS):
+        if not isinstance(value, _SCALARS) and _plain(value, 4, [MAX_ITEMS]):
             try:
                 value = copy.deepcopy(value)
             except Exception:  # noqa: BLE001 - kept as it is: compared by equality
                 pass
         out[name] = value
     return out
+
+
+_SCALARS = (int, float, complex, str, bytes, type(None), numpy.generic)
+
+
+def _plain(value: Any, depth: int, budget: List[int]) -> bool:
+    """Whether ``value`` holds only numbers, strings, small arrays of numbers and
+    containers or namespaces of those (``budget``: items, ``depth``: nesting, at most),
+    so that a copy of it is the same (:func:`_same`) while it is unchanged. A copy of any
+    other object (a class of the user's without ``__eq__``, a generator) differs from it
+    at once: such a value is kept as it is, and compared with itself."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    if isinstance(value, _SCALARS):
+        return True
+    if type(value) is numpy.ndarray:
+        return value.dtype.kind in 'biufcSU' and value.size <= MAX_ITEMS
+    if depth == 0:
+        return False
+    if type(value) in _NAMESPACES:
+        items: Any = vars(value).values()
+    elif type(value) is dict:
+        items = list(value) + list(value.values())
+    elif type(value) in _CONTAINERS:
+        items = value
+    else:
+        return False
+    return all(_plain(item, depth - 1, budget) for item in items)
 
 
 class _Unset:

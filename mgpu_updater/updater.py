@@ -1074,6 +1074,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if states is not None:
             _checkpoint.keep_positions(main, self._worker_iterators, states)
             _positions.put_back(self._worker_iterators)
+            for rank, it in enumerate(self._worker_iterators, start=1):
+                if states.get(rank) == {}:   # nothing came back: warned at a start
+                    _positions.lost([it], f'its serialize() ({type(it).__name__}) saves '
+                                          'nothing, so its position could not come back '
+                                          "from the worker process (give serialize the "
+                                          "position, as SerialIterator's saves "
+                                          'current_position, epoch, is_new_epoch and order)')
         if interrupted is not None:
             raise interrupted
 

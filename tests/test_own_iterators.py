@@ -127,7 +127,7 @@ class _Minimal(chainer.dataset.Iterator):
         return batch
 
 
-@pytest.mark.parametrize('n, prefetch', [(2, 'auto'), (1, 2)])
+@pytest.mark.parametrize('n, prefetch', [(2, 'auto'), (1, 0)])
 def test_an_iterator_without_epoch_detail_trains_as_under_standard_updater(n, prefetch):
     """It failed at the first update with a bare AttributeError from the loader, where
     StandardUpdater trains (and raises only where epoch_detail is asked for)."""
@@ -141,5 +141,47 @@ def test_an_iterator_without_epoch_detail_trains_as_under_standard_updater(n, pr
         with pytest.raises(AttributeError, match="'_Minimal' object has no attribute "
                                                  "'epoch_detail'"):
             updater.epoch_detail   # as StandardUpdater's, read from the iterator
+    finally:
+        updater.finalize()
+
+
+def test_an_iterator_that_saves_nothing_is_not_read_ahead_by_default():
+    """Its serialize saves nothing (Chainer's Iterator's own): batches loaded ahead could
+    not be put back where the updater stopped, so the iterator, used again, skipped them.
+    prefetch='auto' loads it inline; a prefetch asked for says so."""
+    model = classifier(seed=3)
+    its = [_Minimal(dataset(48, seed=0), 4)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'])
+    try:
+        run_updates(updater, model, 3)
+        assert updater.loading_modes == ['none']
+    finally:
+        updater.finalize()
+    assert its[0].position == 12   # three batches used, none read ahead
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"^_Minimal\.serialize\(\) saves nothing, so "
+                                                r'the batches that prefetch=2 loads ahead'):
+            run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+
+
+def test_a_workers_iterator_that_saves_nothing_is_named_when_it_is_read_again():
+    """Its position could not come back from the worker process: a restart (trainer.run()
+    again) read its shard from where it stood at the start again, silently."""
+    model = classifier(seed=3)
+    its = [_Minimal(dataset(48, seed=r), 4) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2, prefetch=0)
+    try:
+        run_updates(updater, model, 2)
+        updater.finalize()
+        with pytest.warns(RuntimeWarning, match=r"iterator 1 \(worker 1's\) may not stand "
+                                                r'where its replica stopped reading: its '
+                                                r'serialize\(\) \(_Minimal\) saves nothing'):
+            run_updates(updater, model, 1)
     finally:
         updater.finalize()

@@ -261,8 +261,23 @@ class _Wraps(chainer.dataset.Iterator):
         self.inner.finalize()
 
 
-@pytest.mark.parametrize('kind', ['multiprocess', 'multithread'])
-def test_capturing_an_iterator_that_wraps_one_reading_ahead_leaves_its_batches_alone(kind):
+class _WrapsInAList(_Wraps):
+    """The same, holding the inner one in a list (one of several sources)."""
+
+    def __init__(self, inner):
+        self.sources = [inner]
+
+    inner = property(lambda self: self.sources[0])
+
+    def serialize(self, serializer):
+        self.sources[0].serialize(serializer['inner'])
+
+
+@pytest.mark.parametrize('kind, wrap', [
+    ('multiprocess', _Wraps), ('multithread', _Wraps),
+    ('multiprocess', lambda it: _Wraps(_Wraps(it))), ('multiprocess', _WrapsInAList)])
+def test_capturing_an_iterator_that_wraps_one_reading_ahead_leaves_its_batches_alone(
+        kind, wrap):
     """The loader captures the wrapper's state before each batch it loads ahead, and the
     wrapper's serialize called the inner one's, which discards what it loaded ahead and
     (MultiprocessIterator) drew the order anew: the run read other samples than the
@@ -276,19 +291,49 @@ def test_capturing_an_iterator_that_wraps_one_reading_ahead_leaves_its_batches_a
                  if kind == 'multiprocess' else
                  chainer.iterators.MultithreadIterator(data, 3, n_threads=2,
                                                        order_sampler=sampler))
-        it = _Wraps(inner)
+        it = wrap(inner)
         seen = []
         try:
             for _ in range(12):   # into the fourth epoch
                 if capture:
                     state = capture_state(it)
-                    assert int(state['inner/current_position']) == it.inner.current_position
+                    assert int(next(v for k, v in state.items()
+                                    if k.endswith('current_position'))) == \
+                        inner.current_position
                 seen.append(sorted(float(x[0]) for x, _ in it.next()))
         finally:
             it.finalize()
         assert 'serialize' not in vars(inner)   # its own method again
         runs.append(seen)
     assert runs[1] == runs[0]
+
+
+def test_an_iterator_that_wraps_a_multiprocess_one_without_shuffle_is_set_back():
+    """Chainer's MultiprocessIterator without shuffle cannot load its own state (its
+    serialize copies an order it does not have): through a wrapper, setting it back where
+    the loader had read ahead raised at finalize() and left it read ahead."""
+    model, reference_model = classifier(seed=4), classifier(seed=4)
+    its = [_Wraps(chainer.iterators.MultiprocessIterator(dataset(20, seed=3), 4,
+                                                         n_processes=1, shuffle=False))]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2)
+    try:
+        for _ in range(3):
+            updater.update()
+    finally:
+        updater.finalize()
+    try:
+        assert its[0].epoch_detail == pytest.approx(12 / 20)   # where the last batch left it
+        reference = chainer.training.updaters.StandardUpdater(
+            chainer.iterators.SerialIterator(dataset(20, seed=3), 4, shuffle=False),
+            setup_optimizer('sgd', reference_model))
+        for _ in range(3):
+            reference.update()
+        for (name, ours), (_, theirs) in zip(sorted(model.namedparams()),
+                                             sorted(reference_model.namedparams())):
+            np.testing.assert_array_equal(ours.array, theirs.array, err_msg=name)
+    finally:
+        its[0].finalize()
 
 
 @pytest.mark.parametrize('prefetch', [2, 'auto'])

@@ -578,12 +578,43 @@ def _set_scale(args):
     args.scale = 3.0
 
 
+def _set_class_weight(args):
+    args.class_weight[1] = 3.0
+
+
+class _Options:
+    """An object of the script's own, without __eq__ (a copy of it differs from it)."""
+
+    def __init__(self, depth):
+        self.depth = depth
+
+
+def test_an_unchanged_config_entry_holding_objects_of_the_users_is_not_named():
+    """The watch compared a copy of a namespace or dict with the live one: an object of
+    the script's own in it (no __eq__), a generator, compared unequal at once."""
+    model = Annealed()
+    try:
+        chainer.global_config.mgpu_test_args = argparse.Namespace(
+            lr=0.1, opts=_Options(3), rng=np.random.RandomState(0))
+        chainer.global_config.mgpu_test_table = {'opts': _Options(2), 'n': 1}
+        watch = UnsentState({'model': model})
+        for _ in range(3):
+            watch._next = 0.0
+            assert _update(watch) == '' and _update(watch) == ''
+        assert _caught(watch.finish) == ''
+    finally:
+        delattr(chainer.global_config, 'mgpu_test_args')
+        delattr(chainer.global_config, 'mgpu_test_table')
+
+
 @pytest.mark.parametrize('value, change, said', [
     (np.ones(3, np.float32), _set_weight, 'an array (3,) float32 -> an array (3,) float32'),
     (argparse.Namespace(scale=1.0), _set_scale,
      'Namespace(scale=1.0) -> Namespace(scale=3.0)'),
     (types.SimpleNamespace(scale=1.0), _set_scale,
      'namespace(scale=1.0) -> namespace(scale=3.0)'),
+    (argparse.Namespace(lr=0.1, class_weight=np.ones(3)), _set_class_weight,
+     'Namespace(lr=0.1, class_weight=array(... -> Namespace(lr=0.1, class_weight=array(...'),
 ])
 def test_an_array_or_namespace_in_config_changed_in_place_is_named(value, change, said):
     """Class weights kept in chainer.config as an array, or the script's argparse
