@@ -1047,10 +1047,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             if self._positions_lost is not None:
                 _positions.lost(self._worker_iterators,
                                 f'the updater that read it stopped: {self._positions_lost}')
-        # the main iterator as of the last batch used, where the loader read further
-        # (taken as it read: the iterator's serialize is not called here, so that
-        # nothing keeps the replicas from stopping)
-        used = self._loader.read_ahead_state() if self._loader is not None else None
+        loader = self._loader
         try:
             group.close(abort=abort)
             if not isinstance(group, ClosedGroup):
@@ -1061,10 +1058,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 binding.restore()
             # forgotten first: a second Ctrl-C in the loader's bounded wait for its
             # thread left it recorded, closed, and every later update raised
-            loader, self._loader, self._replica = self._loader, None, None
+            self._loader, self._replica = None, None
             self._finalized = True
             if loader is not None:
                 loader.close()
+        # the main iterator as of the last batch used, where the loader read further: its
+        # thread stopped (no read between this look and its stop), the state taken as it
+        # read (the iterator's serialize is not called before the replicas stop)
+        used = loader.read_ahead_state() if loader is not None else None
         # Every iterator the master holds where its replica was (what StandardUpdater's
         # would be): a snapshot taken now, or another updater built on them, reads them.
         # (The one the replica read, where another was put in updater._iterators since.)
