@@ -627,7 +627,9 @@ def test_two_replica_floor_runs_both_processes_in_lockstep(tmp_path):
     result = json.loads((tmp_path / 'two_replica_floor_block4.json').read_text())
     assert result['rounds'] == 20 and result['floor_ms'] > 0 and result['standard_ms'] > 0
     assert (result['block'], result['untimed']) == (4, 2)
-    assert result['ours_ms'] > 0 and result['ours_loading'] == ['inline', 'inline']
+    # past prefetch='auto''s trial: decided, each way as the machine's load made it
+    assert result['ours_ms'] > 0 and len(result['ours_loading']) == 2
+    assert all(mode in ('inline', 'ahead') for mode in result['ours_loading'])
     assert result['ratio_q05'] <= result['ratio_median'] <= result['ratio_q95']
     assert list(result['ratios']) == ['floor/standard', 'ours/standard', 'ours/floor']
     for r in result['ratios'].values():
