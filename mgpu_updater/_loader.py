@@ -74,6 +74,21 @@ class Batch(NamedTuple):
     reports: Optional[Dict[str, Any]] = None   # what its loading reported (_LoadReports)
 
 
+class _LoadReporter(chainer.Reporter):
+    """The reporter current while a batch loads: it knows the model and its links only."""
+
+    def report(self, values: Dict[str, Any], observer: Any = None) -> None:
+        try:
+            super().report(values, observer)
+        except KeyError as exc:
+            raise KeyError(
+                f'chainer.report({sorted(values)!r}, observer) while a batch loads (the '
+                'iterator, its dataset or the converter): that observer is neither the '
+                'model nor one of its links, the only observers known where batches load '
+                '(a loader thread, a worker process). Report with the model or one of '
+                'its links as the observer, or with none') from exc
+
+
 class _LoadReports:
     """What the iterator, its dataset and the converter report (``chainer.report``) while
     a batch loads, kept with the batch: the replica reports it with that micro-batch's
@@ -91,7 +106,7 @@ class _LoadReports:
     def begin(self) -> Tuple[Any, Dict[str, Any], Any]:
         reporter = getattr(self._local, 'reporter', None)
         if reporter is None:
-            reporter = self._local.reporter = chainer.Reporter()
+            reporter = self._local.reporter = _LoadReporter()
             if self._observe is not None:
                 self._observe(reporter)
         observation: Dict[str, Any] = {}

@@ -109,3 +109,22 @@ def test_a_report_while_loading_a_check_of_the_cut_is_not_the_updates():
     finally:
         updater.finalize()
     assert [float(obs['tokens']) for obs in got] == [8.0, 8.0]
+
+
+def test_a_report_through_an_observer_the_model_does_not_hold_says_so():
+    """Chainer's reporter raises a bare KeyError ('Given observer is not registered');
+    where batches load only the model and its links are known."""
+    model = classifier()
+    stranger = chainer.links.Linear(2, 2)
+
+    def convert(batch, device=None):
+        chainer.report({'tokens': float(len(batch))}, stranger)
+        return chainer.dataset.concat_examples(batch, device)
+    updater = ParallelAccumulatingUpdater(_iterators(1, 4), setup_optimizer('sgd', model),
+                                          devices=['@numpy'], prefetch=2, converter=convert)
+    try:
+        with pytest.raises(KeyError, match=r"that observer is neither the model nor one of "
+                                           r'its links'):
+            run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
