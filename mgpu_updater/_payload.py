@@ -76,8 +76,11 @@ class _Pickler(cloudpickle.Pickler):
             # worker's traceback through the script's own functions then showed neither
             # the script nor its lines. marshal keeps every field (the worker runs this
             # same Python), nested code too.
+            # Version 2: no references (3 and up mark a constant by whether anything
+            # else holds it at the time, a graph's node its tuple: the bytes of the same
+            # code then differed, and the watch of unsent values named it as changed).
             try:
-                return marshal.loads, (marshal.dumps(obj),)
+                return marshal.loads, (marshal.dumps(obj, 2),)
             except ValueError:   # a constant marshal cannot write (code built by hand)
                 pass
         if isinstance(obj, MultiprocessIterator):

@@ -589,6 +589,25 @@ class _Options:
         self.depth = depth
 
 
+def test_a_lambda_whose_constant_something_else_holds_for_a_while_is_not_named():
+    """chainercv's ResNet pools with ``lambda x: F.average(x, axis=(2, 3))``: a graph's
+    node held the tuple for a while, and marshal (version 3 and up) marks a constant by
+    whether anything else holds it, so the bytes of the unchanged code differed."""
+    model = Annealed()
+    namespace = {}
+    exec(compile('pool = lambda x: (x, (7, 9))', '<script>', 'exec'), namespace)
+    model.pool = namespace['pool']
+    watch = UnsentState({'model': model})
+    _update(watch)
+    held = [c for c in model.pool.__code__.co_consts if isinstance(c, tuple)]
+    watch._next = 0.0
+    assert _update(watch) == '' and _update(watch) == ''
+    del held
+    watch._next = 0.0
+    assert _update(watch) == '' and _update(watch) == ''
+    assert _caught(watch.finish) == ''
+
+
 def test_an_unchanged_config_entry_holding_objects_of_the_users_is_not_named():
     """The watch compared a copy of a namespace or dict with the live one: an object of
     the script's own in it (no __eq__), a generator, compared unequal at once."""
