@@ -24,7 +24,7 @@ and that no other module of the package uses these names.
 | `cuda._resolution_error` | _cuda | chainer/backends/cuda.py:77-78, 133-134 | none (g) |
 | `@static_graph`'s wrapper, its schedules and how its backward sets gradients | _replica, _unsent_state | chainer/graph_optimizations/static_graph.py:667-669, 914-918, 1274-1275, 1308-1317 | none |
 | reporter's "not registered" KeyError | _replica, updater | chainer/reporter.py:172-173 | none |
-| `reporter._observer_names` | updater | chainer/reporter.py:82, 131, 144 | none |
+| `reporter._observer_names` | updater, _loader | chainer/reporter.py:82, 131, 144 | none |
 | Link metaclass `type(DeviceResident)` | _payload | chainer/utils/meta.py:78 | none (h) |
 | `SubDataset._dataset`, `._start`, `._order`; `TupleDataset._datasets`; `DictDataset._datasets`; `TransformDataset._dataset`, `._transform` | _iterators | chainer/datasets/sub_dataset.py:50-59, 64-76; chainer/datasets/tuple_dataset.py:38, 41-48; chainer/datasets/dict_dataset.py:27, 30-38; chainer/datasets/transform_dataset.py:44-45, 50-52 | none (i) |
 
@@ -496,6 +496,12 @@ def observer_names(reporter: chainer.Reporter) -> Set[str]:
     """The names ``reporter`` gives its observers: ``reporter._observer_names``' values
     (chainer/reporter.py:82, 131, 144)."""
     return set(reporter._observer_names.values())
+
+
+def observer_name(reporter: chainer.Reporter, observer: Any) -> Optional[str]:
+    """The name ``reporter`` gives ``observer``, or None where it was not given it:
+    ``reporter._observer_names`` (chainer/reporter.py:82, 131, 144), read only."""
+    return reporter._observer_names.get(id(observer))
 
 
 def is_unregistered_observer_error(exc: BaseException) -> bool:

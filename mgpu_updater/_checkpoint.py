@@ -95,6 +95,13 @@ def restore_state(iterator: Any, state: Dict[str, numpy.ndarray],
     load_state(iterator, NpzDeserializer(state), generator)
 
 
+def saves_nothing(state: Dict[str, Any]) -> bool:
+    """Whether a state :func:`capture_state` gave back holds nothing of the iterator's
+    own: its ``serialize`` saved nothing (the generator of its order sampler, which
+    :func:`serialize_order_rng` adds, aside)."""
+    return all(key.startswith('order_sampler_rng/') for key in state)
+
+
 def same_state(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     """Whether two states :func:`capture_state` gave back are equal."""
     return a.keys() == b.keys() and all(numpy.array_equal(a[k], b[k]) for k in a)

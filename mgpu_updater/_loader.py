@@ -45,7 +45,7 @@ import numpy
 import chainer
 from chainer.dataset import convert
 
-from ._chainer_private import call_converter
+from ._chainer_private import call_converter, observer_name
 from ._checkpoint import capture_state
 from ._chunks import NotCallableAside
 from ._functions import cell_is_set, global_names
@@ -75,18 +75,31 @@ class Batch(NamedTuple):
 
 
 class _LoadReporter(chainer.Reporter):
-    """The reporter current while a batch loads: it knows the model and its links only."""
+    """The reporter current while a batch loads: it knows the model and its links, and
+    where the master loads, the observers of the reporter the update ran under (the
+    Trainer's: ``trainer.reporter.add_observer('aux', link)``), as of the last update
+    (:attr:`_LoadReports.outer`)."""
+
+    def __init__(self, loads: '_LoadReports') -> None:
+        super().__init__()
+        self._loads = loads
 
     def report(self, values: Dict[str, Any], observer: Any = None) -> None:
         try:
             super().report(values, observer)
+            return
         except KeyError as exc:
-            raise KeyError(
-                f'chainer.report({sorted(values)!r}, observer) while a batch loads (the '
-                'iterator, its dataset or the converter): that observer is neither the '
-                'model nor one of its links, the only observers known where batches load '
-                '(a loader thread, a worker process). Report with the model or one of '
-                'its links as the observer, or with none') from exc
+            outer = self._loads.outer
+            name = None if outer is None else observer_name(outer, observer)
+            if name is None:
+                raise KeyError(
+                    f'chainer.report({sorted(values)!r}, observer) while a batch loads '
+                    '(the iterator, its dataset or the converter): that observer is '
+                    "neither the model nor one of its links, nor one the Trainer's "
+                    'reporter was given, the only observers known where batches load (a '
+                    "worker process knows the model's alone). Report with the model or "
+                    'one of its links as the observer, or with none') from exc
+        self.observation.update({f'{name}/{key}': value for key, value in values.items()})
 
 
 class _LoadReports:
@@ -99,14 +112,16 @@ class _LoadReports:
     per loading thread, naming the model and its links as the replica's does
     (``observe``), so that ``chainer.report(values, model)`` names its keys alike."""
 
-    def __init__(self, observe: Optional[Callable[[Any], None]]) -> None:
+    def __init__(self, observe: Optional[Callable[[Any], None]], outer: Any = None) -> None:
         self._observe = observe
         self._local = threading.local()
+        #: the reporter current where the master's update ran (set at each), or None
+        self.outer: Any = outer
 
     def begin(self) -> Tuple[Any, Dict[str, Any], Any]:
         reporter = getattr(self._local, 'reporter', None)
         if reporter is None:
-            reporter = self._local.reporter = _LoadReporter()
+            reporter = self._local.reporter = _LoadReporter(self)
             if self._observe is not None:
                 self._observe(reporter)
         observation: Dict[str, Any] = {}
@@ -153,11 +168,12 @@ class Loader:
 
     def __init__(self, iterator: Any, converter: Callable, device: Any,
                  keep_examples: bool = False,
-                 observe: Optional[Callable[[Any], None]] = None) -> None:
+                 observe: Optional[Callable[[Any], None]] = None,
+                 reports_under: Any = None) -> None:
         self.iterator = iterator
         self.converter = converter
         self.device = device
-        self._reports = _LoadReports(observe)
+        self._reports = _LoadReports(observe, reports_under)
         #: what the converter is given as its device: the replica's, as StandardUpdater
         #: gives it, except that Chainer's own concat_examples on the CPU gets None, for
         #: which it returns the same arrays without a transfer per array (four calls each)
@@ -249,6 +265,11 @@ class Loader:
     def state(self) -> Dict[str, numpy.ndarray]:
         return capture_state(self.iterator)
 
+    def reports_under(self, reporter: Any) -> None:
+        """The reporter the master's update runs under (the Trainer's): what loading
+        reports through an observer it was given is named as it names it."""
+        self._reports.outer = reporter
+
     def read_ahead_state(self) -> Optional[Dict[str, numpy.ndarray]]:
         """The iterator's state as of the last batch handed out, where the loader has
         read further (None: it has not, the iterator is there), taken when it read."""
@@ -306,8 +327,9 @@ class Prefetcher(Loader):
     def __init__(self, iterator: Any, converter: Callable, device: Any, depth: int,
                  gated: bool = False, load_here: bool = True, trial: Any = None,
                  keep_examples: bool = False, made: Optional[List[Loader]] = None,
-                 observe: Optional[Callable[[Any], None]] = None) -> None:
-        super().__init__(iterator, converter, device, keep_examples, observe)
+                 observe: Optional[Callable[[Any], None]] = None,
+                 reports_under: Any = None) -> None:
+        super().__init__(iterator, converter, device, keep_examples, observe, reports_under)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
         self.load_here = load_here
@@ -917,14 +939,17 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
 def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
                 gated: bool = False, load_here: bool = True, trial: bool = False,
                 keep_examples: bool = False, made: Optional[List[Loader]] = None,
-                observe: Optional[Callable[[Any], None]] = None) -> Loader:
+                observe: Optional[Callable[[Any], None]] = None,
+                reports_under: Any = None) -> Loader:
     """The loader of ``depth`` (0: inline); one with a thread of its own is put in
     ``made`` as soon as that thread runs, for the caller to close should it be
     interrupted before it holds the loader. ``observe`` names the observers of the
-    reporter that takes what loading reports (the replica's model: :class:`_LoadReports`)."""
+    reporter that takes what loading reports (the replica's model: :class:`_LoadReports`),
+    ``reports_under`` is the reporter the master's update runs under (see
+    :meth:`Loader.reports_under`)."""
     if depth <= 0:
-        return Loader(iterator, converter, device, keep_examples, observe)
+        return Loader(iterator, converter, device, keep_examples, observe, reports_under)
     from ._load_trial import LoadTrial
     return Prefetcher(iterator, converter, device, depth, gated=gated, load_here=load_here,
                       trial=LoadTrial() if trial else None, keep_examples=keep_examples,
-                      made=made, observe=observe)
+                      made=made, observe=observe, reports_under=reports_under)

@@ -434,7 +434,9 @@ class Replica:
         if self._set_by_backward and (accumulate_steps > 1 or splits(chunking)):
             _refuse_tied_across_static(model, name)
         self.reporter = chainer.Reporter()
-        self.loaded_reports: Optional[Dict[str, Any]] = None   # (direct_window)
+        #: where :meth:`direct_window` reports what loading its batch reported, before
+        #: the model reports (the updater's, which names the keys): None, nowhere
+        self.publish_loaded: Optional[Callable[[Dict[str, Any]], None]] = None
         observers(self.reporter, model)
         #: several replicas: what the forward made once, looked at over its first windows
         self._made_once: Optional[Seen] = None
@@ -540,12 +542,10 @@ class Replica:
                 size = batch.size
                 if size > largest:
                     largest = size
-                if batch.reports:   # the iterator's, the dataset's, the converter's
-                    for key, value in batch.reports.items():
-                        if isinstance(value, chainer.Variable):
-                            value = value.array
-                        terms.append((key, value, size))
-                        weights[key] = weights.get(key, 0.0) + size
+                # what loading it reported (the iterator, the dataset, the converter):
+                # in its first piece's values, where the model's of the same name win, as
+                # they do under StandardUpdater (the converter reports first)
+                from_loading = batch.reports
                 if chunk is None or chunk >= size:
                     pieces: Any = ((size, batch.arrays),)
                 else:
@@ -556,7 +556,8 @@ class Replica:
                         self.loader.keep_examples = False
                     pieces = split(batch.arrays, size, chunk)
                 for size, arrays in pieces:
-                    observation: Dict[str, Any] = {}
+                    observation: Dict[str, Any] = dict(from_loading) if from_loading else {}
+                    from_loading = None
                     reporter.observation = observation
                     if cleared:   # a call before this one in the window
                         if self._carried is not None and first_stored is None:
@@ -675,12 +676,10 @@ class Replica:
             raise RuntimeError(f'{self.name}: {exc}') from exc
         loaded = clock()
         if batch is None:
-            self.loaded_reports = None
             self.model.cleargrads()   # no micro-batch: no gradient
             return 0, 0.0, None, loaded - start, 0.0
-        #: what loading it reported (the iterator, the dataset, the converter), for the
-        #: caller to report with the model's values
-        self.loaded_reports = batch.reports
+        if batch.reports and self.publish_loaded is not None:
+            self.publish_loaded(batch.reports)   # first: the model's of a name win
         arrays = batch.arrays
         func = self.loss_func
         if isinstance(arrays, tuple):

@@ -24,7 +24,7 @@ import chainer
 from . import _inherit, _loss_binding, _module_globals
 from ._chainer_private import (call_converter, persistent_slots, persistent_value,
                                prepare_spectral_norms, set_persistent)
-from ._checkpoint import capture_state, set_back
+from ._checkpoint import capture_state, saves_nothing, set_back
 from ._chunks import Chunking, splits
 from ._flat_buffers import ModelLayouts
 from ._groups import Group, SoloGroup
@@ -90,7 +90,7 @@ def start(s: Settings) -> Started:
     # main iterator where it was: the next start (an update called again) reads from there.
     # (Only a loader with a thread reads at once, and captures states anyway.)
     before = capture_state(s.iterator) if depth > 0 else None
-    if before == {}:
+    if before is not None and saves_nothing(before):
         # its serialize saves nothing: what a loader reads ahead cannot be put back where
         # the updater stops, and the iterator, used again, skips those batches
         if s.prefetch == 'auto':
@@ -111,7 +111,8 @@ def start(s: Settings) -> Started:
         loader = make_loader(s.iterator, s.converter, master_device, depth, gated,
                              trial=trial, load_here=reads_in_caller_safely(s.iterator),
                              keep_examples=splits(chunking(s, own_index)), made=made,
-                             observe=functools.partial(observers, model=s.model))
+                             observe=functools.partial(observers, model=s.model),
+                             reports_under=_current_reporter())
         if len(s.devices) > 1 or s.communicator is not None or s.pipelined:
             # several replicas must start alike; one (stepping now) initialises them in
             # its first window, as StandardUpdater does
@@ -161,6 +162,13 @@ def start(s: Settings) -> Started:
             if group is not None:   # its workers started: stopped, their memory released
                 group.close(abort=True)
         raise
+
+
+def _current_reporter() -> Optional[chainer.Reporter]:
+    try:
+        return chainer.reporter.get_current_reporter()
+    except IndexError:   # none is current
+        return None
 
 
 def scaling(s: Settings, iterator: Any, nominal_samples: float) -> Scaling:
@@ -284,6 +292,15 @@ def _refuse_shared(model: chainer.Link, replica: chainer.Link) -> None:
                 'copy the link (drop the __deepcopy__), or return a deep copy from it')
 
 
+class _Discarding(chainer.Reporter):
+    """Current while the lazy-parameter pass runs: it is no update, so nothing it reports
+    (the dataset's reads, the converter, the model, through any observer) is kept (the
+    reads and the converter reported into the update that followed)."""
+
+    def report(self, values: Any, observer: Any = None) -> None:
+        pass
+
+
 def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
                            iterator: Any, converter: Callable, device: Any) -> bool:
     """Initialise parameters Chainer creates on the first call (``L.Linear(None, n)``)
@@ -307,22 +324,23 @@ def initialize_lazy_params(model: chainer.Link, loss_func: Optional[Callable],
         return False
     dataset = getattr(iterator, 'dataset', None)
     size = getattr(iterator, 'batch_size', 1) or 1
-    if dataset is not None and len(dataset) > 0:
-        what = f'the first {min(size, len(dataset))} samples of the dataset'
-        batch = [dataset[i] for i in range(min(size, len(dataset)))]
-    else:
-        what = 'the first batch of a copy of the iterator'
-        batch = copy.deepcopy(iterator).next()
+    reporter = _Discarding()   # what the reads, the converter and the model report here
+    with reporter.scope({}):
+        if dataset is not None and len(dataset) > 0:
+            what = f'the first {min(size, len(dataset))} samples of the dataset'
+            batch = [dataset[i] for i in range(min(size, len(dataset)))]
+        else:
+            what = 'the first batch of a copy of the iterator'
+            batch = copy.deepcopy(iterator).next()
     values = [(owner, name, persistent_value(owner, name))
               for _, owner, name in persistent_slots(model)]
     saved = [(owner, name, copy.deepcopy(value)) for owner, name, value in values
              if value is not None]
     func = loss_func if loss_func is not None else model
     state = kept_between_calls(model, loss_func, copies=True)
-    reporter = chainer.Reporter()   # what the model reports here is thrown away
-    observers(reporter, model)
     try:
-        arrays = call_converter(converter, batch, device)
+        with reporter.scope({}):
+            arrays = call_converter(converter, batch, device)
         # without @static_graph's schedule, which holds what cannot be copied (modules,
         # weak references): each replica builds its own at its first training call
         with chainer.using_config('train', False), \

@@ -669,6 +669,8 @@ def _same(a: Any, b: Any) -> bool:
             numpy.array_equal(a, b, equal_nan=a.dtype.kind in 'fc'))
     if type(a) is float and math.isnan(a) and math.isnan(b):
         return True
+    if isinstance(a, numpy.inexact) and numpy.isnan(a) and numpy.isnan(b):
+        return True   # (numpy.float32('nan'))
     if type(a) is list or type(a) is tuple:   # item by item: arrays among them
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if type(a) is dict:

@@ -435,6 +435,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 raise
             raise better from exc
         self._loader, self._replica, self._group, self._nominal_samples = started
+        self._replica.publish_loaded = self._publish_loaded
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main
         # thread and its loader's thread take share 0
@@ -585,6 +586,10 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._replica is None:
             self._start()
         self._loader.resume()
+        try:   # what loading reports through an observer the Trainer's reporter knows
+            self._loader.reports_under(chainer.reporter.get_current_reporter())
+        except IndexError:   # none is current
+            self._loader.reports_under(None)
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
         # This runs every update: where the host decides the speed, each call here is time
@@ -724,8 +729,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self.last_times = times
         self.last_replica_times = [{'data': data, 'compute': compute}]
         self.loading_modes = [self._replica.loader.mode]
-        loaded = self._replica.loaded_reports
-        self._publish(dict(loaded) if loaded else {}, times)
+        self._publish({}, times)
 
     def _on_step(self, fresh: '_step.GradientStep') -> None:
         """This update's gradient is in the model: step on what is due now."""
@@ -875,6 +879,16 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self.last_replica_times = [r.times for r in results]
             self.loading_modes = [r.loading for r in results]
         self._publish(observation, times)
+
+    def _publish_loaded(self, values: Dict[str, Any]) -> None:
+        """What loading a batch reported (the iterator, the dataset, the converter), into
+        the reporter current now, named as it names the model: a one-device window's,
+        whose model reports there after it, as under StandardUpdater."""
+        try:
+            reporter = chainer.reporter.get_current_reporter()
+        except IndexError:   # none is current: chainer.report would do nothing either
+            return
+        reporter.report(self._named(values, reporter))
 
     def _publish(self, observation: Dict[str, Any], times: Dict[str, float]) -> None:
         """Report the update's ``observation``, with its ``times`` (``report_times``) and
@@ -1076,12 +1090,14 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             _checkpoint.keep_positions(main, self._worker_iterators, states)
             _positions.put_back(self._worker_iterators)
             for rank, it in enumerate(self._worker_iterators, start=1):
-                if states.get(rank) == {}:   # nothing came back: warned at a start
+                state = states.get(rank)
+                if state is not None and _checkpoint.saves_nothing(state):
+                    # nothing came back: warned at a start
                     _positions.lost([it], f'its serialize() ({type(it).__name__}) saves '
-                                          'nothing, so its position could not come back '
-                                          "from the worker process (give serialize the "
-                                          "position, as SerialIterator's saves "
-                                          'current_position, epoch, is_new_epoch and order)')
+                                    'nothing, so its position could not come back from '
+                                    'the worker process (give serialize the position, as '
+                                    "SerialIterator's saves current_position, epoch, "
+                                    'is_new_epoch and order)')
         if interrupted is not None:
             raise interrupted
 

@@ -128,3 +128,93 @@ def test_a_report_through_an_observer_the_model_does_not_hold_says_so():
             run_updates(updater, model, 2)
     finally:
         updater.finalize()
+
+
+class _ReportsN(chainer.Chain):
+    """Reports ``n`` itself, after the converter did (as StandardUpdater's update runs
+    them): the model's value of a name wins."""
+
+    def __init__(self):
+        super().__init__()
+        with self.init_scope():
+            self.l = chainer.links.Linear(5, 3)
+
+    def forward(self, x, t):
+        chainer.report({'n': 100.0}, self)
+        return chainer.functions.softmax_cross_entropy(self.l(x), t)
+
+
+@pytest.mark.parametrize('n, k, kwargs', [
+    (1, 1, {}), (1, 1, {'prefetch': 0}), (1, 2, {}), (2, 1, {}), (1, 1, {'pipelined': True})])
+def test_the_models_value_of_a_name_wins_over_the_converters(n, k, kwargs):
+    model = _ReportsN()
+
+    def convert(batch, device=None):
+        chainer.report({'n': float(len(batch))}, model)
+        chainer.report({'tokens': float(len(batch))})
+        return chainer.dataset.concat_examples(batch, device)
+    updater = ParallelAccumulatingUpdater(_iterators(n, 4), setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * n, accumulate_steps=k,
+                                          converter=convert, **kwargs)
+    try:
+        got = run_updates(updater, model, 3)
+    finally:
+        updater.finalize()
+    # (pipelined: no step at the first update, its reports all the same)
+    assert [float(obs['main/n']) for obs in got] == [100.0] * 3
+    assert [float(obs['tokens']) for obs in got] == [4.0] * 3
+
+
+def test_an_observer_the_trainers_reporter_was_given_names_the_key_as_there():
+    """``trainer.reporter.add_observer('aux', link)``, a converter reporting through that
+    link: StandardUpdater logs ``aux/tokens``."""
+    model = classifier()
+    aux = chainer.links.Linear(2, 2)
+
+    def convert(batch, device=None):
+        chainer.report({'tokens': float(len(batch))}, aux)
+        return chainer.dataset.concat_examples(batch, device)
+    for prefetch, k in ((0, 1), (2, 1), (2, 2)):
+        updater = ParallelAccumulatingUpdater(
+            _iterators(1, 4), setup_optimizer('sgd', model), devices=['@numpy'],
+            prefetch=prefetch, accumulate_steps=k, converter=convert)
+        trainer_like = chainer.Reporter()
+        trainer_like.add_observer('main', model)
+        trainer_like.add_observer('aux', aux)
+        try:
+            for _ in range(3):
+                observation = {}
+                with trainer_like.scope(observation):
+                    updater.update()
+                assert float(observation['aux/tokens']) == 4.0, (prefetch, k)
+        finally:
+            updater.finalize()
+
+
+class _LazyCounted(_Counted):
+    def get_example(self, i):
+        chainer.report({f'read_{i}': 1.0})
+        return self.base[i]
+
+
+def test_the_lazy_parameter_pass_reports_nothing_into_the_first_update():
+    """The pass that initialises lazy parameters reads the first samples of the dataset
+    and converts them outside any update: what those reads reported landed in update 1."""
+    model = chainer.links.Classifier(chainer.links.Linear(None, 3))
+    def backwards(order, position):   # the first batch: samples 23 to 20
+        return np.arange(24)[::-1]
+    its = [chainer.iterators.SerialIterator(_LazyCounted(dataset(24, seed=r)), 4,
+                                            order_sampler=backwards) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
+                                          devices=['@numpy'] * 2)
+    try:
+        trainer_like = chainer.Reporter()
+        trainer_like.add_observer('main', model)
+        observation = {}
+        with trainer_like.scope(observation):
+            updater.update()
+    finally:
+        updater.finalize()
+    # the first update's batch, on either replica; the pass read samples 0 to 3
+    assert sorted(k for k in observation if k.startswith('read_')) == [
+        f'read_{i}' for i in range(20, 24)]

@@ -145,12 +145,22 @@ def test_an_iterator_without_epoch_detail_trains_as_under_standard_updater(n, pr
         updater.finalize()
 
 
-def test_an_iterator_that_saves_nothing_is_not_read_ahead_by_default():
+class _MinimalWithASampler(_Minimal):
+    """Saves nothing either, but holds an order sampler with a generator of its own, whose
+    state the updater adds to what it captures."""
+
+    def __init__(self, data, batch_size):
+        super().__init__(data, batch_size)
+        self.order_sampler = chainer.iterators.ShuffleOrderSampler(np.random.RandomState(0))
+
+
+@pytest.mark.parametrize('kind', [_Minimal, _MinimalWithASampler])
+def test_an_iterator_that_saves_nothing_is_not_read_ahead_by_default(kind):
     """Its serialize saves nothing (Chainer's Iterator's own): batches loaded ahead could
     not be put back where the updater stopped, so the iterator, used again, skipped them.
     prefetch='auto' loads it inline; a prefetch asked for says so."""
     model = classifier(seed=3)
-    its = [_Minimal(dataset(48, seed=0), 4)]
+    its = [kind(dataset(48, seed=0), 4)]
     updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
                                           devices=['@numpy'])
     try:
@@ -162,8 +172,9 @@ def test_an_iterator_that_saves_nothing_is_not_read_ahead_by_default():
     updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
                                           devices=['@numpy'], prefetch=2)
     try:
-        with pytest.warns(RuntimeWarning, match=r"^_Minimal\.serialize\(\) saves nothing, so "
-                                                r'the batches that prefetch=2 loads ahead'):
+        with pytest.warns(RuntimeWarning, match=rf"^{kind.__name__}\.serialize\(\) saves "
+                                                r'nothing, so the batches that prefetch=2 '
+                                                r'loads ahead'):
             run_updates(updater, model, 1)
     finally:
         updater.finalize()

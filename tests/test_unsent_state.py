@@ -615,7 +615,9 @@ def test_an_unchanged_config_entry_holding_objects_of_the_users_is_not_named():
     try:
         chainer.global_config.mgpu_test_args = argparse.Namespace(
             lr=0.1, opts=_Options(3), rng=np.random.RandomState(0))
-        chainer.global_config.mgpu_test_table = {'opts': _Options(2), 'n': 1}
+        chainer.global_config.mgpu_test_table = {'opts': _Options(2), 'n': 1,
+                                                 'floor': np.float32('nan')}
+        chainer.global_config.mgpu_test_floor = np.float64('nan')
         watch = UnsentState({'model': model})
         for _ in range(3):
             watch._next = 0.0
@@ -624,6 +626,7 @@ def test_an_unchanged_config_entry_holding_objects_of_the_users_is_not_named():
     finally:
         delattr(chainer.global_config, 'mgpu_test_args')
         delattr(chainer.global_config, 'mgpu_test_table')
+        delattr(chainer.global_config, 'mgpu_test_floor')
 
 
 @pytest.mark.parametrize('value, change, said', [
@@ -632,7 +635,8 @@ def test_an_unchanged_config_entry_holding_objects_of_the_users_is_not_named():
      'Namespace(scale=1.0) -> Namespace(scale=3.0)'),
     (types.SimpleNamespace(scale=1.0), _set_scale,
      'namespace(scale=1.0) -> namespace(scale=3.0)'),
-    (argparse.Namespace(lr=0.1, class_weight=np.ones(3)), _set_class_weight,
+    (argparse.Namespace(lr=0.1, class_weight=np.ones(3), floor=np.float32('nan')),
+     _set_class_weight,
      'Namespace(lr=0.1, class_weight=array(... -> Namespace(lr=0.1, class_weight=array(...'),
 ])
 def test_an_array_or_namespace_in_config_changed_in_place_is_named(value, change, said):
