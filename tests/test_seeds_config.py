@@ -134,6 +134,18 @@ def restore_config():
     vars(chainer.config._local).update(saved_local)
 
 
+def _two_updates(model, data, **kwargs):
+    """The observations of two updates on two replicas, each reading every other sample
+    of ``data``, two at a time."""
+    its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False) for r in range(2)]
+    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model), devices=DEVICES,
+                                          **kwargs)
+    try:
+        return run_updates(updater, model, 2)
+    finally:
+        updater.finalize()
+
+
 def test_workers_compute_under_the_masters_configuration(restore_config):
     chainer.global_config.dtype = np.dtype(np.float64)   # global, before the model
     chainer.global_config.mgpu_test_flag = 3.0           # a user's own entry
@@ -142,14 +154,7 @@ def test_workers_compute_under_the_masters_configuration(restore_config):
     np.random.seed(0)
     model = ReportsConfig()
     assert model.l1.W.dtype == np.float64
-    data = dataset(16, seed=1)
-    its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False) for r in range(2)]
-    updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model), devices=DEVICES,
-                                          accumulate_steps=2)
-    try:
-        observations = run_updates(updater, model, 2)
-    finally:
-        updater.finalize()
+    observations = _two_updates(model, dataset(16, seed=1), accumulate_steps=2)
     # The mean over every micro-batch of both replicas: 1 only if the worker's are 1 too.
     for obs in observations:
         assert float(obs['main/debug']) == 1.0
@@ -193,15 +198,7 @@ def test_config_a_module_sets_at_import_gives_way_to_the_masters_in_workers(
         chainer.config.mgpu_test_flag = 0.25
         chainer.set_debug(False)
         model = module.Net()
-        data = dataset(8, seed=1)
-        its = [chainer.iterators.SerialIterator(data[r::2], 2, shuffle=False)
-               for r in range(2)]
-        updater = ParallelAccumulatingUpdater(its, setup_optimizer('sgd', model),
-                                              devices=DEVICES)
-        try:
-            observations = run_updates(updater, model, 2)
-        finally:
-            updater.finalize()
+        observations = _two_updates(model, dataset(8, seed=1))
         # the mean over both replicas: the master's values only if the worker's are too
         for obs in observations:
             assert float(obs['main/flag']) == 0.25
