@@ -90,7 +90,9 @@ class _LoadReporter(chainer.Reporter):
             return
         except KeyError as exc:
             outer = self._loads.outer
-            name = None if outer is None else observer_name(outer, observer)
+            if outer is None:   # the master's update runs under no reporter: as there,
+                return          # chainer.report does nothing
+            name = None if outer is _IN_A_WORKER else observer_name(outer, observer)
             if name is None:
                 raise KeyError(
                     f'chainer.report({sorted(values)!r}, observer) while a batch loads '
@@ -100,6 +102,10 @@ class _LoadReporter(chainer.Reporter):
                     "worker process knows the model's alone). Report with the model or "
                     'one of its links as the observer, or with none') from exc
         self.observation.update({f'{name}/{key}': value for key, value in values.items()})
+
+
+#: :attr:`_LoadReports.outer` where no reporter of the master's is known (a worker's)
+_IN_A_WORKER = object()
 
 
 class _LoadReports:
@@ -112,10 +118,12 @@ class _LoadReports:
     per loading thread, naming the model and its links as the replica's does
     (``observe``), so that ``chainer.report(values, model)`` names its keys alike."""
 
-    def __init__(self, observe: Optional[Callable[[Any], None]], outer: Any = None) -> None:
+    def __init__(self, observe: Optional[Callable[[Any], None]],
+                 outer: Any = _IN_A_WORKER) -> None:
         self._observe = observe
         self._local = threading.local()
-        #: the reporter current where the master's update ran (set at each), or None
+        #: the reporter current where the master's update ran (set at each), None where
+        #: none was, or _IN_A_WORKER
         self.outer: Any = outer
 
     def begin(self) -> Tuple[Any, Dict[str, Any], Any]:
@@ -169,7 +177,7 @@ class Loader:
     def __init__(self, iterator: Any, converter: Callable, device: Any,
                  keep_examples: bool = False,
                  observe: Optional[Callable[[Any], None]] = None,
-                 reports_under: Any = None) -> None:
+                 reports_under: Any = _IN_A_WORKER) -> None:
         self.iterator = iterator
         self.converter = converter
         self.device = device
@@ -328,7 +336,7 @@ class Prefetcher(Loader):
                  gated: bool = False, load_here: bool = True, trial: Any = None,
                  keep_examples: bool = False, made: Optional[List[Loader]] = None,
                  observe: Optional[Callable[[Any], None]] = None,
-                 reports_under: Any = None) -> None:
+                 reports_under: Any = _IN_A_WORKER) -> None:
         super().__init__(iterator, converter, device, keep_examples, observe, reports_under)
         self.depth = depth
         # whether a get may load in the caller's thread (the thread parked at the gate)
@@ -940,7 +948,7 @@ def make_loader(iterator: Any, converter: Callable, device: Any, depth: int,
                 gated: bool = False, load_here: bool = True, trial: bool = False,
                 keep_examples: bool = False, made: Optional[List[Loader]] = None,
                 observe: Optional[Callable[[Any], None]] = None,
-                reports_under: Any = None) -> Loader:
+                reports_under: Any = _IN_A_WORKER) -> Loader:
     """The loader of ``depth`` (0: inline); one with a thread of its own is put in
     ``made`` as soon as that thread runs, for the caller to close should it be
     interrupted before it holds the loader. ``observe`` names the observers of the

@@ -282,6 +282,8 @@ def holds_forward_output(value: Any) -> bool:
     return any(not isinstance(v, chainer.Parameter) for v in _variables(value))
 
 
+_NOT_LOADED = object()   # a key loading did not report (run_window)
+
 #: the name every replica's own reporter gives the model (its links: ``(model)/path``);
 #: the master names an update's values as the reporter current there names each link
 #: (:meth:`mgpu_updater.ParallelAccumulatingUpdater._named`), as ``StandardUpdater``'s
@@ -557,7 +559,8 @@ class Replica:
                     pieces = split(batch.arrays, size, chunk)
                 for size, arrays in pieces:
                     observation: Dict[str, Any] = dict(from_loading) if from_loading else {}
-                    from_loading = None
+                    # (weighted by the batch's samples, where a piece is less: below)
+                    loading, from_loading = from_loading, None
                     reporter.observation = observation
                     if cleared:   # a call before this one in the window
                         if self._carried is not None and first_stored is None:
@@ -583,12 +586,15 @@ class Replica:
                         self.graph_roots = {k: v for k, v in observation.items()
                                             if isinstance(v, chainer.Variable)}
                     for key, value in observation.items():
+                        weight = size
+                        if loading is not None and loading.get(key, _NOT_LOADED) is value:
+                            weight = batch.size   # what loading reported, not the model
                         if isinstance(value, chainer.Variable):
                             value = value.array
                         if sum_loss and value is loss_array:
                             summed[key] = None
-                        terms.append((key, value, 1 if key in summed else size))
-                        weights[key] = weights.get(key, 0.0) + size
+                        terms.append((key, value, 1 if key in summed else weight))
+                        weights[key] = weights.get(key, 0.0) + weight
                     del loss, loss_array
                 compute += clock() - loaded
                 count += batch.size

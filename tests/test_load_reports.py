@@ -218,3 +218,43 @@ def test_the_lazy_parameter_pass_reports_nothing_into_the_first_update():
     # the first update's batch, on either replica; the pass read samples 0 to 3
     assert sorted(k for k in observation if k.startswith('read_')) == [
         f'read_{i}' for i in range(20, 24)]
+
+
+@pytest.mark.parametrize('micro_batch_size', [None, 4])
+def test_a_batch_cut_into_pieces_weights_what_loading_reported_by_its_samples(
+        micro_batch_size):
+    """Batches of 10 and 6 (the end of the data), their lengths reported: 8.5 by their
+    samples, whatever pieces micro_batch_size cuts them into (it weighted by the first
+    piece's, 8.0)."""
+    model = classifier()
+    its = [chainer.iterators.SerialIterator(dataset(16, seed=0), 10, shuffle=False,
+                                            repeat=False)]
+    updater = ParallelAccumulatingUpdater(
+        its, setup_optimizer('sgd', model), devices=['@numpy'], accumulate_steps=2,
+        micro_batch_size=micro_batch_size, converter=_converter_reporting_to(model))
+    try:
+        got = run_updates(updater, model, 1)
+    finally:
+        updater.finalize()
+    assert float(got[0]['tokens']) == pytest.approx(8.5)
+
+
+def test_outside_any_reporter_a_report_through_another_observer_does_nothing():
+    """An update called by hand (a warm-up before trainer.run()), no reporter current:
+    chainer.report does nothing under StandardUpdater, whatever the observer."""
+    model = classifier()
+    aux = chainer.links.Linear(2, 2)
+
+    def convert(batch, device=None):
+        chainer.report({'tokens': float(len(batch))}, aux)
+        return chainer.dataset.concat_examples(batch, device)
+    for kwargs in ({'prefetch': 0}, {'prefetch': 2}, {'accumulate_steps': 2}):
+        updater = ParallelAccumulatingUpdater(_iterators(1, 4), setup_optimizer('sgd', model),
+                                              devices=['@numpy'], converter=convert,
+                                              **kwargs)
+        try:
+            for _ in range(2):
+                updater.update()
+        finally:
+            updater.finalize()
+        assert updater.iteration == 2
