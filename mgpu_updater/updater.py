@@ -435,7 +435,9 @@ class ParallelAccumulatingUpdater(StandardUpdater):
                 raise
             raise better from exc
         self._loader, self._replica, self._group, self._nominal_samples = started
-        self._replica.publish_loaded = self._publish_loaded
+        # (through a weak reference: the replica holding the updater's bound method kept
+        # a dropped updater alive until a collection, with its workers and the cores)
+        self._replica.publish_loaded = _publisher_of(weakref.ref(self))
         # after the workers were spawned with all the cores (their libraries size their
         # pools by what a process starts with) and each took its share: the master's main
         # thread and its loader's thread take share 0
@@ -1150,6 +1152,16 @@ _TIME_KEYS = {key: UPDATER_KEYS + '/time/' + key
               for key in ('data', 'compute', 'comm', 'update')}
 #: seconds finalize() waits for the workers' iterator positions before it stops them
 _STATES_AT_END_TIMEOUT = 5.0
+
+
+def _publisher_of(updater: 'weakref.ref[ParallelAccumulatingUpdater]'
+                  ) -> Callable[[Dict[str, Any]], None]:
+    """The updater's :meth:`~ParallelAccumulatingUpdater._publish_loaded`, held weakly."""
+    def publish(values: Dict[str, Any]) -> None:
+        held = updater()
+        if held is not None:
+            held._publish_loaded(values)
+    return publish
 
 
 def _release(owner: int, group: Group, loader: Optional[Loader],
