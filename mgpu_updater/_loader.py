@@ -240,7 +240,7 @@ class Loader:
         finally:
             self._reports.end(token)
 
-    def get(self, live_epoch: bool = False) -> Optional[Batch]:
+    def get(self, live_epoch: bool = False, report_here: bool = False) -> Optional[Batch]:
         """The next micro-batch, or ``None`` once the iterator is exhausted: what
         :meth:`_read` and :meth:`_convert` do, in one call (it runs for every micro-batch
         loaded inline). ``live_epoch``: the batch's ``epoch`` is the iterator itself, read
@@ -248,13 +248,15 @@ class Loader:
         reads of its properties, about 5 us a batch on a 2-core VM); for a caller that
         reads it only until this loader reads the iterator again, which nothing else does
         meanwhile (the synchronous loader; a gated prefetcher's thread parked at the gate
-        the caller holds: :meth:`Prefetcher.get`)."""
+        the caller holds: :meth:`Prefetcher.get`). ``report_here``: what loading it
+        reports goes to the reporter current in the caller, as under StandardUpdater (a
+        one-device window whose model reports there too), not into the batch."""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
             return None
         it = self.iterator
-        token = self._reports.begin()
+        token = None if report_here else self._reports.begin()
         try:
             try:
                 batch = it.next()
@@ -266,7 +268,7 @@ class Loader:
             epoch = it if live_epoch else epoch_info(it)
             arrays = call_converter(self.converter, batch, self.converter_device)
         finally:
-            reports = self._reports.end(token)
+            reports = None if token is None else self._reports.end(token)
         return Batch(self._counts.count(batch, self.iterator), arrays, epoch,
                      batch if self.keep_examples else None, reports)
 
@@ -551,9 +553,10 @@ class Prefetcher(Loader):
             return
         self._loading = False
 
-    def get(self, live_epoch: bool = False) -> Optional[Batch]:
-        """As :meth:`Loader.get`; ``live_epoch`` only where the batch is read here (a
-        batch the thread read has its :class:`EpochInfo`: the thread may read on)."""
+    def get(self, live_epoch: bool = False, report_here: bool = False) -> Optional[Batch]:
+        """As :meth:`Loader.get`; ``live_epoch`` and ``report_here`` only where the batch
+        is read here (a batch the thread read has its :class:`EpochInfo`, the thread may
+        read on; and what it reported, in the batch)."""
         if self._closed:
             raise RuntimeError('this loader was closed')
         if self._exhausted:
@@ -564,7 +567,7 @@ class Prefetcher(Loader):
             # synchronous loader does (this runs for every micro-batch loaded inline); an
             # error is raised as it came. The thread stays parked until the consumer lets
             # go of the gate, which a decided loader's does not do between its gets.
-            return Loader.get(self, live_epoch)
+            return Loader.get(self, live_epoch, report_here)
         if opened:
             self._pay()   # a thread waiting for a place to put its batch gets one
             # Nothing loaded: a thread inside a load goes on by itself (opening the gate

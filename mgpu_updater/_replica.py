@@ -677,7 +677,8 @@ class Replica:
         clock = time.perf_counter
         start = clock()
         try:
-            batch = self.loader.get(live_epoch)
+            # (loaded here, it reports into the caller's reporter, as the model does)
+            batch = self.loader.get(live_epoch, True)
         except RepeatingIteratorStopped as exc:
             raise RuntimeError(f'{self.name}: {exc}') from exc
         loaded = clock()

@@ -588,10 +588,6 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         if self._replica is None:
             self._start()
         self._loader.resume()
-        try:   # what loading reports through an observer the Trainer's reporter knows
-            self._loader.reports_under(chainer.reporter.get_current_reporter())
-        except IndexError:   # none is current
-            self._loader.reports_under(None)
         if self._restart_log is not None:
             self._restart_log.update = self.iteration + 1
         # This runs every update: where the host decides the speed, each call here is time
@@ -601,9 +597,13 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         loss_scale = chainer_private.loss_scale(optimizer)
         if self._persistents is not None:   # nonfinite='skip': set back on a skip
             self._before_window = KeptPersistents(self._persistents)
-        if self._direct:
+        if self._direct:   # (a batch it loads here reports where its model does)
             self._update_direct(optimizer, loss_scale)
             return
+        try:   # what loading reports through an observer the Trainer's reporter knows
+            self._loader.reports_under(chainer.reporter.get_current_reporter())
+        except IndexError:   # none is current
+            self._loader.reports_under(None)
         unsent = self._unsent
         if unsent is not None:
             # What the workers were built from, checked where the optimizer's count moved
