@@ -108,7 +108,8 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
 
     An ``order_sampler`` passed here goes to the first shard, and a copy of it, in the
     state given, to each other shard (so the shards' iterators draw alike whether they run
-    in one process or in several); pass ``seed`` instead for shards that shuffle apart.
+    in one process or in several): shards of one size then shuffle alike, each epoch.
+    Pass ``seed`` instead for shards that shuffle apart.
 
     Example: ``shard_iterators(train, 2, 32, iterator_class=MultiprocessIterator,
     n_processes=2)``.
@@ -152,14 +153,17 @@ def shard_iterators(dataset: Any, n: int, batch_size: int, *,
         order = numpy.random.RandomState(seed).permutation(len(dataset))
     shards = []
     bounds = numpy.cumsum([0] + [len(p) for p in numpy.array_split(order, n)])
+    # One of the user's, for every shard: each its own copy, in the state given (made
+    # before the first shard's iterator draws its first order), as each worker process
+    # has one (one object drew for every shard in turn in one process, and a worker's
+    # copy drew from where it was: other orders than that process's)
+    given = iterator_kwargs.get('order_sampler')
+    samplers = [given] + [copy.deepcopy(given) for _ in range(n - 1)]
     for i in range(n):
         sub = Shard(dataset, int(bounds[i]), int(bounds[i + 1]), order=order)
         kwargs = dict(iterator_kwargs)
-        if i > 0 and kwargs.get('order_sampler') is not None:
-            # one of the user's, for every shard: each its own copy, as each worker
-            # process has (one object drew for every shard in turn in one process, and
-            # the worker's copy drew from where it was: other orders than that process's)
-            kwargs['order_sampler'] = copy.deepcopy(kwargs['order_sampler'])
+        if given is not None:
+            kwargs['order_sampler'] = samplers[i]
         if shuffle and seed is not None and _takes_order_sampler(iterator_class):
             kwargs.setdefault('order_sampler', chainer.iterators.ShuffleOrderSampler(
                 numpy.random.RandomState((seed + 1 + i) % 2 ** 32)))

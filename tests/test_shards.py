@@ -165,3 +165,8 @@ def test_an_order_sampler_given_is_each_shards_own_copy():
 
     together = [(seen(its[0]), seen(its[1])) for _ in range(6)]   # three epochs
     assert [second for _, second in together] == [seen(in_a_worker) for _ in range(6)]
+    # each in the state given: the first shard's first draw came before no copy
+    fresh = shard_iterators(dataset(16, seed=1), 2, 4, order_sampler=(
+        chainer.iterators.ShuffleOrderSampler(np.random.RandomState(3))))
+    states = [it.order_sampler._random.get_state() for it in fresh]
+    assert np.array_equal(states[0][1], states[1][1]) and states[0][2] == states[1][2]
