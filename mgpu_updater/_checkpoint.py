@@ -141,7 +141,9 @@ def _not_captured(iterator: Any, exc: Exception) -> Exception:
         'loads ahead of the update (prefetch), at the end of the data and where worker '
         'processes stop, so that the iterator and a snapshot hold the position of the '
         'last batch used (StandardUpdater calls it for a snapshot only). Make serialize() '
-        'save what it holds as numbers or arrays (or nothing), or pass prefetch=0')
+        'save its position as numbers or arrays; prefetch=0 avoids the reads before the '
+        'batches loaded ahead only (not those at the end of the data, repeat=False, or '
+        'at a start under max_worker_restarts)')
     try:
         better = type(exc)(message)
     except Exception:  # noqa: BLE001 - a type that takes other arguments

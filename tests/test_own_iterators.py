@@ -75,7 +75,7 @@ def test_a_failing_serialize_is_said_and_the_replicas_stop(kind, monkeypatch):
         message = str(info.value)
         assert (f'{kind.__name__}.serialize() failed while the updater read the '
                 "iterator's position") in message, message
-        assert 'pass prefetch=0' in message
+        assert 'prefetch=0 avoids the reads before the batches loaded ahead only' in message
         if kind is _Unsaved:
             assert type(info.value) is NotImplementedError
     finally:
