@@ -11,6 +11,12 @@ mgpu_updater's Chainer compat shim when Chainer is first imported. ``build_py`` 
   the ``install`` command's ``install_lib``, as it is; so the file goes there.
 
 tests/test_import_hook.py checks both install modes in fresh virtual environments.
+
+The build's ``mgpu_updater.egg-info`` goes into ``build/``, not beside ``pyproject.toml``:
+there, ``python -c`` run in the source tree (README's check after ``pip install .``) has it
+on ``sys.path``, and ``pkg_resources``, which Chainer imports, warns that
+``_mgpu_updater_hook`` "was already imported" from site-packages (setuptools 80.8 on Python
+3.13; tests/test_install.py checks the check is quiet).
 """
 import os
 
@@ -33,4 +39,6 @@ class build_py_with_pth(build_py):
             f.write(PTH_LINE)
 
 
-setup(cmdclass={'build_py': build_py_with_pth})
+EGG_BASE = 'build'
+os.makedirs(EGG_BASE, exist_ok=True)   # egg_info wants it to exist
+setup(cmdclass={'build_py': build_py_with_pth}, options={'egg_info': {'egg_base': EGG_BASE}})

@@ -91,13 +91,19 @@ def test_the_install_block_is_plain_commands():
     assert not re.search(r'\b(make|sudo)\b', block), block
 
 
-CASES = [('3.11', 'bundled'), ('3.12', 'bundled'), ('3.13', 'bundled'), ('3.13', 'newest')]
+# (Python, pip, where the venv is: README's .venv in the clone, or one elsewhere, as a
+# user's own environment is)
+CASES = [('3.11', 'bundled', 'clone'), ('3.12', 'bundled', 'clone'),
+         ('3.13', 'bundled', 'clone'), ('3.13', 'newest', 'clone'),
+         ('3.13', 'bundled', 'elsewhere')]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize('version,pip', CASES, ids=[f'py{v}-{p}-pip' for v, p in CASES])
-def test_readme_install_block_in_a_fresh_venv(tmp_path, version, pip):
+@pytest.mark.parametrize('version,pip,where', CASES,
+                         ids=[f'py{v}-{p}-pip' + ('' if w == 'clone' else f'-venv-{w}')
+                              for v, p, w in CASES])
+def test_readme_install_block_in_a_fresh_venv(tmp_path, version, pip, where):
     python = find_python(version)
     if python is None:
         pytest.skip(f'Python {version} is not installed (neither pyenv nor python{version})')
@@ -111,19 +117,26 @@ def test_readme_install_block_in_a_fresh_venv(tmp_path, version, pip):
         subprocess.run([python, '-m', 'venv', '.venv'], cwd=tree, check=True, env=env)
         subprocess.run(['.venv/bin/python', '-m', 'pip', 'install', '-q', '--upgrade', 'pip'],
                        cwd=tree, check=True, env=env)
+    block = install_block()
+    if where == 'elsewhere':
+        assert block.count('.venv') == 2, block   # made, then activated
+        block = block.replace('.venv', '../venv')
     script = tmp_path / 'install.sh'
-    script.write_text(install_block())
+    script.write_text(block)
     proc = subprocess.run(['bash', '-e', str(script)], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=1100)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert re.search(r'^mgpu_updater \S+ on Chainer 7\.8\.1$', proc.stdout, re.M), output[-3000:]
     assert 'pkg_resources is deprecated' not in proc.stderr, output[-3000:]   # the check is quiet
+    # ... of any Python warning (pip's own say 'WARNING:'): pkg_resources' about a build's
+    # egg-info in the tree the check runs in, with the venv elsewhere, was one
+    assert not re.search(r'\w+Warning: ', proc.stderr), output[-3000:]
 
     # What the constraints and dependencies promise: numpy 2.x (CuPy 14 needs it); setuptools
     # with pkg_resources and without its UserWarning (< 80.9; < 74 on 3.11, for
     # numpy.distutils).
-    venv_python = tree / '.venv' / 'bin' / 'python'
+    venv_python = (tree / '.venv' if where == 'clone' else tmp_path / 'venv') / 'bin' / 'python'
     probe = subprocess.run(
         [str(venv_python), '-c', 'import sys, numpy, setuptools, pip; '
          'print(sys.version_info[0], sys.version_info[1], numpy.__version__, '
