@@ -42,8 +42,14 @@ The same work: every rank reads the shard ours' replica of that rank reads
 reads ``k`` micro-batches of ``b``, the same samples in the same order), every model starts
 from the same weights, and ChainerMN's first update steps too (its optimizer would spend it
 on broadcasting the weights: done before). So ours and ChainerMN step on the same batches
-from the same weights, which the row checks at the end (``weights_checksum``, to
-rounding); the limit's loops read the same samples but step alone, so their weights part.
+from the same weights. The row records ours' weights against ChainerMN's (relative
+differences of their checksums) after every method's first turn, where they must agree to
+rounding (``weights_rel_diff_after_first_turn``, since ``paired_replicas/8``), and at the
+end. At k=1 the two compute alike and end equal; at k > 1 ours sums ``k`` micro-batches'
+gradients where ChainerMN has one batch's, their rounding differs, and on this random data
+the difference grows with the updates (the runs of ``paired_replicas/7`` ended 5% apart in
+their checksums at k=4, 60% at k=8). The limit's loops read the same samples but step
+alone, so their weights part.
 Why: what an update computes on can move its time by about the size of the goals here
 (``sample_order.py``; ``paired.py``'s docstring). Before ``paired_replicas/2`` ChainerMN
 read ``scatter_dataset``'s shards, the limit data of its own, and ChainerMN stepped once
@@ -96,7 +102,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SCHEMA = 'mgpu_updater.bench.paired_replicas/7'
+SCHEMA = 'mgpu_updater.bench.paired_replicas/8'
 CHILD = 'MGPU_BENCH_PAIRED_REPLICAS'   # set in the re-run process that does the work
 MALLOC = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 30)}
 TIMEOUT = 600.0     # seconds any one wait for another process may take
@@ -275,6 +281,12 @@ def weights_checksum(model):
     return float(sum(p.array.astype('float64').sum() for p in model.params()))
 
 
+def _rel_diffs(ours, mn_weights):
+    """Each of ours' models' checksum against the first ChainerMN rank's, relative."""
+    return {name: abs(weights_checksum(model) - mn_weights[0]) / abs(mn_weights[0])
+            for name, (_, _, model) in ours.items()}
+
+
 class _Loop:
     """The hand-written accumulation loop (``bench._case``'s) as an object with
     ``update()``, for ``_observed_step``."""
@@ -441,6 +453,8 @@ def measure(k, args, ranks):
                     for key, value in (seconds.items() if isinstance(seconds, dict)
                                        else [(name, seconds)]):
                         times[key].append(value)
+            if i == 0:   # every method's first turn: the same updates on the same samples
+                first_turn = _rel_diffs(ours, ranks.turn(WEIGHTS))
         mn_weights = ranks.turn(WEIGHTS)
         ranks.next_k()
     finally:
@@ -459,9 +473,8 @@ def measure(k, args, ranks):
            'outside_ms': {name.split(':')[1]: ms for name, ms in medians.items()
                           if name.startswith('outside:')},
            'weights_checksum': {'chainermn_ranks': mn_weights, **ours_weights},
-           'weights_rel_diff_to_chainermn': {
-               name: abs(c - mn_weights[0]) / abs(mn_weights[0])
-               for name, c in ours_weights.items()},
+           'weights_rel_diff_after_first_turn': first_turn,
+           'weights_rel_diff_to_chainermn': _rel_diffs(ours, mn_weights),
            'ratios': {}}
     for key, _, a, b_, kind in RATIOS:
         summary = _common.ratio_summary([x / y for x, y in zip(times[a], times[b_])])
@@ -509,11 +522,14 @@ def markdown(result):
                          r['k'], w['ours'], w['ours_default'], w['limit'],
                          w['limit_same'], o['ours'], o['ours_default'], o['limit'],
                          o['limit_same']))
-    lines += ['', 'The same work: the weights at the end, ours\' relative difference to '
-              'ChainerMN\'s (0: equal checksums): ' + '; '.join(
-                  'k={}: {} {:.1g}, defaults {:.1g}'.format(
+    lines += ['', 'The same work: ours\' weights against ChainerMN\'s, the relative difference '
+              'of their checksums after the first turn (to rounding) and at the end (at k > 1 '
+              'rounding grows with the updates; 0: equal checksums): ' + '; '.join(
+                  'k={}: {} {:.1g} then {:.1g}, defaults {:.1g} then {:.1g}'.format(
                       r['k'], result.get('compare') or 'first',
+                      r['weights_rel_diff_after_first_turn']['ours'],
                       r['weights_rel_diff_to_chainermn']['ours'],
+                      r['weights_rel_diff_after_first_turn']['ours_default'],
                       r['weights_rel_diff_to_chainermn']['ours_default'])
                   for r in result['rows']) + '.']
     lines += ['', '| k | ratio | median | 95% interval | quartiles | issue 15 |',

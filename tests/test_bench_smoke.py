@@ -454,7 +454,7 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, bl
                '--rounds', '3', '--warmup', '1', '--block', str(block), '--out', str(tmp_path),
                *(['--compare', compare] if compare else []), timeout=180)
     result = json.loads((tmp_path / 'paired_replicas.json').read_text())
-    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/7'
+    assert result['schema'] == 'mgpu_updater.bench.paired_replicas/8'
     assert result['block'] == block
     assert result['first_kwargs'] == ({'prefetch': 2} if compare else {})
     assert [r['k'] for r in result['rows']] == [1, 2]
@@ -487,6 +487,8 @@ def test_paired_replicas_bench_times_every_method_in_turns(tmp_path, compare, bl
         mn = row['weights_checksum']['chainermn_ranks']
         assert len(mn) == 2 and mn[0] == mn[1]
         assert all(d <= 1e-5 for d in row['weights_rel_diff_to_chainermn'].values())
+        assert set(row['weights_rel_diff_after_first_turn']) == {'ours', 'ours_default'}
+        assert all(d <= 1e-5 for d in row['weights_rel_diff_after_first_turn'].values())
     text = (tmp_path / 'paired_replicas.md').read_text()
     assert '| 2 | the limit / ours (defaults) |' in text
     assert 'taking turns {} update(s) at a time'.format(block) in text
