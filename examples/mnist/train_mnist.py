@@ -231,7 +231,8 @@ def main(argv=None):
         devices_used = devices[:1]
     else:
         devices_used = devices
-    # StandardUpdater (--standard) takes the same samples per update on one device
+    # StandardUpdater (--standard) takes as many samples per update, on one device (its
+    # iterator shuffles otherwise: the same global batch, not the same samples)
     global_batch = args.batchsize * len(devices) * args.accumulate * world
 
     if leader:
