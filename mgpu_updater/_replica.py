@@ -98,6 +98,14 @@ class Scaling(NamedTuple):
             return size / self.window_norm
         return size / self.update_norm
 
+    def whole_window(self, size: int) -> float:
+        """Factor on the loss of a window that is one whole micro-batch of ``size``
+        samples (:meth:`Replica.direct_window`): :meth:`micro_batch`'s and
+        :meth:`window`'s in one, so that a short window is scaled as a long one is."""
+        if self.loss_reduction == 'mean' and self.replica_reduction == 'sum':
+            return 1.0   # (size / W_r) * (W_r / size): the window's mean loss itself
+        return self.micro_batch(size)
+
     def window(self, count: int) -> float:
         """Factor on this replica's gradient once its window held ``count`` samples."""
         if self.loss_reduction == 'mean' and self.replica_reduction == 'sum' and count:
@@ -700,7 +708,7 @@ class Replica:
         self.model.cleargrads()
         size = batch.size
         # the leaves' stamps stay None
-        backward_scaled(loss, self.scaling.micro_batch(size), loss_scale)
+        backward_scaled(loss, self.scaling.whole_window(size), loss_scale)
         loss_array = loss.array
         if not self._gradients_checked:
             self._check_gradients(loss)

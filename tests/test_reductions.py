@@ -182,6 +182,30 @@ def test_replica_sum_short_windows_sum_the_mean_of_what_each_replica_held():
     _assert_params(ours, ref)
 
 
+def _one_device_short_pass(model, **kwargs):
+    """Updates over 7 samples in batches of 3, 3 and 1 (repeat=False) on one device; plain
+    SGD (a clipping hook would hide a gradient's scale)."""
+    opt = setup_optimizer('sgd', model)
+    it = chainer.iterators.SerialIterator(dataset(7, seed=91), 3, repeat=False,
+                                          shuffle=False)
+    updater = ParallelAccumulatingUpdater(it, opt, devices=['@numpy'], **kwargs)
+    try:
+        run_updates(updater, model, 3)
+    finally:
+        updater.finalize()
+
+
+def test_replica_sum_on_one_device_steps_a_short_last_batch_as_standard_updater():
+    """One device, one micro-batch a window (the direct window): under 'sum' the window's
+    gradient is that of its mean loss, also for the short last batch of a pass, as under
+    StandardUpdater (it stepped 1/3 of that on 1 sample of 3)."""
+    ours, ref = classifier(seed=7), classifier(seed=7)
+    _one_device_short_pass(ours, replica_reduction='sum')
+    data = dataset(7, seed=91)
+    _standard(ref, 'sgd', [data[0:3], data[3:6], data[6:7]])
+    _assert_params(ours, ref)
+
+
 def _multiprocess_parallel_updater(model, opt, datasets, b, updates=UPDATES):
     """What MultiprocessParallelUpdater.update_core computes (it needs CUDA and NCCL):
     every device's mean loss on its own batch, backward, the gradients summed (NCCL_SUM),
