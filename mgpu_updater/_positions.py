@@ -58,6 +58,25 @@ def warn_if_marked(iterators: List[Any]) -> None:
                 'give it new iterators', RuntimeWarning, stacklevel=4)
 
 
+def follow_new_pass(main: Any, iterators: List[Any]) -> None:
+    """Reset each of ``iterators`` (``repeat=False``) that ended its pass where ``main``
+    starts one (nothing read of it yet): the script reset the main iterator after the
+    end of the data, as the next pass of its loop, and built a new updater (the one that
+    ran the pass finalized). A running updater starts the new pass on every replica at
+    such a reset (its ``_new_pass_if_reset``); a new one did not, and its workers, at the
+    end of their shards, left the pass to the master's alone."""
+    if getattr(main, 'repeat', True) is not False:
+        return
+    try:
+        if main.epoch_detail != 0:
+            return
+    except Exception:  # noqa: BLE001 - none, or none to compute (an empty shard)
+        return
+    for it in iterators:
+        if getattr(it, 'repeat', True) is False and getattr(it, 'epoch', 0) > 0:
+            it.reset()
+
+
 def _mark(iterators: List[Any], why: str) -> None:
     for it in iterators:
         try:

@@ -400,6 +400,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
 
     # ------------------------------------------------------------------ start-up
     def _start(self) -> None:
+        _positions.follow_new_pass(self.get_iterator('main'), self._worker_iterators)
         _positions.warn_if_marked(self._worker_iterators)
         if len(self._devices) > 1 and self._communicator is None:
             _inherit.warn_thread_hooks(len(self._devices) - 1)
@@ -548,8 +549,15 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         except StopIteration:
             if self._loader is not None:
                 self._loader.pause()
-            if self._ended is None and self._replica is not None:
-                self._ended = capture_state(self.get_iterator('main'))
+            if self._replica is not None or self._ended is not None:
+                # the main iterator as this call left it: Chainer's move their
+                # previous_epoch_detail as they raise, so one taken before (a snapshot's
+                # load at the end) read as a reset at the next call, which started a new
+                # pass on the workers alone
+                self._ended = capture_state(self._main_read())
+            # from now on read as StandardUpdater reads them: off the iterator, as it ended
+            # (previous_epoch_detail moved) and as a reset leaves it
+            self._epoch = None
             raise
         except BaseException as exc:
             if self._unsent is not None:   # (chainer.set_debug(True) by an extension)

@@ -85,42 +85,70 @@ class SumsIds(chainer.Chain):
         return loss
 
 
-def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None):
-    """The sums of the ids each update of each pass trained on, in a loop that calls update() itself and
-    resets the main iterator at the end of the data (repeat=False)."""
+N_IDS = 13
+
+
+def _build(devices, shuffle, its=None, **kwargs):
+    """A model whose loss sums the ids of its samples, on ``devices`` replicas reading
+    ``its`` (default: new shards of the 13 ids, repeat=False) in micro-batches of 2, two
+    a window."""
     import numpy as np
     from mgpu_updater import shard_iterators
-    n = 13
     data = chainer.datasets.TupleDataset(
-        np.stack([np.arange(n), np.zeros(n)], axis=1).astype(np.float32),
-        np.zeros(n, dtype=np.int32))
-    def build():
-        model = SumsIds()
+        np.stack([np.arange(N_IDS), np.zeros(N_IDS)], axis=1).astype(np.float32),
+        np.zeros(N_IDS, dtype=np.int32))
+    model = SumsIds()
+    if its is None:
         its = shard_iterators(data, devices, 2, repeat=False, shuffle=shuffle, seed=0)
-        return model, ParallelAccumulatingUpdater(
-            its, setup_optimizer('sgd', model), devices=['@numpy'] * devices,
-            accumulate_steps=2, loss_reduction='sum')
+    return model, ParallelAccumulatingUpdater(
+        its, setup_optimizer('sgd', model), devices=['@numpy'] * devices,
+        accumulate_steps=2, loss_reduction='sum', **kwargs)
+
+
+def _one_pass(updater, model):
+    """The sums of the ids of each update until the StopIteration."""
+    sums = []
+    while True:
+        try:
+            obs, = run_updates(updater, model, 1)
+        except StopIteration:
+            return sums
+        sums.append(float(obs['main/loss']))
+
+
+def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None, rebuild=None):
+    """The sums of the ids each update of each pass trained on, in a loop that calls
+    update() itself and resets the main iterator at the end of the data (repeat=False).
+    After the first pass: ``snapshot`` (before or after the reset) resumes from a
+    snapshot; ``rebuild`` (before or after the reset) finalizes the updater and builds a
+    new one on the same iterators."""
+    def build():
+        return _build(devices, shuffle)
 
     model, updater = build()
     out = []
     try:
         for i in range(passes):
-            sums = []
-            while True:
-                try:
-                    obs, = run_updates(updater, model, 1)
-                except StopIteration:
-                    break
-                sums.append(float(obs['main/loss']))
-            out.append(sums)
+            out.append(_one_pass(updater, model))
             if snapshot == 'before_reset' and i == 0:
                 model, updater = _resumed(build, updater, tmp_path)
+            if rebuild == 'before_reset' and i == 0:
+                model, updater = _rebuilt(devices, updater)
             updater.get_iterator('main').reset()
             if snapshot == 'after_reset' and i == 0:
                 model, updater = _resumed(build, updater, tmp_path)
+            if rebuild == 'after_reset' and i == 0:
+                model, updater = _rebuilt(devices, updater)
     finally:
         updater.finalize()
     return out
+
+
+def _rebuilt(devices, updater):
+    """The updater finalized, and a new one built on its iterators (the same objects)."""
+    its = [updater.get_iterator('main')] + list(updater._worker_iterators)
+    updater.finalize()
+    return _build(devices, False, its=its)
 
 
 def _resumed(build, updater, tmp_path):
@@ -158,3 +186,47 @@ def test_a_pass_after_a_snapshot_between_passes_trains_on_every_replica(tmp_path
     first, second, third = _passes(2, True, snapshot=snapshot, tmp_path=tmp_path)
     for ids in (first, second, third):
         assert sum(ids) == sum(range(13))
+
+
+@pytest.mark.parametrize('rebuild', ['before_reset', 'after_reset'])
+def test_a_pass_after_a_new_updater_on_the_same_iterators_trains_on_every_replica(rebuild):
+    """The main iterator reset after the end of the data and a new updater built on the
+    same iterators (the first finalized): the workers' iterators, put back as they ended,
+    start the new pass with the main one. The second pass trained on the master's shard
+    alone."""
+    first, second, third = _passes(2, True, rebuild=rebuild)
+    for ids in (first, second, third):
+        assert sum(ids) == sum(range(N_IDS))
+
+
+@pytest.mark.parametrize('prefetch', ['auto', 0])
+def test_a_snapshot_of_the_last_update_before_its_stop_iteration_stops_every_call(
+        tmp_path, prefetch):
+    """Saved after the pass's last update, before any StopIteration, and loaded into a new
+    updater: every update() raises StopIteration, as StandardUpdater's does, with its
+    epoch read off the iterator as it ended, until the main iterator is reset; the next
+    pass trains on every sample. Chainer's iterators move previous_epoch_detail as they
+    raise: the second call took that for a reset and trained on the worker's shard
+    alone, at every call."""
+    model, updater = _build(2, True, prefetch=prefetch)
+    try:
+        assert sum(_one_pass_of_updates(updater, model, 2)) == sum(range(N_IDS))
+        model, updater = _resumed(lambda: _build(2, True, prefetch=prefetch), updater,
+                                  tmp_path)
+        main = updater.get_iterator('main')
+        for _ in range(3):
+            with pytest.raises(StopIteration):
+                run_updates(updater, model, 1)
+            assert updater.iteration == 2
+            assert (updater.epoch, updater.epoch_detail, updater.previous_epoch_detail,
+                    updater.is_new_epoch) == (main.epoch, main.epoch_detail,
+                                              main.previous_epoch_detail, main.is_new_epoch)
+        main.reset()
+        assert (updater.epoch, updater.epoch_detail, updater.is_new_epoch) == (0, 0.0, False)
+        assert sum(_one_pass(updater, model)) == sum(range(N_IDS))
+    finally:
+        updater.finalize()
+
+
+def _one_pass_of_updates(updater, model, n):
+    return [float(obs['main/loss']) for obs in run_updates(updater, model, n)]
