@@ -206,6 +206,30 @@ def test_replica_sum_on_one_device_steps_a_short_last_batch_as_standard_updater(
     _assert_params(ours, ref)
 
 
+def test_replica_sum_on_one_device_pipelined_steps_a_short_batch_as_the_mean():
+    """pipelined=True on one device (the same direct window): the short last batch's
+    gradient, in flight at the end of the data, steps at the next pass's first update,
+    and 'sum' steps it as 'mean' does (0.063 apart before)."""
+    out = []
+    for reduction in ('sum', 'mean'):
+        model = classifier(seed=7)
+        it = chainer.iterators.SerialIterator(dataset(7, seed=91), 3, repeat=False,
+                                              shuffle=False)
+        updater = ParallelAccumulatingUpdater(it, setup_optimizer('sgd', model),
+                                              devices=['@numpy'], pipelined=True,
+                                              replica_reduction=reduction)
+        try:
+            for _ in range(2):   # two passes: 3 updates and a StopIteration each
+                run_updates(updater, model, 3)
+                with pytest.raises(StopIteration):
+                    updater.update()
+                it.reset()
+        finally:
+            updater.finalize()
+        out.append(model)
+    _assert_params(*out, rtol=1e-6, atol=1e-7)
+
+
 def _multiprocess_parallel_updater(model, opt, datasets, b, updates=UPDATES):
     """What MultiprocessParallelUpdater.update_core computes (it needs CUDA and NCCL):
     every device's mean loss on its own batch, backward, the gradients summed (NCCL_SUM),
