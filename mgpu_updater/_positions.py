@@ -58,22 +58,27 @@ def warn_if_marked(iterators: List[Any]) -> None:
                 'give it new iterators', RuntimeWarning, stacklevel=4)
 
 
-def follow_new_pass(main: Any, iterators: List[Any]) -> None:
-    """Reset each of ``iterators`` (``repeat=False``) that ended its pass where ``main``
-    starts one (nothing read of it yet): the script reset the main iterator after the
-    end of the data, as the next pass of its loop, and built a new updater (the one that
-    ran the pass finalized). A running updater starts the new pass on every replica at
-    such a reset (its ``_new_pass_if_reset``); a new one did not, and its workers, at the
-    end of their shards, left the pass to the master's alone."""
-    if getattr(main, 'repeat', True) is not False:
-        return
+def at_pass_start(iterator: Any) -> bool:
+    """Whether ``iterator`` has read nothing of its pass (its ``epoch_detail`` is 0: new,
+    or reset); False where it cannot say."""
     try:
-        if main.epoch_detail != 0:
-            return
-    except Exception:  # noqa: BLE001 - none, or none to compute (an empty shard)
+        return iterator.epoch_detail == 0
+    except Exception:  # noqa: BLE001 - none, or none to compute (an empty dataset)
+        return False
+
+
+def follow_new_pass(main: Any, iterators: List[Any]) -> None:
+    """Reset each of ``iterators`` (``repeat=False``) that has read of its pass where
+    ``main`` starts one (nothing read of it yet): the script reset the main iterator, as
+    the next pass of its loop, and built a new updater (the one that ran the pass
+    finalized). A running updater starts the new pass on every replica at such a reset
+    after the end of the data (its ``_new_pass_if_reset``); a new one did not, and its
+    workers, at the end of their shards, left the pass to the master's alone. One the
+    script reset too is left as it is (a second reset would shuffle it anew)."""
+    if getattr(main, 'repeat', True) is not False or not at_pass_start(main):
         return
     for it in iterators:
-        if getattr(it, 'repeat', True) is False and getattr(it, 'epoch', 0) > 0:
+        if getattr(it, 'repeat', True) is False and not at_pass_start(it):
             it.reset()
 
 

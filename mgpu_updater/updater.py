@@ -476,7 +476,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._owner = os.getpid()
         self._release_when_dropped = weakref.finalize(self, _release, self._owner, self._group,
                                                       self._loader, self._late, self._binding,
-                                                      list(self._worker_iterators))
+                                                      list(self._worker_iterators),
+                                                      self._taken_at_start[3])
         _positions.running(self._worker_iterators)
 
     # ------------------------------------------------------------------ one update
@@ -589,7 +590,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._teardown(abort=False)   # the workers' iterators as they ended, kept
         self._finalized = False
         for it in self._worker_iterators:
-            it.reset()
+            if not _positions.at_pass_start(it):   # (one the script reset too: once)
+                it.reset()
         self._epoch = None
 
     def _update(self) -> None:
@@ -999,6 +1001,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._new_pass_if_reset()   # a reset since the end: the replicas' new pass
         if saving:
             self._check_late()   # a snapshot holds no step whose loss was not looked at
+            if self._replica is None:   # what it saves of iterators another updater read
+                _positions.warn_if_marked(self._worker_iterators)
         else:
             self._late.drop()    # the run it belonged to is replaced
         if saving and self._positions_lost is not None:
@@ -1175,7 +1179,7 @@ def _publisher_of(updater: 'weakref.ref[ParallelAccumulatingUpdater]'
 def _release(owner: int, group: Group, loader: Optional[Loader],
              late: Optional[_late_check.LateCheck] = None,
              binding: Optional[_threads.ThreadBinding] = None,
-             worker_iterators: Optional[List[Any]] = None) -> None:
+             worker_iterators: Optional[List[Any]] = None, main: Any = None) -> None:
     """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
     finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
     its loader's thread, the cores it bound the master's thread to (else the process
@@ -1185,8 +1189,11 @@ def _release(owner: int, group: Group, loader: Optional[Loader],
     there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
     garbage, or at the interpreter's exit; it must not raise. The workers' iterator
     positions go with it (an updater built on the same iterators warns: _positions).
-    Nothing in a child forked from the ``owner`` process (``os.fork``), which inherited
-    the updater: its workers and shared memory are the parent's, still training."""
+    The master's iterator ``main`` is set back where its replica stopped, as finalize
+    sets it back: its loader read ahead of it (a new updater built on it skipped those
+    batches). Nothing in a child forked from the ``owner`` process (``os.fork``), which
+    inherited the updater: its workers and shared memory are the parent's, still
+    training."""
     if os.getpid() != owner:
         return
     if worker_iterators:
@@ -1206,6 +1213,12 @@ def _release(owner: int, group: Group, loader: Optional[Loader],
             binding.restore()
         if loader is not None:
             loader.close()
+            try:   # (its thread stopped: nothing reads on after this look)
+                used = loader.read_ahead_state()
+                if used is not None and main is not None:
+                    _checkpoint.set_back(main, used)
+            except Exception:  # noqa: BLE001 - nobody to tell
+                pass
         if found is not None:
             warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)
 

@@ -116,7 +116,8 @@ def _one_pass(updater, model):
         sums.append(float(obs['main/loss']))
 
 
-def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None, rebuild=None):
+def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None, rebuild=None,
+            reset_all=False):
     """The sums of the ids each update of each pass trained on, in a loop that calls
     update() itself and resets the main iterator at the end of the data (repeat=False).
     After the first pass: ``snapshot`` (before or after the reset) resumes from a
@@ -134,7 +135,12 @@ def _passes(devices, shuffle, passes=3, snapshot=None, tmp_path=None, rebuild=No
                 model, updater = _resumed(build, updater, tmp_path)
             if rebuild == 'before_reset' and i == 0:
                 model, updater = _rebuilt(devices, updater)
-            updater.get_iterator('main').reset()
+            if reset_all:   # after finalize(), as a Trainer's run ends
+                updater.finalize()
+                for it in [updater.get_iterator('main')] + list(updater._worker_iterators):
+                    it.reset()
+            else:
+                updater.get_iterator('main').reset()
             if snapshot == 'after_reset' and i == 0:
                 model, updater = _resumed(build, updater, tmp_path)
             if rebuild == 'after_reset' and i == 0:
@@ -230,3 +236,63 @@ def test_a_snapshot_of_the_last_update_before_its_stop_iteration_stops_every_cal
 
 def _one_pass_of_updates(updater, model, n):
     return [float(obs['main/loss']) for obs in run_updates(updater, model, n)]
+
+
+def test_every_iterator_reset_by_the_script_starts_the_next_pass_once():
+    """After the end of the data and finalize() (a Trainer's run), the script resets every
+    shard's iterator: each is reset once, and the passes read as where the main one alone
+    was reset. The workers' were reset a second time, and shuffled anew."""
+    assert _passes(2, True, reset_all=True) == _passes(2, True)
+
+
+def test_a_new_updater_after_a_mid_pass_reset_of_the_main_iterator_starts_every_shard():
+    """The main iterator reset in the middle of a pass and a new updater built on the same
+    iterators (the first finalized): every replica starts the pass, as the main one does.
+    Before, the shards that had ended were reset and the others went on."""
+    model, updater = _build(2, False)
+    its = [updater.get_iterator('main')] + list(updater._worker_iterators)
+    try:
+        run_updates(updater, model, 1)
+        updater.finalize()
+        its[0].reset()
+        model, updater = _build(2, False, its=its)
+        assert sum(_one_pass(updater, model)) == sum(range(N_IDS))
+    finally:
+        updater.finalize()
+
+
+def test_an_updater_dropped_without_finalize_leaves_the_master_iterator_where_it_read():
+    """An updater dropped without finalize() (garbage) after its loader read ahead: the
+    master's iterator is set back where its replica stopped, as finalize() sets it back,
+    and a new updater on the same iterator goes on from there. It skipped the batches
+    read ahead."""
+    import gc
+    model, updater = _build(1, False, prefetch=2)
+    it = updater.get_iterator('main')
+    first = _one_pass_of_updates(updater, model, 1)
+    del updater
+    gc.collect()
+    model, updater = _build(1, False, its=[it])
+    try:
+        rest = _one_pass(updater, model)
+    finally:
+        updater.finalize()
+    assert sum(first) + sum(rest) == sum(range(N_IDS))
+
+
+def test_a_snapshot_before_the_first_update_names_iterators_another_updater_read():
+    """A new updater on the iterators of one dropped without finalize(), saved before its
+    first update: the snapshot would hold the workers' positions as that updater found
+    them, and says so, as the first update does."""
+    import gc
+    model, updater = _build(2, False)
+    its = [updater.get_iterator('main')] + list(updater._worker_iterators)
+    run_updates(updater, model, 1)
+    del updater
+    gc.collect()
+    model, updater = _build(2, False, its=its)
+    try:
+        with pytest.warns(RuntimeWarning, match='iterator 1 .* may not stand where'):
+            updater.serialize(chainer.serializers.DictionarySerializer())
+    finally:
+        updater.finalize()
