@@ -1001,8 +1001,8 @@ class ParallelAccumulatingUpdater(StandardUpdater):
             self._new_pass_if_reset()   # a reset since the end: the replicas' new pass
         if saving:
             self._check_late()   # a snapshot holds no step whose loss was not looked at
-            if self._replica is None:   # what it saves of iterators another updater read
-                _positions.warn_if_marked(self._worker_iterators)
+            if self._taken_at_start is None:   # never started: of iterators another
+                _positions.warn_if_marked(self._worker_iterators)   # updater read?
         else:
             self._late.drop()    # the run it belonged to is replaced
         if saving and self._positions_lost is not None:
