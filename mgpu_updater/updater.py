@@ -476,8 +476,7 @@ class ParallelAccumulatingUpdater(StandardUpdater):
         self._owner = os.getpid()
         self._release_when_dropped = weakref.finalize(self, _release, self._owner, self._group,
                                                       self._loader, self._late, self._binding,
-                                                      list(self._worker_iterators),
-                                                      self._taken_at_start[3])
+                                                      list(self._worker_iterators))
         _positions.running(self._worker_iterators)
 
     # ------------------------------------------------------------------ one update
@@ -1179,7 +1178,7 @@ def _publisher_of(updater: 'weakref.ref[ParallelAccumulatingUpdater]'
 def _release(owner: int, group: Group, loader: Optional[Loader],
              late: Optional[_late_check.LateCheck] = None,
              binding: Optional[_threads.ThreadBinding] = None,
-             worker_iterators: Optional[List[Any]] = None, main: Any = None) -> None:
+             worker_iterators: Optional[List[Any]] = None) -> None:
     """What an updater that was dropped without :meth:`~ParallelAccumulatingUpdater.
     finalize` leaves: its workers (stopped as finalize stops them) and its shared memory,
     its loader's thread, the cores it bound the master's thread to (else the process
@@ -1189,11 +1188,11 @@ def _release(owner: int, group: Group, loader: Optional[Loader],
     there being nobody to raise to. Runs from ``weakref.finalize``: when the updater is
     garbage, or at the interpreter's exit; it must not raise. The workers' iterator
     positions go with it (an updater built on the same iterators warns: _positions).
-    The master's iterator ``main`` is set back where its replica stopped, as finalize
-    sets it back: its loader read ahead of it (a new updater built on it skipped those
-    batches). Nothing in a child forked from the ``owner`` process (``os.fork``), which
-    inherited the updater: its workers and shared memory are the parent's, still
-    training."""
+    The master's iterator stays where its loader read ahead: this runs whenever the
+    updater is collected, when the script or another updater may have moved the iterator
+    since, which setting it back would undo. Nothing in a child forked from the ``owner``
+    process (``os.fork``), which inherited the updater: its workers and shared memory are
+    the parent's, still training."""
     if os.getpid() != owner:
         return
     if worker_iterators:
@@ -1213,12 +1212,6 @@ def _release(owner: int, group: Group, loader: Optional[Loader],
             binding.restore()
         if loader is not None:
             loader.close()
-            try:   # (its thread stopped: nothing reads on after this look)
-                used = loader.read_ahead_state()
-                if used is not None and main is not None:
-                    _checkpoint.set_back(main, used)
-            except Exception:  # noqa: BLE001 - nobody to tell
-                pass
         if found is not None:
             warn(str(NonFiniteLossError(*found, applied=True)), RuntimeWarning)
 

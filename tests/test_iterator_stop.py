@@ -261,25 +261,6 @@ def test_a_new_updater_after_a_mid_pass_reset_of_the_main_iterator_starts_every_
         updater.finalize()
 
 
-def test_an_updater_dropped_without_finalize_leaves_the_master_iterator_where_it_read():
-    """An updater dropped without finalize() (garbage) after its loader read ahead: the
-    master's iterator is set back where its replica stopped, as finalize() sets it back,
-    and a new updater on the same iterator goes on from there. It skipped the batches
-    read ahead."""
-    import gc
-    model, updater = _build(1, False, prefetch=2)
-    it = updater.get_iterator('main')
-    first = _one_pass_of_updates(updater, model, 1)
-    del updater
-    gc.collect()
-    model, updater = _build(1, False, its=[it])
-    try:
-        rest = _one_pass(updater, model)
-    finally:
-        updater.finalize()
-    assert sum(first) + sum(rest) == sum(range(N_IDS))
-
-
 def test_a_snapshot_before_the_first_update_names_iterators_another_updater_read():
     """A new updater on the iterators of one dropped without finalize(), saved before its
     first update: the snapshot would hold the workers' positions as that updater found
